@@ -1,0 +1,49 @@
+"""Elastic cluster job orchestrator for PyTorch distributed training.
+
+The public API, used by the ``orchestrator`` command and by scripts::
+
+    import orchestrator
+    job_id = orchestrator.submit("jobspecs/local-ddp.yaml")
+    result = orchestrator.wait(job_id)          # the status dict, once terminal
+    for line in orchestrator.logs(job_id, rank=0):
+        print(line)
+"""
+
+from orchestrator.api import cancel, dry_run, list_jobs, logs, status, submit, wait
+from orchestrator.errors import (
+    AgentError,
+    AuthenticationError,
+    ConnectError,
+    HostKeyError,
+    JobNotFoundError,
+    LaunchError,
+    OrchestratorError,
+    SpecError,
+    TransportError,
+)
+from orchestrator.spec import JobSpec, load_jobspec
+from orchestrator.state import FailureCause, JobState, NodeState
+
+__all__ = [
+    "AgentError",
+    "AuthenticationError",
+    "ConnectError",
+    "FailureCause",
+    "HostKeyError",
+    "JobNotFoundError",
+    "JobSpec",
+    "JobState",
+    "LaunchError",
+    "NodeState",
+    "OrchestratorError",
+    "SpecError",
+    "TransportError",
+    "cancel",
+    "dry_run",
+    "list_jobs",
+    "load_jobspec",
+    "logs",
+    "status",
+    "submit",
+    "wait",
+]

@@ -1,0 +1,312 @@
+"""The Python API: what the CLI calls, and what scripts call instead of the CLI."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import LaunchError
+from orchestrator.plan import LaunchPlan, plan_attempt
+from orchestrator.spec import JobSpec, load_jobspec
+from orchestrator.state import FailureCause, JobState
+from orchestrator.store import JobRecord, Store, check_job_id
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+def _store(home: str | os.PathLike[str] | None) -> Store:
+    return Store(home)
+
+
+def _load(spec: str | os.PathLike[str] | JobSpec, spec_dir: str | None) -> tuple[JobSpec, str]:
+    if isinstance(spec, JobSpec):
+        return spec, os.path.abspath(spec_dir or ".")
+    path = Path(spec)
+    return load_jobspec(path), str(path.resolve().parent)
+
+
+def dry_run(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = None) -> LaunchPlan:
+    """The plan of a job's first attempt, without connecting to anything."""
+    job_spec, directory = _load(spec, spec_dir)
+    return plan_attempt(job_spec, f"{job_spec.name}-dryrun", spec_dir=directory)
+
+
+def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = None,
+           home: str | os.PathLike[str] | None = None) -> str:
+    """Validate a spec, record the job, start its detached controller; return the job id.
+
+    ``spec`` is a path to a YAML spec or a loaded :class:`JobSpec` (then relative workdirs
+    resolve against ``spec_dir``, default the current directory).
+    """
+    job_spec, directory = _load(spec, spec_dir)
+    store = _store(home)
+    try:
+        job_id = f"{job_spec.name}-{secrets.token_hex(3)}"
+        store.create_job(job_id, job_spec.name, job_spec.model_dump_json(), directory,
+                         job_spec.max_restarts, [n.host for n in job_spec.nodes])
+        log_path = store.job_dir(job_id) / "controller.log"
+        env = dict(os.environ)
+        env["ORCHESTRATOR_HOME"] = str(store.home)
+        # The controller must import this very package, installed or not.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        with open(log_path, "ab") as log:
+            try:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "orchestrator.controller", job_id],
+                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                    env=env, cwd=directory,
+                    start_new_session=True,  # outlives the terminal that submitted it
+                )
+            except OSError as exc:
+                store.set_state(job_id, JobState.FAILED,
+                                failure={"cause": FailureCause.LAUNCH_FAILED.value,
+                                         "message": f"cannot start controller: {exc}"})
+                raise LaunchError(f"cannot start the controller: {exc}") from exc
+        store.update_job(job_id, controller_pid=proc.pid)
+        return job_id
+    finally:
+        store.close()
+
+
+def status(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """The job's state as a JSON-ready dict (the documented ``status --json`` shape)."""
+    store = _store(home)
+    try:
+        return _status_dict(_checked_job(store, job_id))
+    finally:
+        store.close()
+
+
+def list_jobs(*, home: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """Every job, oldest first: job_id, name, state, submitted_at, attempt, restarts."""
+    store = _store(home)
+    try:
+        return [
+            {"job_id": j.job_id, "name": j.name, "state": j.state.value,
+             "submitted_at": _iso(j.submitted_at), "ended_at": _iso(j.ended_at),
+             "attempt": j.attempt, "restarts": j.restarts}
+            for j in (_checked_job(store, j.job_id) if not j.state.is_terminal() else j
+                      for j in store.list_jobs())
+        ]
+    finally:
+        store.close()
+
+
+def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,
+         home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Block until the job is in a terminal state (or ``timeout``); return its status."""
+    store = _store(home)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        while True:
+            state, _ = store.job_state(check_job_id(job_id))
+            if state.is_terminal():
+                return _status_dict(store.get_job(job_id))
+            if deadline is not None and time.monotonic() > deadline:
+                return _status_dict(_checked_job(store, job_id))
+            _checked_job(store, job_id)  # notices a controller that died
+            time.sleep(poll)
+    finally:
+        store.close()
+
+
+def cancel(job_id: str, *, wait_seconds: float = 60.0,
+           home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Ask the job's controller to stop every worker; wait for CANCELLED (or the end).
+
+    Cancelling a finished job changes nothing; cancelling twice is harmless.
+    """
+    store = _store(home)
+    try:
+        job = _checked_job(store, job_id)
+        if job.state.is_terminal():
+            return _status_dict(job)
+        store.request_cancel(job_id)
+        pid = job.controller_pid
+        if pid and _is_controller(pid, job_id):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except OSError:
+                pass
+        deadline = time.monotonic() + wait_seconds
+        while time.monotonic() < deadline:
+            job = _checked_job(store, job_id)
+            if job.state.is_terminal():
+                break
+            time.sleep(0.1)
+        return _status_dict(job)
+    finally:
+        store.close()
+
+
+def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
+         attempt: int | None = None, tail: int | None = None, follow: bool = False,
+         home: str | os.PathLike[str] | None = None, poll: float = 0.2) -> Iterator[str]:
+    """Yield log lines ``[host:rank] text`` of a job: every attempt, or one.
+
+    ``follow`` keeps yielding new lines, moving on to new attempts, until the job ends.
+    """
+    store = _store(home)
+    try:
+        job = _checked_job(store, job_id)
+        attempts = [attempt] if attempt is not None else list(range(1, job.attempt + 1))
+        keep = _line_filter(job, rank, node)
+        cursor = _Cursor(store.log_dir(job_id, attempts[-1] if attempts else 1) / "combined.log")
+        lines: Iterator[str] = (
+            line
+            for a in attempts
+            for line in (cursor if a == attempts[-1] else
+                         _Cursor(store.log_dir(job_id, a) / "combined.log")).read()
+            if keep(line)
+        )
+        if tail is not None:
+            lines = iter(deque(lines, maxlen=max(0, tail)))
+        yield from lines
+        if not follow:
+            return
+        current = attempts[-1] if attempts else 1
+        while True:
+            job = _checked_job(store, job_id)
+            keep = _line_filter(job, rank, node)
+            new = [line for line in cursor.read() if keep(line)]
+            yield from new
+            if attempt is None and job.attempt > current:
+                current += 1
+                cursor = _Cursor(store.log_dir(job_id, current) / "combined.log")
+                continue
+            if job.state.is_terminal() and not new:
+                return
+            time.sleep(poll)
+    finally:
+        store.close()
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+def _checked_job(store: Store, job_id: str) -> JobRecord:
+    """The job, after making sure its state is not a lie left by a controller that died."""
+    job = store.get_job(check_job_id(job_id))
+    if job.state.is_terminal() or not job.controller_pid:
+        return job
+    if _is_controller(job.controller_pid, job_id):
+        return job
+    # The only writer is gone (killed, machine rebooted): its agents saw their stdin close
+    # and stopped their workers. Say so instead of showing RUNNING forever.
+    job = store.get_job(job_id)
+    if not job.state.is_terminal():
+        if job.cancel_requested:
+            store.set_state(job_id, JobState.CANCELLED)
+        else:
+            store.set_state(job_id, JobState.FAILED, failure={
+                "cause": FailureCause.LAUNCH_FAILED.value,
+                "message": f"the job's controller (pid {job.controller_pid}) exited "
+                           f"unexpectedly; see {store.job_dir(job_id) / 'controller.log'}"})
+    return store.get_job(job_id)
+
+
+def _is_controller(pid: int, job_id: str) -> bool:
+    """Is ``pid`` alive and this job's controller (not a recycled pid)?"""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
+    except OSError:
+        return False
+    return not zombie and b"orchestrator.controller" in argv and job_id.encode() in argv
+
+
+def _iso(ts: float | None) -> str | None:
+    if ts is None:
+        return None
+    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+
+
+def _status_dict(job: JobRecord) -> dict[str, Any]:
+    hosts = {n.node_index: n.host for n in job.nodes}
+    node_ranks = {}
+    ranks = []
+    for r in job.ranks:
+        if r.attempt != job.attempt:
+            continue
+        node_ranks.setdefault(r.node_index, [])
+        node_ranks[r.node_index].append(r.rank)
+        ranks.append({
+            "rank": r.rank, "local_rank": r.local_rank, "node_index": r.node_index,
+            "host": hosts.get(r.node_index), "pid": r.pid, "state": r.state,
+            "exit_code": r.exit_code, "signal": r.signal,
+        })
+    return {
+        "job_id": job.job_id,
+        "name": job.name,
+        "state": job.state.value,
+        "submitted_at": _iso(job.submitted_at),
+        "started_at": _iso(job.started_at),
+        "ended_at": _iso(job.ended_at),
+        "attempt": job.attempt,
+        "restarts": job.restarts,
+        "max_restarts": job.max_restarts,
+        "nodes": [
+            {"node_index": n.node_index, "host": n.host, "node_rank": n.node_rank,
+             "state": n.state.value, "hostname": n.info.get("hostname"),
+             "error": n.info.get("error")}
+            for n in job.nodes
+        ],
+        "ranks": ranks,
+        "failure": job.failure,
+        "attempts": [
+            {"attempt": a.attempt, "started_at": _iso(a.started_at), "ended_at": _iso(a.ended_at),
+             "outcome": a.outcome or "RUNNING", "master_addr": a.master_addr,
+             "master_port": a.master_port, "world_size": a.world_size, "failure": a.failure}
+            for a in job.attempts
+        ],
+    }
+
+
+def _line_filter(job: JobRecord, rank: int | None, node: int | None) -> Any:
+    if rank is None and node is None:
+        return lambda line: True
+    labels: set[str] | None = None
+    if node is not None:
+        index = {n.node_rank: n.node_index for n in job.nodes if n.node_rank is not None}
+        node_index = index.get(node, -1)
+        labels = {str(r.rank) for r in job.ranks if r.node_index == node_index}
+        labels.add(f"node{node}")
+    if rank is not None:
+        labels = {str(rank)} if labels is None else labels & {str(rank)}
+
+    def keep(line: str) -> bool:
+        head = line.split("] ", 1)[0]
+        return head.rsplit(":", 1)[-1] in labels
+
+    return keep
+
+
+class _Cursor:
+    """Reads the complete lines a log file gained since the last read."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offset = 0
+
+    def read(self) -> Iterator[str]:
+        try:
+            f = open(self.path, "rb")
+        except OSError:
+            return
+        with f:
+            f.seek(self.offset)
+            for raw in f:
+                if not raw.endswith(b"\n"):
+                    return  # half-written: the next read gets it whole
+                self.offset += len(raw)
+                yield raw[:-1].decode("utf-8", "replace")

@@ -1,0 +1,241 @@
+"""The ``orchestrator`` command: parse, call the API, print. Exit codes (DESIGN.md):
+
+    0 succeeded   1 failed (or an operational error)   2 bad spec or usage   3 cancelled
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn, TypeVar
+
+import typer
+
+import orchestrator as api
+from orchestrator.errors import JobNotFoundError, OrchestratorError, SpecError
+from orchestrator.plan import describe
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    help="Run PyTorch distributed jobs on many nodes: submit, watch, restart, cancel.",
+)
+EXIT_FOR_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
+_debug = False
+T = TypeVar("T")
+
+
+@app.callback()
+def _options(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+) -> None:
+    global _debug
+    _debug = debug
+
+
+def _fail(message: str, code: int) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(code)
+
+
+def _call(fn: Callable[[], T]) -> T:
+    """Run an API call, mapping our errors to one line and an exit code."""
+    try:
+        return fn()
+    except (SpecError, JobNotFoundError) as exc:
+        if _debug:
+            raise
+        _fail(str(exc), 2)
+    except OrchestratorError as exc:
+        if _debug:
+            raise
+        _fail(str(exc), 1)
+
+
+def _print_json(data: Any) -> None:
+    typer.echo(json.dumps(data, indent=2))
+
+
+@app.command()
+def submit(
+    spec: str = typer.Argument(..., help="Path to the job spec (YAML)."),
+    wait: bool = typer.Option(False, "--wait", help="Block until the job ends; exit with its outcome."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Stream the logs, then exit with the outcome."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan; start nothing."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Validate SPEC and start the job; print its id."""
+    if dry_run:
+        plan = _call(lambda: api.dry_run(spec))
+        if as_json:
+            _print_json(plan.to_dict())
+        else:
+            typer.echo(describe(plan))
+        return
+    job_id = _call(lambda: api.submit(spec))
+    if not (wait or follow):
+        if as_json:
+            _print_json({"job_id": job_id})
+        else:
+            typer.echo(job_id)
+        return
+    if not as_json:
+        typer.echo(f"submitted {job_id}", err=True)
+    _cancel_on_signals(job_id)
+    if follow:
+        for line in _call(lambda: _prime(api.logs(job_id, follow=True))):
+            typer.echo(line)
+    result = _call(lambda: api.wait(job_id))
+    if as_json:
+        _print_json(result)
+    else:
+        typer.echo(_summary_line(result), err=True)
+    raise typer.Exit(EXIT_FOR_STATE.get(result["state"], 1))
+
+
+def _cancel_on_signals(job_id: str) -> None:
+    """Ctrl-C or SIGTERM on a waiting submit stops the job, as it would a foreground run."""
+
+    def handler(signum: int, _frame: Any) -> None:
+        typer.echo(f"\nsignal {signal.Signals(signum).name}: cancelling {job_id}", err=True)
+        threading.Thread(target=api.cancel, args=(job_id,), daemon=True).start()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
+
+
+@app.command()
+def status(
+    job: str | None = typer.Argument(None, help="Job id (default: the newest job)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Show a job's state, nodes, ranks, attempts and failure."""
+    if job is None:
+        jobs = _call(api.list_jobs)
+        if not jobs:
+            _fail("no jobs yet", 2)
+        job = jobs[-1]["job_id"]
+    data = _call(lambda: api.status(job))
+    if as_json:
+        _print_json(data)
+        return
+    _print_status(data)
+
+
+@app.command()
+def logs(
+    job: str = typer.Argument(..., help="Job id."),
+    rank: int | None = typer.Option(None, "--rank", help="Only this global rank."),
+    node: int | None = typer.Option(None, "--node", help="Only this node rank."),
+    attempt: int | None = typer.Option(None, "--attempt", help="Only this attempt (default: all)."),
+    tail: int | None = typer.Option(None, "--tail", help="Only the last N lines."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
+) -> None:
+    """Print a job's output, each line prefixed [host:rank]."""
+    lines = _call(lambda: api.logs(job, rank=rank, node=node, attempt=attempt, tail=tail,
+                                   follow=follow))
+    try:
+        for line in _call(lambda: _prime(lines)):
+            typer.echo(line)
+    except BrokenPipeError:
+        sys.stderr.close()
+
+
+def _prime(lines: Iterator[str]) -> Iterator[str]:
+    # A generator's errors (no such job) surface at its first step: take that step in _call.
+    first = next(lines, None)
+    return iter(()) if first is None else itertools.chain([first], lines)
+
+
+@app.command()
+def cancel(job: str = typer.Argument(..., help="Job id.")) -> None:
+    """Stop every worker of a job; its state becomes CANCELLED."""
+    data = _call(lambda: api.cancel(job))
+    typer.echo(f"{data['job_id']}: {data['state']}")
+
+
+@app.command("list")
+def list_(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """List jobs, oldest first."""
+    jobs = _call(api.list_jobs)
+    if as_json:
+        _print_json(jobs)
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("JOB", "NAME", "STATE", "ATTEMPT", "RESTARTS", "SUBMITTED", box=None)
+    for j in jobs:
+        table.add_row(j["job_id"], j["name"], j["state"], str(j["attempt"]), str(j["restarts"]),
+                      j["submitted_at"])
+    Console().print(table)
+
+
+@app.command()
+def check(
+    spec: str = typer.Argument(..., help="Path to the job spec (YAML)."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Validate SPEC (and, for SSH nodes, reach them) without starting anything."""
+    loaded = _call(lambda: api.load_jobspec(spec))
+    if as_json:
+        _print_json({"spec": "ok", "name": loaded.name, "nodes": [n.host for n in loaded.nodes]})
+    else:
+        typer.echo(f"{spec}: ok ({len(loaded.nodes)} node(s) x {loaded.nproc_per_node} process(es))")
+
+
+def _summary_line(data: dict[str, Any]) -> str:
+    line = f"{data['job_id']}: {data['state']}"
+    failure = data.get("failure")
+    if failure and data["state"] == "FAILED":
+        line += f" ({failure.get('cause')}): {failure.get('message')}"
+        tail = failure.get("stderr_tail") or []
+        if tail:
+            line += "\nlast stderr lines:\n" + "\n".join(f"  {t}" for t in tail)
+    return line
+
+
+def _print_status(data: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(
+        f"[bold]{data['job_id']}[/bold]  {data['state']}  attempt {data['attempt']}  "
+        f"restarts {data['restarts']}/{data['max_restarts']}  submitted {data['submitted_at']}",
+        highlight=False,
+    )
+    ranks_by_node: dict[int, list[dict[str, Any]]] = {}
+    for r in data["ranks"]:
+        ranks_by_node.setdefault(r["node_index"], []).append(r)
+    nodes = Table("NODE", "HOST", "STATE", "RANKS (exit)", box=None)
+    for n in data["nodes"]:
+        ranks = ", ".join(
+            f"{r['rank']}:{r['state'].lower()}"
+            + (f"({r['exit_code'] if r['exit_code'] is not None else r['signal']})"
+               if r["exit_code"] is not None or r["signal"] else "")
+            for r in ranks_by_node.get(n["node_index"], [])
+        )
+        node_rank = "-" if n["node_rank"] is None else str(n["node_rank"])
+        state = n["state"] + (f" ({n['error']})" if n.get("error") else "")
+        nodes.add_row(node_rank, n["host"], state, ranks)
+    console.print(nodes)
+    if len(data["attempts"]) > 1 or any(a["failure"] for a in data["attempts"]):
+        history = Table("ATTEMPT", "STARTED", "ENDED", "OUTCOME", "CAUSE", box=None)
+        for a in data["attempts"]:
+            cause = a["failure"]["message"] if a["failure"] else ""
+            history.add_row(str(a["attempt"]), a["started_at"] or "", a["ended_at"] or "",
+                            a["outcome"], cause)
+        console.print(history)
+    if data["failure"]:
+        console.print(_summary_line(data), highlight=False, markup=False)
+
+
+def main() -> None:
+    """Console-script entry point."""
+    app()

@@ -1,0 +1,73 @@
+"""The orchestrator's exceptions, one tree, caught by the CLI and mapped to exit codes.
+
+    OrchestratorError                 anything this package raises on purpose
+    ├── SpecError                     the job spec is invalid (exit 2); names the field path
+    ├── JobNotFoundError              no job with that id (exit 2)
+    ├── TransportError                a node could not be reached or used; names the host
+    │   ├── ConnectError              refused, unreachable, timed out
+    │   ├── AuthenticationError       the node refused our credentials
+    │   ├── HostKeyError              unknown or changed host key
+    │   └── AgentError                the agent did not start or broke the protocol
+    └── LaunchError                   the job could not be started (e.g. preflight failed)
+
+Third-party exceptions (paramiko, socket, sqlite) are caught at the module that talks to
+them and re-raised as one of these with context and ``from exc``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OrchestratorError(Exception):
+    """Base class of every error the orchestrator raises on purpose."""
+
+
+class SpecError(OrchestratorError):
+    """A job spec is invalid. ``field`` is a dotted path such as ``nodes[1].host``."""
+
+    def __init__(self, field: str, message: str, value: Any = None, *, has_value: bool = False):
+        self.field = field
+        self.message = message
+        self.value = value
+        self.has_value = has_value
+        where = f"{field}: " if field else ""
+        shown = f" (got {value!r})" if has_value else ""
+        super().__init__(f"{where}{message}{shown}")
+
+
+class JobNotFoundError(OrchestratorError):
+    """No job with this id exists in the store."""
+
+    def __init__(self, job_id: str):
+        self.job_id = job_id
+        super().__init__(f"no job {job_id!r}")
+
+
+class TransportError(OrchestratorError):
+    """A node could not be reached or used. The host is always part of the message."""
+
+    def __init__(self, host: str, message: str):
+        self.host = host
+        self.message = message
+        super().__init__(f"{host}: {message}")
+
+
+class ConnectError(TransportError):
+    """The node was unreachable, refused the connection, or did not answer in time."""
+
+
+class AuthenticationError(TransportError):
+    """The node refused our credentials."""
+
+
+class HostKeyError(TransportError):
+    """The node's host key is unknown or does not match known_hosts."""
+
+
+class AgentError(TransportError):
+    """The node agent failed to start or spoke out of protocol."""
+
+
+class LaunchError(OrchestratorError):
+    """The job could not be started."""

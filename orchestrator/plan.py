@@ -1,0 +1,202 @@
+"""From a job spec to a launch plan: node ranks, master address and port, each worker's env.
+
+Pure: no I/O, no clock, no randomness, so ``submit --dry-run`` prints exactly what would run
+and the restart policy can recompute a plan for any attempt on any set of nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.spec import JobSpec, NodeSpec
+
+ROLE_NAME = "default"
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """One process an agent starts. ``rank`` is None when torch's rendezvous assigns ranks."""
+
+    rank: int | None
+    local_rank: int
+    argv: tuple[str, ...]
+    env: dict[str, str]
+
+    def to_message(self) -> dict[str, Any]:
+        return {"rank": self.rank, "local_rank": self.local_rank, "argv": list(self.argv),
+                "env": self.env}
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """What one node runs in one attempt."""
+
+    node_index: int  # position in spec.nodes
+    node_rank: int  # GROUP_RANK of this attempt
+    host: str
+    workdir: str
+    env: dict[str, str]  # common to the node's workers
+    workers: tuple[WorkerPlan, ...]
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """Everything needed to start one attempt of a job."""
+
+    job_id: str
+    attempt: int
+    restart_count: int
+    backend: str
+    master_addr: str
+    master_port: int | None  # None: picked on node 0 at launch ("auto")
+    world_size: int
+    nodes: tuple[NodePlan, ...] = field(default_factory=tuple)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "job_id": self.job_id,
+            "attempt": self.attempt,
+            "backend": self.backend,
+            "master_addr": self.master_addr,
+            "master_port": self.master_port if self.master_port is not None else "auto",
+            "world_size": self.world_size,
+            "nodes": [
+                {
+                    "node_index": n.node_index,
+                    "node_rank": n.node_rank,
+                    "host": n.host,
+                    "workdir": n.workdir,
+                    "env": n.env,
+                    "workers": [w.to_message() for w in n.workers],
+                }
+                for n in self.nodes
+            ],
+        }
+
+
+def node_address(node: NodeSpec) -> str:
+    """The address other nodes use to reach ``node``."""
+    if node.address:
+        return node.address
+    return "127.0.0.1" if node.is_local else node.hostname
+
+
+def plan_attempt(
+    spec: JobSpec,
+    job_id: str,
+    *,
+    attempt: int = 1,
+    restart_count: int = 0,
+    master_port: int | None = None,
+    node_indices: list[int] | None = None,
+    spec_dir: str = ".",
+) -> LaunchPlan:
+    """Plan one attempt on the nodes ``node_indices`` (default: the first ``max_nodes``).
+
+    Node ranks follow the order of ``node_indices``; the first node hosts the master (static)
+    or the rendezvous store (c10d).
+    """
+    if node_indices is None:
+        node_indices = list(range(spec.max_nodes))
+    if not node_indices:
+        raise ValueError("a plan needs at least one node")
+    if master_port is None and isinstance(spec.rendezvous.port, int):
+        master_port = spec.rendezvous.port
+    master = spec.nodes[node_indices[0]]
+    master_addr = spec.rendezvous.master_addr or node_address(master)
+    nproc = spec.nproc_per_node
+    nnodes = len(node_indices)
+    world_size = nnodes * nproc
+    port_text = str(master_port) if master_port is not None else "auto"
+
+    common = {
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": port_text,
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "GROUP_WORLD_SIZE": str(nnodes),
+        "ROLE_WORLD_SIZE": str(world_size),
+        "ROLE_NAME": ROLE_NAME,
+        "TORCHELASTIC_RESTART_COUNT": str(restart_count),
+        "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
+        "TORCHELASTIC_RUN_ID": job_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "False",
+        "ORCHESTRATOR_JOB_ID": job_id,
+        "ORCHESTRATOR_ATTEMPT": str(attempt),
+    }
+    nodes = []
+    for node_rank, index in enumerate(node_indices):
+        node = spec.nodes[index]
+        if spec.rendezvous.backend == "c10d":
+            # torchrun computes ranks and sizes itself; only our own ids pass through.
+            env = {**spec.env, "ORCHESTRATOR_JOB_ID": job_id, "ORCHESTRATOR_ATTEMPT": str(attempt)}
+            workers: tuple[WorkerPlan, ...] = (
+                WorkerPlan(None, 0, _torchrun_argv(spec, job_id, attempt, master_addr,
+                                                   port_text, is_host=node_rank == 0), {}),
+            )
+        else:
+            env = {**spec.env, **common, "GROUP_RANK": str(node_rank)}
+            workers = tuple(
+                WorkerPlan(
+                    rank=node_rank * nproc + local,
+                    local_rank=local,
+                    argv=spec.command,
+                    env={
+                        "RANK": str(node_rank * nproc + local),
+                        "LOCAL_RANK": str(local),
+                        "ROLE_RANK": str(node_rank * nproc + local),
+                    },
+                )
+                for local in range(nproc)
+            )
+        env.setdefault("OMP_NUM_THREADS", "1")
+        workdir = spec.workdir
+        if node.is_local:
+            workdir = os.path.normpath(os.path.join(spec_dir, os.path.expanduser(workdir)))
+        nodes.append(NodePlan(index, node_rank, node.host, workdir, env, workers))
+
+    return LaunchPlan(job_id, attempt, restart_count, spec.rendezvous.backend, master_addr,
+                      master_port, world_size, tuple(nodes))
+
+
+def _torchrun_argv(spec: JobSpec, job_id: str, attempt: int, master_addr: str, port: str,
+                   *, is_host: bool) -> tuple[str, ...]:
+    command = list(spec.command)
+    python_first = os.path.basename(command[0]).startswith("python")
+    launcher = [command[0], "-m", "torch.distributed.run"] if python_first else [
+        "python3", "-m", "torch.distributed.run", "--no-python"]
+    script = command[1:] if python_first else command
+    rdzv_conf = "is_host=1" if is_host else "is_host=0"
+    return (
+        *launcher,
+        f"--nnodes={spec.min_nodes}:{spec.max_nodes}",
+        f"--nproc-per-node={spec.nproc_per_node}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint={_host_port(master_addr, port)}",
+        f"--rdzv-id={job_id}-{attempt}",
+        f"--rdzv-conf={rdzv_conf}",
+        "--max-restarts=0",  # restarts are the orchestrator's, counted once for the whole job
+        *script,
+    )
+
+
+def _host_port(host: str, port: str) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def describe(plan: LaunchPlan) -> str:
+    """A human-readable rendering of a plan, for ``submit --dry-run``."""
+    lines = [
+        f"job {plan.job_id} attempt {plan.attempt}: {len(plan.nodes)} node(s), world size "
+        f"{plan.world_size}, backend {plan.backend}, master "
+        f"{_host_port(plan.master_addr, str(plan.master_port or 'auto'))}",
+    ]
+    for n in plan.nodes:
+        lines.append(f"  node {n.node_rank} ({n.host}) workdir {n.workdir}")
+        for w in n.workers:
+            rank = "torchrun" if w.rank is None else f"rank {w.rank}"
+            lines.append(f"    {rank} (local {w.local_rank}): {shlex.join(w.argv)}")
+    return "\n".join(lines)

@@ -1,0 +1,324 @@
+"""The job store: one SQLite database (WAL) under ``$ORCHESTRATOR_HOME`` and the log tree.
+
+Only a job's controller writes its rows (``submit`` creates the row, ``cancel`` sets a
+request flag); every other command reads. Layout::
+
+    $ORCHESTRATOR_HOME/            (default ~/.orchestrator, mode 0700)
+      state.db
+      jobs/<job_id>/controller.log
+      jobs/<job_id>/logs/attempt-<n>/rank-<r>.log     raw lines of one rank
+      jobs/<job_id>/logs/attempt-<n>/combined.log     "[host:rank] line", arrival order
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sqlite3
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from orchestrator.errors import JobNotFoundError
+from orchestrator.state import JobState, NodeState, check_transition
+
+JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY,
+    name TEXT NOT NULL,
+    state TEXT NOT NULL,
+    spec_json TEXT NOT NULL,
+    spec_dir TEXT NOT NULL,
+    submitted_at REAL NOT NULL,
+    started_at REAL,
+    ended_at REAL,
+    attempt INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0,
+    max_restarts INTEGER NOT NULL,
+    controller_pid INTEGER,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    failure_json TEXT
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    job_id TEXT NOT NULL,
+    node_index INTEGER NOT NULL,
+    host TEXT NOT NULL,
+    node_rank INTEGER,
+    state TEXT NOT NULL,
+    info_json TEXT,
+    PRIMARY KEY (job_id, node_index)
+);
+CREATE TABLE IF NOT EXISTS ranks (
+    job_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    node_index INTEGER NOT NULL,
+    local_rank INTEGER NOT NULL,
+    pid INTEGER,
+    state TEXT NOT NULL,
+    exit_code INTEGER,
+    signal TEXT,
+    PRIMARY KEY (job_id, attempt, rank)
+);
+CREATE TABLE IF NOT EXISTS attempts (
+    job_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    started_at REAL NOT NULL,
+    ended_at REAL,
+    outcome TEXT,
+    master_addr TEXT,
+    master_port INTEGER,
+    world_size INTEGER,
+    failure_json TEXT,
+    PRIMARY KEY (job_id, attempt)
+);
+"""
+
+
+def default_home() -> Path:
+    return Path(os.environ.get("ORCHESTRATOR_HOME") or Path.home() / ".orchestrator")
+
+
+def check_job_id(job_id: str) -> str:
+    """Job ids become paths: refuse anything but the shape we generate."""
+    if not isinstance(job_id, str) or not JOB_ID_RE.match(job_id):
+        raise JobNotFoundError(job_id)
+    return job_id
+
+
+@dataclass
+class RankRecord:
+    attempt: int
+    rank: int
+    node_index: int
+    local_rank: int
+    pid: int | None
+    state: str
+    exit_code: int | None
+    signal: str | None
+
+
+@dataclass
+class NodeRecord:
+    node_index: int
+    host: str
+    node_rank: int | None
+    state: NodeState
+    info: dict[str, Any]
+
+
+@dataclass
+class AttemptRecord:
+    attempt: int
+    started_at: float
+    ended_at: float | None
+    outcome: str | None
+    master_addr: str | None
+    master_port: int | None
+    world_size: int | None
+    failure: dict[str, Any] | None
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    name: str
+    state: JobState
+    spec_json: str
+    spec_dir: str
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+    attempt: int
+    restarts: int
+    max_restarts: int
+    controller_pid: int | None
+    cancel_requested: bool
+    failure: dict[str, Any] | None
+    nodes: list[NodeRecord] = field(default_factory=list)
+    ranks: list[RankRecord] = field(default_factory=list)
+    attempts: list[AttemptRecord] = field(default_factory=list)
+
+
+class Store:
+    """Access to the state database and the log tree of one ``$ORCHESTRATOR_HOME``."""
+
+    def __init__(self, home: str | os.PathLike[str] | None = None):
+        self.home = Path(home) if home is not None else default_home()
+        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.jobs_dir = self.home / "jobs"
+        self.jobs_dir.mkdir(mode=0o700, exist_ok=True)
+        self._db = sqlite3.connect(self.home / "state.db", timeout=30, isolation_level=None,
+                                   check_same_thread=False)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA busy_timeout=30000")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        self._db.execute("COMMIT")
+
+    # --- paths ---------------------------------------------------------------------------
+    def job_dir(self, job_id: str) -> Path:
+        return self.jobs_dir / check_job_id(job_id)
+
+    def log_dir(self, job_id: str, attempt: int) -> Path:
+        return self.job_dir(job_id) / "logs" / f"attempt-{int(attempt)}"
+
+    # --- writes (submit) -----------------------------------------------------------------
+    def create_job(self, job_id: str, name: str, spec_json: str, spec_dir: str,
+                   max_restarts: int, hosts: list[str]) -> None:
+        check_job_id(job_id)
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO jobs (job_id, name, state, spec_json, spec_dir, submitted_at,"
+                " max_restarts) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (job_id, name, JobState.PENDING.value, spec_json, spec_dir, time.time(),
+                 max_restarts),
+            )
+            db.executemany(
+                "INSERT INTO nodes (job_id, node_index, host, state) VALUES (?, ?, ?, ?)",
+                [(job_id, i, h, NodeState.PENDING.value) for i, h in enumerate(hosts)],
+            )
+        self.job_dir(job_id).mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def request_cancel(self, job_id: str) -> None:
+        self._db.execute("UPDATE jobs SET cancel_requested = 1 WHERE job_id = ?", (job_id,))
+
+    # --- writes (the job's controller) ---------------------------------------------------
+    def set_state(self, job_id: str, new: JobState, **fields: Any) -> None:
+        """Change a job's state after checking the transition table; extra columns too."""
+        with self._transaction() as db:
+            row = db.execute("SELECT state FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise JobNotFoundError(job_id)
+            check_transition(JobState(row["state"]), new)
+            if new.is_terminal():
+                fields.setdefault("ended_at", time.time())
+            self._update(db, "jobs", {"state": new.value, **fields}, job_id=job_id)
+
+    def update_job(self, job_id: str, **fields: Any) -> None:
+        if "state" in fields:
+            raise ValueError("use set_state to change a job's state")
+        with self._transaction() as db:
+            self._update(db, "jobs", fields, job_id=job_id)
+
+    def set_node(self, job_id: str, node_index: int, state: NodeState, **fields: Any) -> None:
+        if "info" in fields:
+            fields["info_json"] = json.dumps(fields.pop("info"))
+        with self._transaction() as db:
+            self._update(db, "nodes", {"state": state.value, **fields}, job_id=job_id,
+                         node_index=node_index)
+
+    def start_attempt(self, job_id: str, attempt: int, master_addr: str, master_port: int,
+                      world_size: int, ranks: list[tuple[int, int, int]]) -> None:
+        """Record a new attempt and its ranks as (rank, node_index, local_rank)."""
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO attempts (job_id, attempt, started_at, master_addr, master_port,"
+                " world_size) VALUES (?, ?, ?, ?, ?, ?)",
+                (job_id, attempt, time.time(), master_addr, master_port, world_size),
+            )
+            db.executemany(
+                "INSERT INTO ranks (job_id, attempt, rank, node_index, local_rank, state)"
+                " VALUES (?, ?, ?, ?, ?, 'PENDING')",
+                [(job_id, attempt, r, n, lr) for r, n, lr in ranks],
+            )
+            self._update(db, "jobs", {"attempt": attempt}, job_id=job_id)
+
+    def update_rank(self, job_id: str, attempt: int, rank: int, **fields: Any) -> None:
+        with self._transaction() as db:
+            self._update(db, "ranks", fields, job_id=job_id, attempt=attempt, rank=rank)
+
+    def end_attempt(self, job_id: str, attempt: int, outcome: str,
+                    failure: dict[str, Any] | None) -> None:
+        with self._transaction() as db:
+            self._update(
+                db, "attempts",
+                {"ended_at": time.time(), "outcome": outcome,
+                 "failure_json": json.dumps(failure) if failure else None},
+                job_id=job_id, attempt=attempt,
+            )
+
+    @staticmethod
+    def _update(db: sqlite3.Connection, table: str, fields: dict[str, Any], **where: Any) -> None:
+        if "failure" in fields:
+            failure = fields.pop("failure")
+            fields["failure_json"] = json.dumps(failure) if failure is not None else None
+        sets = ", ".join(f"{k} = ?" for k in fields)
+        conds = " AND ".join(f"{k} = ?" for k in where)
+        db.execute(f"UPDATE {table} SET {sets} WHERE {conds}", [*fields.values(), *where.values()])
+
+    # --- reads ---------------------------------------------------------------------------
+    def get_job(self, job_id: str) -> JobRecord:
+        check_job_id(job_id)
+        # One read transaction, so a job, its nodes and its ranks are seen at one moment.
+        self._db.execute("BEGIN")
+        try:
+            row = self._db.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            if row is None:
+                raise JobNotFoundError(job_id)
+            job = self._job(row)
+            job.nodes = [
+                NodeRecord(r["node_index"], r["host"], r["node_rank"], NodeState(r["state"]),
+                           json.loads(r["info_json"] or "{}"))
+                for r in self._db.execute(
+                    "SELECT * FROM nodes WHERE job_id = ? ORDER BY node_index", (job_id,))
+            ]
+            job.ranks = [
+                RankRecord(r["attempt"], r["rank"], r["node_index"], r["local_rank"], r["pid"],
+                           r["state"], r["exit_code"], r["signal"])
+                for r in self._db.execute(
+                    "SELECT * FROM ranks WHERE job_id = ? ORDER BY attempt, rank", (job_id,))
+            ]
+            job.attempts = [
+                AttemptRecord(r["attempt"], r["started_at"], r["ended_at"], r["outcome"],
+                              r["master_addr"], r["master_port"], r["world_size"],
+                              json.loads(r["failure_json"]) if r["failure_json"] else None)
+                for r in self._db.execute(
+                    "SELECT * FROM attempts WHERE job_id = ? ORDER BY attempt", (job_id,))
+            ]
+        finally:
+            self._db.execute("COMMIT")
+        return job
+
+    def list_jobs(self) -> list[JobRecord]:
+        rows = self._db.execute("SELECT * FROM jobs ORDER BY submitted_at, job_id").fetchall()
+        return [self._job(r) for r in rows]
+
+    def job_state(self, job_id: str) -> tuple[JobState, bool]:
+        """The state and the cancel flag: the cheap read a polling loop needs."""
+        row = self._db.execute(
+            "SELECT state, cancel_requested FROM jobs WHERE job_id = ?", (job_id,)
+        ).fetchone()
+        if row is None:
+            raise JobNotFoundError(job_id)
+        return JobState(row["state"]), bool(row["cancel_requested"])
+
+    @staticmethod
+    def _job(row: sqlite3.Row) -> JobRecord:
+        return JobRecord(
+            job_id=row["job_id"], name=row["name"], state=JobState(row["state"]),
+            spec_json=row["spec_json"], spec_dir=row["spec_dir"],
+            submitted_at=row["submitted_at"], started_at=row["started_at"],
+            ended_at=row["ended_at"], attempt=row["attempt"], restarts=row["restarts"],
+            max_restarts=row["max_restarts"], controller_pid=row["controller_pid"],
+            cancel_requested=bool(row["cancel_requested"]),
+            failure=json.loads(row["failure_json"]) if row["failure_json"] else None,
+        )

@@ -1,0 +1,1 @@
+"""Ways of reaching a node's agent: see base.NodeConnection."""

@@ -1,0 +1,206 @@
+"""SSHConnection: the node agent over an SSH exec channel (paramiko).
+
+The agent's source travels over the channel, ahead of the JSON lines, to a short bootstrap
+given to ``python3 -c``: nothing is uploaded or left on the node, and no environment value
+or secret ever appears on a remote command line (only the interpreter and the bootstrap).
+
+Host keys are verified against known_hosts and unknown keys are refused (paramiko's
+RejectPolicy; fabric's default would add them). ``host_key_policy: accept-new`` accepts and
+records a key never seen before, like OpenSSH's ``StrictHostKeyChecking=accept-new``; a
+changed key is refused either way. Agent forwarding is never requested.
+
+paramiko and socket exceptions are caught here only, and re-raised as ours with the host.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import socket
+import threading
+from collections import deque
+from typing import Any
+
+import paramiko
+
+from orchestrator.errors import (
+    AgentError,
+    AuthenticationError,
+    ConnectError,
+    HostKeyError,
+    TransportError,
+)
+from orchestrator.spec import JobSpec, NodeSpec
+from orchestrator.transport.base import JsonLines, agent_source
+
+# Reads the agent's source (length line, then bytes) from stdin and runs it; the rest of
+# stdin is then the agent's command stream.
+BOOTSTRAP = (
+    "import sys;b=sys.stdin.buffer;n=int(b.readline());src=b.read(n);"
+    "sys.argv=['orchestrator-agent'];"
+    "exec(compile(src,'orchestrator-agent','exec'),{'__name__':'__main__'})"
+)
+
+_known_hosts_lock = threading.Lock()
+
+
+class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
+    """Accept a host never seen before and record its key; changed keys stay refused."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str,
+                         key: paramiko.PKey) -> None:
+        with _known_hosts_lock:
+            client.get_host_keys().add(hostname, key.get_name(), key)
+            os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
+
+
+def resolve_target(node: NodeSpec, spec: JobSpec) -> dict[str, Any]:
+    """Hostname, port, user and identity for a node: spec first, then ~/.ssh/config."""
+    user, hostname, port = node.resolved(spec.ssh)
+    identity = node.identity_file or spec.ssh.identity_file
+    explicit_port = node.port is not None or ":" in node.host.split("@")[-1].strip("[]") \
+        if not node.host.startswith("[") else node.port is not None
+    config_path = os.path.expanduser("~/.ssh/config")
+    if os.path.exists(config_path):
+        entry = paramiko.SSHConfig.from_path(config_path).lookup(hostname)
+        hostname = entry.get("hostname", hostname)
+        if user is None and entry.get("user"):
+            user = entry["user"]
+        if not explicit_port and entry.get("port"):
+            port = int(entry["port"])
+        if identity is None and entry.get("identityfile"):
+            identity = entry["identityfile"][0]
+    return {
+        "hostname": hostname,
+        "port": port,
+        "username": user or _local_user(),
+        "key_filename": os.path.expanduser(identity) if identity else None,
+    }
+
+
+def _local_user() -> str:
+    import getpass
+
+    return getpass.getuser()
+
+
+class SSHConnection:
+    """One node's agent over SSH."""
+
+    def __init__(self, node: NodeSpec, spec: JobSpec):
+        self.host = node.host
+        self._node = node
+        self._spec = spec
+        self._client: paramiko.SSHClient | None = None
+        self._channel: paramiko.Channel | None = None
+        self._lines: JsonLines | None = None
+        self.stderr_tail: deque[str] = deque(maxlen=20)
+
+    # --- connecting -------------------------------------------------------------------
+    def connect(self) -> paramiko.SSHClient:
+        """An authenticated SSH client for the node, host key verified."""
+        opts = self._spec.ssh
+        target = resolve_target(self._node, self._spec)
+        known_hosts = os.path.expanduser(opts.known_hosts or "~/.ssh/known_hosts")
+        client = paramiko.SSHClient()
+        try:
+            client.load_host_keys(known_hosts)
+        except FileNotFoundError:
+            pass
+        except (OSError, paramiko.SSHException) as exc:
+            raise HostKeyError(self.host, f"cannot read known_hosts {known_hosts}: {exc}") from exc
+        if opts.host_key_policy == "accept-new":
+            client.set_missing_host_key_policy(_AcceptNewPolicy(known_hosts))
+        else:
+            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+        timeout = opts.connect_timeout
+        try:
+            client.connect(
+                target["hostname"], port=target["port"], username=target["username"],
+                key_filename=target["key_filename"],
+                look_for_keys=target["key_filename"] is None,
+                allow_agent=target["key_filename"] is None,
+                timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
+                channel_timeout=timeout,
+            )
+        except Exception as exc:
+            client.close()
+            raise self._translate(exc, target) from exc
+        return client
+
+    def _translate(self, exc: Exception, target: dict[str, Any]) -> TransportError:
+        where = f"{target['username']}@{target['hostname']}:{target['port']}"
+        if isinstance(exc, paramiko.BadHostKeyException):
+            return HostKeyError(self.host, f"host key for {where} does not match known_hosts "
+                                           "(changed host key: refusing to connect)")
+        if isinstance(exc, paramiko.AuthenticationException):
+            return AuthenticationError(self.host, f"authentication failed for {where}: {exc}")
+        if isinstance(exc, paramiko.SSHException) and "known_hosts" in str(exc):
+            return HostKeyError(self.host, f"host key for {where} is not in known_hosts "
+                                           "(add it, or set ssh.host_key_policy: accept-new)")
+        if isinstance(exc, (socket.timeout, TimeoutError)):
+            return ConnectError(self.host, f"connection to {where} timed out after "
+                                           f"{self._spec.ssh.connect_timeout:g}s")
+        if isinstance(exc, paramiko.ssh_exception.NoValidConnectionsError):
+            return ConnectError(self.host, f"cannot connect to {where}: connection refused")
+        if isinstance(exc, (OSError, paramiko.SSHException, EOFError)):
+            return ConnectError(self.host, f"cannot connect to {where}: {exc}")
+        return ConnectError(self.host, f"cannot connect to {where}: {exc!r}")
+
+    # --- the NodeConnection protocol -----------------------------------------------------
+    def open(self) -> None:
+        self._client = self.connect()
+        try:
+            transport = self._client.get_transport()
+            assert transport is not None
+            transport.set_keepalive(15)
+            channel = transport.open_session(timeout=self._spec.ssh.connect_timeout)
+            command = f"{shlex.quote(self._spec.python)} -u -c {shlex.quote(BOOTSTRAP)}"
+            channel.exec_command(command)
+            stdin = channel.makefile_stdin("wb")
+            source = agent_source()
+            stdin.write(b"%d\n" % len(source) + source)
+            stdin.flush()
+        except (paramiko.SSHException, OSError, EOFError) as exc:
+            self.close()
+            raise AgentError(self.host, f"cannot start the agent: {exc}") from exc
+        self._channel = channel
+        self._lines = JsonLines(self.host, channel.makefile("rb"), stdin)
+        threading.Thread(target=self._drain_stderr, args=(channel,), daemon=True).start()
+
+    def _drain_stderr(self, channel: paramiko.Channel) -> None:
+        # The agent's stderr (tracebacks, "python3: not found") must be read, or it fills
+        # the channel window; its last lines explain a failed start.
+        f = channel.makefile_stderr("rb")
+        for raw in iter(f.readline, b""):
+            self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._lines is None:
+            raise AgentError(self.host, "not open")
+        self._lines.send(message)
+
+    def receive(self) -> dict[str, Any] | None:
+        return self._lines.receive() if self._lines else None
+
+    def close(self) -> None:
+        channel, client = self._channel, self._client
+        self._channel = self._client = None
+        if channel is not None:
+            try:
+                channel.shutdown_write()  # EOF: the agent stops its workers and exits
+                deadline = 15.0
+                step = 0.05
+                while not channel.exit_status_ready() and deadline > 0:
+                    threading.Event().wait(step)
+                    deadline -= step
+            except (paramiko.SSHException, OSError, EOFError):
+                pass
+            channel.close()
+        if client is not None:
+            client.close()

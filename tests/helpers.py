@@ -1,0 +1,73 @@
+"""Helpers shared by the test layers: spec files, process scans, waiting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = ROOT / "tests" / "workers"
+PYTHON = sys.executable
+
+
+def write_spec(directory: Path, data: dict, name: str = "job.yaml") -> Path:
+    path = directory / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Pids of live processes whose environment names this job (its workers, any node)."""
+    needle = f"ORCHESTRATOR_JOB_ID={job_id}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                    continue
+        except OSError:
+            continue
+        if needle in env:
+            found.append(int(entry))
+    return found
+
+
+def assert_no_job_processes(job_id: str, within: float = 5.0) -> None:
+    """Every process of the job must be gone (within a short settling time)."""
+    deadline = time.monotonic() + within
+    while True:
+        left = job_processes(job_id)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            cmdlines = {}
+            for pid in left:
+                try:
+                    cmdlines[pid] = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+                except OSError:
+                    pass
+                try:
+                    os.kill(pid, signal.SIGKILL)  # ours: it carries the test's job id
+                except OSError:
+                    pass
+            raise AssertionError(f"processes of {job_id} left behind: {cmdlines}")
+        time.sleep(0.1)
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

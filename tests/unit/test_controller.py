@@ -1,0 +1,168 @@
+"""The restart policy, driven by a fake transport that scripts agent messages."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+import pytest
+
+from orchestrator.controller import Controller
+from orchestrator.spec import parse_jobspec
+from orchestrator.state import JobState
+from orchestrator.store import Store
+
+
+class FakeAgent:
+    """A NodeConnection whose agent answers from a script: exit codes per attempt and rank.
+
+    ``exits[attempt][rank]`` is an exit code, a signal name, or None (keeps running until
+    stopped). Missing attempts exit 0.
+    """
+
+    def __init__(self, host: str, exits: dict[int, dict[int, Any]], log: list):
+        self.host = host
+        self.exits = exits
+        self.log = log
+        self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.running: dict[int, int] = {}  # rank -> local_rank of the current attempt
+        self.attempt = 0
+        self.fail_open = False
+
+    def open(self) -> None:
+        if self.fail_open:
+            from orchestrator.errors import ConnectError
+
+            raise ConnectError(self.host, "connection refused")
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.log.append((self.host, message))
+        op = message["op"]
+        a = self.attempt
+        if op == "init":
+            self.inbox.put({"type": "hello", "attempt": 0, "hostname": self.host})
+        elif op == "free_port":
+            self.inbox.put({"type": "port", "attempt": 0, "port": 29500, "ok": True})
+        elif op == "start":
+            self.attempt = a = message["attempt"]
+            for w in message["workers"]:
+                self.inbox.put({"type": "started", "attempt": a, "rank": w["rank"],
+                                "local_rank": w["local_rank"], "pid": 1000 + w["rank"]})
+            for w in message["workers"]:
+                outcome = self.exits.get(a, {}).get(w["rank"], 0)
+                if outcome is None:
+                    self.running[w["rank"]] = w["local_rank"]
+                    continue
+                code, sig = (outcome, None) if isinstance(outcome, int) else (None, outcome)
+                self.inbox.put({"type": "output", "attempt": a, "rank": w["rank"],
+                                "stream": "stderr", "line": f"boom {w['rank']}"})
+                self.inbox.put({"type": "exited", "attempt": a, "rank": w["rank"],
+                                "local_rank": w["local_rank"], "exit_code": code, "signal": sig})
+        elif op == "stop":
+            for rank, local in self.running.items():
+                self.inbox.put({"type": "exited", "attempt": a, "rank": rank,
+                                "local_rank": local, "exit_code": None, "signal": "SIGTERM"})
+            self.running = {}
+            self.inbox.put({"type": "stopped", "attempt": a})
+
+    def receive(self) -> dict[str, Any] | None:
+        return self.inbox.get()
+
+    def close(self) -> None:
+        self.inbox.put(None)
+
+
+def run_job(tmp_path, yaml_text: str, exits_by_host: dict[str, dict]) -> tuple[Store, str, list]:
+    spec = parse_jobspec(yaml_text)
+    store = Store(tmp_path / "home")
+    job_id = "fake-000001"
+    store.create_job(job_id, spec.name, spec.model_dump_json(), str(tmp_path),
+                     spec.max_restarts, [n.host for n in spec.nodes])
+    log: list = []
+    agents = {}
+
+    def connect(node, _spec):
+        agents[node.host] = FakeAgent(node.host, exits_by_host.get(node.host, {}), log)
+        return agents[node.host]
+
+    Controller(store, job_id, spec, str(tmp_path), connect).run()
+    return store, job_id, log
+
+
+SPEC = """
+name: fake
+nodes: [{host: a}, {host: b}]
+nproc_per_node: 2
+command: [train]
+max_restarts: 2
+restart_backoff: {initial: 0.01, max: 0.01}
+health: {heartbeat_interval: 1, node_timeout: 30}
+"""
+
+
+def test_success_on_first_attempt(tmp_path):
+    store, job_id, log = run_job(tmp_path, SPEC, {})
+    job = store.get_job(job_id)
+    assert job.state == JobState.SUCCEEDED and job.attempt == 1 and job.restarts == 0
+    assert job.failure is None
+    starts = [m for _, m in log if m["op"] == "start"]
+    assert [w["rank"] for m in starts for w in m["workers"]] == [0, 1, 2, 3]
+
+
+def test_one_crash_costs_one_restart_for_the_whole_job(tmp_path):
+    exits = {"b": {1: {2: 5, 3: None}}}  # attempt 1: rank 2 exits 5, rank 3 hangs
+    exits["a"] = {1: {0: None, 1: None}}
+    store, job_id, log = run_job(tmp_path, SPEC, exits)
+    job = store.get_job(job_id)
+    assert job.state == JobState.SUCCEEDED
+    assert job.attempt == 2 and job.restarts == 1
+    first = job.attempts[0]
+    assert first.outcome == "FAILED" and first.failure["rank"] == 2
+    assert first.failure["exit_code"] == 5 and first.failure["stderr_tail"] == ["boom 2"]
+    # Every node was told to stop attempt 1, and attempt 2 counts one restart.
+    assert {h for h, m in log if m["op"] == "stop" and m["attempt"] == 1} == {"a", "b"}
+    second = [m for _, m in log if m["op"] == "start" and m["attempt"] == 2]
+    assert {m["env"]["TORCHELASTIC_RESTART_COUNT"] for m in second} == {"1"}
+
+
+def test_always_failing_rank_exhausts_budget(tmp_path):
+    exits = {"a": {a: {1: "SIGSEGV"} for a in range(1, 5)}}
+    store, job_id, _ = run_job(tmp_path, SPEC, exits)
+    job = store.get_job(job_id)
+    assert job.state == JobState.FAILED
+    assert job.attempt == 3 and job.restarts == 2  # max_restarts + 1 attempts
+    assert job.failure["rank"] == 1 and job.failure["signal"] == "SIGSEGV"
+    assert job.failure["restarts_exhausted"] is True
+
+
+def test_fail_on_exit_codes_skips_the_budget(tmp_path):
+    spec = SPEC + "fail_on_exit_codes: [42]\n"
+    store, job_id, _ = run_job(tmp_path, spec, {"b": {1: {3: 42}}})
+    job = store.get_job(job_id)
+    assert job.state == JobState.FAILED and job.attempt == 1 and job.restarts == 0
+    assert job.failure["exit_code"] == 42 and job.failure["restarts_exhausted"] is False
+
+
+def test_unreachable_node_fails_launch_naming_host(tmp_path):
+    spec = parse_jobspec(SPEC)
+    store = Store(tmp_path / "home")
+    store.create_job("fake-000002", "fake", spec.model_dump_json(), str(tmp_path), 2, ["a", "b"])
+
+    def connect(node, _spec):
+        agent = FakeAgent(node.host, {}, [])
+        agent.fail_open = node.host == "b"
+        return agent
+
+    state = Controller(store, "fake-000002", spec, str(tmp_path), connect).run()
+    job = store.get_job("fake-000002")
+    assert state == JobState.FAILED and job.failure["cause"] == "LAUNCH_FAILED"
+    assert job.failure["host"] == "b" and "connection refused" in job.failure["message"]
+
+
+@pytest.mark.parametrize("max_restarts", [0])
+def test_no_restart_budget_fails_at_once(tmp_path, max_restarts):
+    spec = SPEC.replace("max_restarts: 2", f"max_restarts: {max_restarts}")
+    store, job_id, _ = run_job(tmp_path, spec, {"a": {1: {0: 1}}})
+    job = store.get_job(job_id)
+    assert job.state == JobState.FAILED and job.attempt == 1
+    assert job.failure["restarts_exhausted"] is False

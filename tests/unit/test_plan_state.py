@@ -1,0 +1,85 @@
+"""The pure parts: launch plans and the job state machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from orchestrator.plan import describe, plan_attempt
+from orchestrator.spec import parse_jobspec
+from orchestrator.state import TRANSITIONS, InvalidTransition, JobState, check_transition
+
+SPEC = """
+name: demo
+nodes: [{host: n0.example}, {host: n1.example, address: 10.0.0.2}, {host: n2.example}]
+nproc_per_node: 2
+nnodes: "2:3"
+command: [python, train.py, --lr, "0.1"]
+env: {NCCL_DEBUG: WARN}
+max_restarts: 4
+"""
+
+
+def test_static_plan_assigns_ranks_and_master():
+    spec = parse_jobspec(SPEC)
+    plan = plan_attempt(spec, "demo-abc123", attempt=3, restart_count=2, master_port=29555)
+    assert plan.master_addr == "n0.example" and plan.world_size == 6
+    ranks = [(n.node_rank, w.rank, w.local_rank) for n in plan.nodes for w in n.workers]
+    assert ranks == [(0, 0, 0), (0, 1, 1), (1, 2, 0), (1, 3, 1), (2, 4, 0), (2, 5, 1)]
+    env = plan.nodes[1].env
+    assert env["GROUP_RANK"] == "1" and env["WORLD_SIZE"] == "6"
+    assert env["MASTER_PORT"] == "29555" and env["TORCHELASTIC_RESTART_COUNT"] == "2"
+    assert env["TORCHELASTIC_MAX_RESTARTS"] == "4" and env["ORCHESTRATOR_ATTEMPT"] == "3"
+    assert env["NCCL_DEBUG"] == "WARN" and env["OMP_NUM_THREADS"] == "1"
+    assert plan.nodes[1].workers[1].env == {"RANK": "3", "LOCAL_RANK": "1", "ROLE_RANK": "3"}
+
+
+def test_plan_on_surviving_nodes_recomputes_ranks():
+    spec = parse_jobspec(SPEC)
+    plan = plan_attempt(spec, "demo-abc123", master_port=1, node_indices=[1, 2])
+    assert plan.master_addr == "10.0.0.2"  # the address node 1 is reached at
+    assert [(n.node_index, n.node_rank) for n in plan.nodes] == [(1, 0), (2, 1)]
+    assert plan.world_size == 4 and plan.nodes[0].env["GROUP_WORLD_SIZE"] == "2"
+
+
+def test_local_nodes_use_loopback_and_absolute_workdir():
+    spec = parse_jobspec("nodes: [{host: local}, {host: local}]\ncommand: [x]\nworkdir: sub\n")
+    plan = plan_attempt(spec, "job-1", spec_dir="/data/specs")
+    assert plan.master_addr == "127.0.0.1"
+    assert {n.workdir for n in plan.nodes} == {"/data/specs/sub"}
+    assert plan.master_port is None and plan.nodes[0].env["MASTER_PORT"] == "auto"
+    assert "rank 3 (local 0)" in describe(plan) or "rank 1 (local 1)" in describe(plan)
+
+
+def test_c10d_plan_runs_torchrun_once_per_node():
+    spec = parse_jobspec(SPEC + "rendezvous: {backend: c10d, port: 29400}\n")
+    plan = plan_attempt(spec, "demo-abc123", attempt=2)
+    assert [len(n.workers) for n in plan.nodes] == [1, 1, 1]
+    argv = plan.nodes[0].workers[0].argv
+    assert argv[:3] == ("python", "-m", "torch.distributed.run")
+    assert "--nnodes=2:3" in argv and "--nproc-per-node=2" in argv
+    assert "--rdzv-endpoint=n0.example:29400" in argv and "--rdzv-id=demo-abc123-2" in argv
+    assert "--rdzv-conf=is_host=1" in argv
+    assert "--rdzv-conf=is_host=0" in plan.nodes[1].workers[0].argv
+    assert argv[-3:] == ("train.py", "--lr", "0.1")
+    assert "RANK" not in plan.nodes[0].env and "MASTER_ADDR" not in plan.nodes[0].env
+
+
+@pytest.mark.parametrize("state", list(JobState))
+def test_terminal_states_have_no_way_out(state):
+    assert state.is_terminal() == (not TRANSITIONS[state])
+
+
+def test_transitions_allowed_and_refused():
+    check_transition(JobState.PENDING, JobState.LAUNCHING)
+    check_transition(JobState.RUNNING, JobState.RESTARTING)
+    check_transition(JobState.RESTARTING, JobState.LAUNCHING)
+    for terminal in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED):
+        check_transition(JobState.RUNNING, terminal) if terminal != JobState.SUCCEEDED else None
+        with pytest.raises(InvalidTransition):
+            check_transition(terminal, JobState.RUNNING)
+    with pytest.raises(InvalidTransition):
+        check_transition(JobState.PENDING, JobState.SUCCEEDED)
+    # Cancel wins from every live state.
+    for state in JobState:
+        if not state.is_terminal():
+            check_transition(state, JobState.CANCELLED)
