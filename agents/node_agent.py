@@ -78,6 +78,7 @@ class Channel:
                 self.broken = True
 
 
+_prctl: Any
 try:
     _prctl = ctypes.CDLL(None, use_errno=True).prctl
 except (OSError, AttributeError):  # not Linux: the watchdog alone guards against orphans
@@ -162,7 +163,8 @@ def _interface_with_address(ip: str) -> str | None:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         for _, name in socket.if_nameindex():
             try:
-                packed = fcntl.ioctl(s.fileno(), siocgifaddr, struct.pack("256s", name.encode()[:15]))
+                request = struct.pack("256s", name.encode()[:15])
+                packed = fcntl.ioctl(s.fileno(), siocgifaddr, request)
             except OSError:
                 continue
             if socket.inet_ntoa(packed[20:24]) == ip:
@@ -385,10 +387,9 @@ class Agent:
                     preexec_fn=_set_pdeathsig,
                 )
             except OSError as exc:
-                self.channel.send(
-                    "spawn_failed", self.attempt, rank=spec.get("rank"),
-                    local_rank=spec.get("local_rank"), error=f"{spec['argv'][0]}: {exc.strerror or exc}",
-                )
+                error = f"{spec['argv'][0]}: {exc.strerror or exc}"
+                self.channel.send("spawn_failed", self.attempt, rank=spec.get("rank"),
+                                  local_rank=spec.get("local_rank"), error=error)
                 continue
             self.channel.send("started", self.attempt, rank=spec.get("rank"),
                               local_rank=spec.get("local_rank"), pid=proc.pid)

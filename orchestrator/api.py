@@ -233,13 +233,10 @@ def _iso(ts: float | None) -> str | None:
 
 def _status_dict(job: JobRecord) -> dict[str, Any]:
     hosts = {n.node_index: n.host for n in job.nodes}
-    node_ranks = {}
     ranks = []
     for r in job.ranks:
         if r.attempt != job.attempt:
             continue
-        node_ranks.setdefault(r.node_index, [])
-        node_ranks[r.node_index].append(r.rank)
         ranks.append({
             "rank": r.rank, "local_rank": r.local_rank, "node_index": r.node_index,
             "host": hosts.get(r.node_index), "pid": r.pid, "state": r.state,
@@ -283,10 +280,11 @@ def _line_filter(job: JobRecord, rank: int | None, node: int | None) -> Any:
         labels.add(f"node{node}")
     if rank is not None:
         labels = {str(rank)} if labels is None else labels & {str(rank)}
+    wanted = labels or set()
 
     def keep(line: str) -> bool:
         head = line.split("] ", 1)[0]
-        return head.rsplit(":", 1)[-1] in labels
+        return head.rsplit(":", 1)[-1] in wanted
 
     return keep
 

@@ -64,8 +64,8 @@ def _print_json(data: Any) -> None:
 @app.command()
 def submit(
     spec: str = typer.Argument(..., help="Path to the job spec (YAML)."),
-    wait: bool = typer.Option(False, "--wait", help="Block until the job ends; exit with its outcome."),
-    follow: bool = typer.Option(False, "--follow", "-f", help="Stream the logs, then exit with the outcome."),
+    wait: bool = typer.Option(False, "--wait", help="Block until the job ends; exit with it."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Stream logs, then exit with it."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan; start nothing."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
@@ -166,14 +166,13 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
     if as_json:
         _print_json(jobs)
         return
-    from rich.console import Console
     from rich.table import Table
 
     table = Table("JOB", "NAME", "STATE", "ATTEMPT", "RESTARTS", "SUBMITTED", box=None)
     for j in jobs:
         table.add_row(j["job_id"], j["name"], j["state"], str(j["attempt"]), str(j["restarts"]),
                       j["submitted_at"])
-    Console().print(table)
+    _console().print(table)
 
 
 @app.command()
@@ -186,7 +185,7 @@ def check(
     if as_json:
         _print_json({"spec": "ok", "name": loaded.name, "nodes": [n.host for n in loaded.nodes]})
     else:
-        typer.echo(f"{spec}: ok ({len(loaded.nodes)} node(s) x {loaded.nproc_per_node} process(es))")
+        typer.echo(f"{spec}: ok ({len(loaded.nodes)} node(s) x {loaded.nproc_per_node})")
 
 
 def _summary_line(data: dict[str, Any]) -> str:
@@ -200,16 +199,21 @@ def _summary_line(data: dict[str, Any]) -> str:
     return line
 
 
-def _print_status(data: dict[str, Any]) -> None:
+def _console() -> Any:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
-    console.print(
-        f"[bold]{data['job_id']}[/bold]  {data['state']}  attempt {data['attempt']}  "
-        f"restarts {data['restarts']}/{data['max_restarts']}  submitted {data['submitted_at']}",
-        highlight=False,
-    )
+    # Piped output (scripts, CI logs) must not be cut at 80 columns.
+    return console if console.is_terminal else Console(width=200)
+
+
+def _print_status(data: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    console = _console()
+    typer.echo(f"{data['job_id']}  {data['state']}  attempt {data['attempt']}  "
+               f"restarts {data['restarts']}/{data['max_restarts']}  "
+               f"submitted {data['submitted_at']}")
     ranks_by_node: dict[int, list[dict[str, Any]]] = {}
     for r in data["ranks"]:
         ranks_by_node.setdefault(r["node_index"], []).append(r)

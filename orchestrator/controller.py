@@ -139,11 +139,12 @@ class Controller:
         self.attempt = 0
         self.restarts = 0
         self._next_cancel_check = 0.0
-        # Per-attempt bookkeeping, reset by _start_attempt.
+        # Per-attempt bookkeeping, reset by _run_attempt.
         self.plan: LaunchPlan | None = None
         self.sink: LogSink | None = None
         self.failure: Failure | None = None
         self.stopping = False
+        self.attempt_open = False
         self.rank_exits: dict[int, tuple[int | None, str | None]] = {}
         self.started: set[tuple[int, int]] = set()  # (node_index, local_rank)
         self.stopped_nodes: set[int] = set()
@@ -153,43 +154,54 @@ class Controller:
     def run(self) -> JobState:
         threading.Thread(target=self._ping_agents, daemon=True).start()
         try:
-            self._set_state(JobState.LAUNCHING, started_at=time.time())
-            self._connect_nodes([n for n in self.nodes])
-            while True:
-                self._check_cancel()
-                participants = self._participants()
-                outcome = self._run_attempt(participants)
-                if outcome is None:
-                    self._set_state(JobState.SUCCEEDED)
-                    break
-                self._stop_workers()
-                self.store.end_attempt(self.job_id, self.attempt, "FAILED", outcome.to_dict())
-                if not self._may_restart(outcome):
-                    self._set_state(JobState.FAILED, failure=self._final_failure(outcome))
-                    break
-                self.restarts += 1
-                # Persisted before acting, so a crash here never grants a free restart.
-                self._set_state(JobState.RESTARTING, restarts=self.restarts)
-                self._sleep(self._backoff())
-                self._reconnect_lost()
-                self._set_state(JobState.LAUNCHING)
+            final, fields = self._supervise()
         except Cancelled:
             self._stop_workers()
-            if self.attempt and self.plan is not None:
-                self.store.end_attempt(self.job_id, self.attempt, "CANCELLED", None)
-            self._set_state(JobState.CANCELLED)
+            self._end_attempt("CANCELLED", None)
+            final, fields = JobState.CANCELLED, {}
         except _LaunchFailed as exc:
             self._stop_workers()
-            self._set_state(JobState.FAILED, failure=exc.failure.to_dict())
+            self._end_attempt("FAILED", exc.failure)
+            final, fields = JobState.FAILED, {"failure": exc.failure.to_dict()}
         except BaseException as exc:  # a bug or an unexpected OS error: never leave RUNNING
             log.exception("controller error")
-            self._stop_workers()
-            if not self.state.is_terminal():
-                failure = Failure(FailureCause.LAUNCH_FAILED, f"controller error: {exc!r}")
-                self._set_state(JobState.FAILED, failure=failure.to_dict())
-        finally:
-            self._shutdown()
+            failure = Failure(FailureCause.LAUNCH_FAILED, f"controller error: {exc!r}")
+            try:
+                self._stop_workers()
+            finally:
+                final, fields = JobState.FAILED, {"failure": failure.to_dict()}
+        # Agents are shut down before the terminal state is written: whoever sees the job
+        # ended also sees every node done.
+        self._shutdown()
+        self._set_state(final, **fields)
         return self.state
+
+    def _supervise(self) -> tuple[JobState, dict[str, Any]]:
+        """The restart policy. Returns the terminal state to record, and its fields."""
+        self._set_state(JobState.LAUNCHING, started_at=time.time())
+        self._connect_nodes(self.nodes)
+        while True:
+            self._check_cancel()
+            outcome = self._run_attempt(self._participants())
+            if outcome is None:
+                self._end_attempt("SUCCEEDED", None)
+                return JobState.SUCCEEDED, {}
+            self._stop_workers()
+            self._end_attempt("FAILED", outcome)
+            if not self._may_restart(outcome):
+                return JobState.FAILED, {"failure": self._final_failure(outcome)}
+            self.restarts += 1
+            # Persisted before acting, so a crash here never grants a free restart.
+            self._set_state(JobState.RESTARTING, restarts=self.restarts)
+            self._sleep(self._backoff())
+            self._reconnect_lost()
+            self._set_state(JobState.LAUNCHING)
+
+    def _end_attempt(self, outcome: str, failure: Failure | None) -> None:
+        if self.attempt_open:
+            self.attempt_open = False
+            self.store.end_attempt(self.job_id, self.attempt, outcome,
+                                   failure.to_dict() if failure else None)
 
     def _may_restart(self, failure: Failure) -> bool:
         if failure.exit_code is not None and failure.exit_code in self.spec.fail_on_exit_codes:
@@ -325,6 +337,7 @@ class Controller:
                  if w.rank is not None]
         self.store.start_attempt(self.job_id, self.attempt, plan.master_addr, port or 0,
                                  plan.world_size, ranks)
+        self.attempt_open = True
         for node_plan in plan.nodes:
             node = self.nodes[node_plan.node_index]
             node.node_rank = node_plan.node_rank
@@ -346,7 +359,6 @@ class Controller:
             if len(self.rank_exits) == expected and self.failure is None:
                 if self.state == JobState.LAUNCHING:
                     self._set_state(JobState.RUNNING)
-                self.store.end_attempt(self.job_id, self.attempt, "SUCCEEDED", None)
                 return None
         return self.failure
 

@@ -93,7 +93,7 @@ class SSHOptions(_Model):
 
     user: str | None = None
     identity_file: str | None = None
-    known_hosts: str | None = Field(None, description="default: ~/.ssh/known_hosts")
+    known_hosts: str | None = Field(default=None, description="default: ~/.ssh/known_hosts")
     host_key_policy: Literal["reject", "accept-new"] = "reject"
     connect_timeout: Seconds = 10.0
 
@@ -117,7 +117,7 @@ class NodeSpec(_Model):
     user: str | None = None
     port: Port | None = None
     identity_file: str | None = None
-    address: str | None = Field(None, description="address other nodes reach this node at")
+    address: str | None = Field(default=None, description="address other nodes reach this node at")
 
     @field_validator("host")
     @classmethod
@@ -218,9 +218,9 @@ class JobSpec(_Model):
 
     name: str = "job"
     nodes: tuple[NodeSpec, ...] = ()
-    hostfile: str | None = Field(None, description="DeepSpeed-style 'host slots=N' file")
+    hostfile: str | None = Field(default=None, description="DeepSpeed-style 'host slots=N' file")
     nproc_per_node: Annotated[StrictInt, Field(ge=1)] = 1
-    nnodes: str | StrictInt | None = Field(None, description='"MIN:MAX", "N" or N')
+    nnodes: str | StrictInt | None = Field(default=None, description='"MIN:MAX", "N" or N')
     command: tuple[str, ...]
     workdir: str = "."
     env: dict[str, str] = Field(default_factory=dict)
@@ -392,6 +392,7 @@ def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".") -> JobSp
             if not loader.check_node():
                 raise SpecError("", "the spec is empty; expected a mapping")
             root = loader.get_node()
+            assert root is not None  # check_node() said there is one
             if loader.check_node():
                 raise SpecError("", "several YAML documents; expected exactly one")
             _check_tree(root)
@@ -406,7 +407,7 @@ def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".") -> JobSp
         raise SpecError("", f"invalid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise SpecError("", f"the spec must be a mapping of fields, not {type(data).__name__}")
-    if data.get("hostfile") is not None and isinstance(data["hostfile"], str):
+    if isinstance(data.get("hostfile"), str) and "nodes" not in data:
         data = _expand_hostfile(data, Path(base_dir))
     return validate_jobspec(data)
 

@@ -21,7 +21,7 @@ class LocalConnection:
         self._lines: JsonLines | None = None
 
     def open(self) -> None:
-        log = open(self._agent_log, "ab") if self._agent_log else subprocess.DEVNULL
+        log: Any = open(self._agent_log, "ab") if self._agent_log else subprocess.DEVNULL
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-u", str(AGENT_SOURCE_PATH)],

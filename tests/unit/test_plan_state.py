@@ -47,7 +47,7 @@ def test_local_nodes_use_loopback_and_absolute_workdir():
     assert plan.master_addr == "127.0.0.1"
     assert {n.workdir for n in plan.nodes} == {"/data/specs/sub"}
     assert plan.master_port is None and plan.nodes[0].env["MASTER_PORT"] == "auto"
-    assert "rank 3 (local 0)" in describe(plan) or "rank 1 (local 1)" in describe(plan)
+    assert "node 1 (local) workdir /data/specs/sub\n    rank 1 (local 0): x" in describe(plan)
 
 
 def test_c10d_plan_runs_torchrun_once_per_node():
