@@ -255,7 +255,7 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
         "nodes": [
             {"node_index": n.node_index, "host": n.host, "node_rank": n.node_rank,
              "state": n.state.value, "hostname": n.info.get("hostname"),
-             "error": n.info.get("error")}
+             "agent_pid": n.info.get("pid"), "error": n.info.get("error")}
             for n in job.nodes
         ],
         "ranks": ranks,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import AgentError
@@ -12,29 +11,23 @@ from orchestrator.transport.base import AGENT_SOURCE_PATH, JsonLines
 
 
 class LocalConnection:
-    """Runs the node agent on this machine; its stderr goes to ``agent_log``."""
+    """Runs the node agent on this machine. Its stderr is the controller's (controller.log)."""
 
-    def __init__(self, host: str = "local", agent_log: Path | None = None):
+    def __init__(self, host: str = "local"):
         self.host = host
-        self._agent_log = agent_log
         self._proc: subprocess.Popen[bytes] | None = None
         self._lines: JsonLines | None = None
 
     def open(self) -> None:
-        log: Any = open(self._agent_log, "ab") if self._agent_log else subprocess.DEVNULL
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-u", str(AGENT_SOURCE_PATH)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=log,
-                start_new_session=True,  # a Ctrl-C at the terminal reaches the controller only
+                start_new_session=True,  # a Ctrl-C at a terminal must not reach the workers
             )
         except OSError as exc:
             raise AgentError(self.host, f"cannot start agent: {exc}") from exc
-        finally:
-            if log is not subprocess.DEVNULL:
-                log.close()
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._lines = JsonLines(self.host, self._proc.stdout, self._proc.stdin)
 
@@ -51,7 +44,7 @@ class LocalConnection:
         return self._proc.pid if self._proc else None
 
     def close(self) -> None:
-        proc = self._proc
+        proc, self._lines = self._proc, None
         if proc is None:
             return
         if proc.stdin:

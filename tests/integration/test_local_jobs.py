@@ -186,3 +186,57 @@ def test_bad_spec_exits_2_and_starts_nothing(home, tmp_path):
     assert run.stderr.startswith("error: ") and "nproc_per_node" in run.stderr
     assert "Traceback" not in run.stderr
     assert not (home / "state.db").exists() or not json.loads(run_cli("list", "--json").stdout)
+
+
+def _pids_running(job_id):
+    return wait_for(lambda: len(orchestrator.status(job_id)["ranks"]) == 4 and all(
+        r["state"] == "RUNNING" for r in orchestrator.status(job_id)["ranks"]), 30,
+        what="all ranks RUNNING")
+
+
+def test_killed_agent_is_a_node_failure_and_leaves_no_orphans(home, tmp_path):
+    import os
+    import signal
+
+    spec = local_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")],
+                      env={"SPAWN_GRANDCHILD": "1"})
+    job_id = orchestrator.submit(spec)
+    _pids_running(job_id)
+    agent_pid = orchestrator.status(job_id)["nodes"][1]["agent_pid"]
+    os.kill(agent_pid, signal.SIGKILL)
+    result = orchestrator.wait(job_id, timeout=30)
+    assert result["state"] == "FAILED"
+    assert result["failure"]["cause"] == "NODE_FAIL" and result["failure"]["node_index"] == 1
+    assert_no_job_processes(job_id)
+
+
+def test_killed_controller_leaves_no_orphans_and_status_says_so(home, tmp_path):
+    import os
+    import signal
+
+    spec = local_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")],
+                      env={"IGNORE_SIGTERM": "1"})
+    job_id = orchestrator.submit(spec)
+    _pids_running(job_id)
+    from orchestrator.store import Store
+
+    store = Store()
+    controller = store.get_job(job_id).controller_pid
+    store.close()
+    os.kill(controller, signal.SIGKILL)
+    assert_no_job_processes(job_id, within=10)  # agents saw EOF; workers ignoring TERM got KILL
+    result = orchestrator.status(job_id)
+    assert result["state"] == "FAILED" and "controller" in result["failure"]["message"]
+
+
+def test_worker_ignoring_sigterm_is_killed_after_grace(home, tmp_path):
+    spec = local_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], nodes=1, nproc=2,
+                      env={"IGNORE_SIGTERM": "1"}, stop_grace_period=1)
+    job_id = orchestrator.submit(spec)
+    wait_for(lambda: orchestrator.status(job_id)["state"] == "RUNNING", 30, what="RUNNING")
+    started = time.monotonic()
+    assert orchestrator.cancel(job_id)["state"] == "CANCELLED"
+    assert time.monotonic() - started < 10
+    ranks = orchestrator.status(job_id)["ranks"]
+    assert {r["signal"] for r in ranks} == {"SIGKILL"}
+    assert_no_job_processes(job_id)
