@@ -12,6 +12,8 @@ Controller -> agent (``op``)::
                "argv", "env"}], "stop_grace"}
     stop      {"attempt", "grace"}
     free_port {"port"}             (0: pick one; otherwise check that this one is free)
+    listen    {"port"}             (preflight: hold a listening socket)
+    probe     {"address", "port"}  (preflight: route and TCP reachability toward the master)
     ping      {}                   (the controller's heartbeat)
     shutdown  {}
 
@@ -19,6 +21,8 @@ Agent -> controller (``type``), every message with the attempt it belongs to::
 
     hello      {hostname, python, torch, gpus, pid, protocol}
     port       {port, ok}
+    listening  {port, ok, error}
+    probe      {interface, reachable, error}
     started    {rank, local_rank, pid}
     spawn_failed {rank, local_rank, error}
     output     {rank, stream, line}
@@ -280,6 +284,7 @@ class Agent:
         self.last_heard = time.monotonic()
         self._stop_lock = threading.Lock()
         self.state_dir = ""
+        self.listener: socket.socket | None = None
 
     # --- input -------------------------------------------------------------------------
     def read_commands(self, stream: BinaryIO) -> None:
@@ -354,6 +359,35 @@ class Agent:
     def op_free_port(self, msg: dict[str, Any]) -> None:
         port, ok = free_port(int(msg.get("port", 0)))
         self.channel.send("port", self.attempt, port=port, ok=ok)
+
+    def op_listen(self, msg: dict[str, Any]) -> None:
+        """Hold a listening socket on ``port`` (0: any) so peers can test that they reach it."""
+        if self.listener is not None:
+            self.listener.close()
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", int(msg.get("port", 0))))
+            s.listen(64)
+        except OSError as exc:
+            s.close()
+            self.channel.send("listening", self.attempt, port=msg.get("port"), ok=False,
+                              error=str(exc))
+            return
+        self.listener = s
+        self.channel.send("listening", self.attempt, port=s.getsockname()[1], ok=True)
+
+    def op_probe(self, msg: dict[str, Any]) -> None:
+        """Report the interface toward ``address`` and whether ``address:port`` accepts TCP."""
+        address, port = str(msg["address"]), int(msg["port"])
+        reachable, error = False, None
+        try:
+            with socket.create_connection((address, port), timeout=float(msg.get("timeout", 3))):
+                reachable = True
+        except OSError as exc:
+            error = str(exc)
+        self.channel.send("probe", self.attempt, interface=interface_for(address),
+                          reachable=reachable, error=error)
 
     def op_start(self, msg: dict[str, Any]) -> None:
         self.stop_workers(grace=float(msg.get("stop_grace", 5.0)))

@@ -9,7 +9,7 @@ The public API, used by the ``orchestrator`` command and by scripts::
         print(line)
 """
 
-from orchestrator.api import cancel, dry_run, list_jobs, logs, status, submit, wait
+from orchestrator.api import cancel, check, dry_run, list_jobs, logs, status, submit, wait
 from orchestrator.errors import (
     AgentError,
     AuthenticationError,
@@ -39,6 +39,7 @@ __all__ = [
     "SpecError",
     "TransportError",
     "cancel",
+    "check",
     "dry_run",
     "list_jobs",
     "load_jobspec",

@@ -14,6 +14,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from orchestrator import preflight
 from orchestrator.errors import LaunchError
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
@@ -40,14 +41,24 @@ def dry_run(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = No
     return plan_attempt(job_spec, f"{job_spec.name}-dryrun", spec_dir=directory)
 
 
+def check(spec: str | os.PathLike[str] | JobSpec) -> dict[str, Any]:
+    """Preflight: reach every node, report versions, GPUs, the interface toward the master,
+    and whether each node can open a TCP connection to master_addr:master_port."""
+    job_spec, _ = _load(spec, None)
+    return preflight.check(job_spec).to_dict()
+
+
 def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = None,
            home: str | os.PathLike[str] | None = None) -> str:
     """Validate a spec, record the job, start its detached controller; return the job id.
 
     ``spec`` is a path to a YAML spec or a loaded :class:`JobSpec` (then relative workdirs
-    resolve against ``spec_dir``, default the current directory).
+    resolve against ``spec_dir``, default the current directory). An SSH node that does not
+    answer on its port, or whose host key is unknown, fails here (LaunchError, naming it)
+    before anything is recorded or started.
     """
     job_spec, directory = _load(spec, spec_dir)
+    preflight.quick_check(job_spec)
     store = _store(home)
     try:
         job_id = f"{job_spec.name}-{secrets.token_hex(3)}"

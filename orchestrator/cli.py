@@ -180,12 +180,30 @@ def check(
     spec: str = typer.Argument(..., help="Path to the job spec (YAML)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
-    """Validate SPEC (and, for SSH nodes, reach them) without starting anything."""
-    loaded = _call(lambda: api.load_jobspec(spec))
+    """Validate SPEC and reach every node: auth, host key, versions, GPUs, route to master."""
+    report = _call(lambda: api.check(spec))
     if as_json:
-        _print_json({"spec": "ok", "name": loaded.name, "nodes": [n.host for n in loaded.nodes]})
+        _print_json(report)
     else:
-        typer.echo(f"{spec}: ok ({len(loaded.nodes)} node(s) x {loaded.nproc_per_node})")
+        from rich.table import Table
+
+        table = Table("NODE", "HOST", "REACH", "AUTH", "HOST KEY", "PYTHON", "TORCH", "GPUS",
+                      "IFACE", "MASTER PORT", "ERROR", box=None)
+        for n in report["nodes"]:
+            table.add_row(str(n["node_index"]), n["host"], _yes(n["reachable"]), _yes(n["auth"]),
+                          n["host_key"], n["python"] or "-", n["torch"] or "-",
+                          "-" if n["gpus"] is None else str(n["gpus"]), n["interface"] or "-",
+                          _yes(n["master_port_reachable"]), n["error"] or "")
+        console = _console()
+        console.print(table)
+        typer.echo(f"master {report['master_addr']}:{report['master_port'] or '-'}")
+        for warning in report["warnings"]:
+            typer.echo(f"warning: {warning}", err=True)
+    raise typer.Exit(0 if report["ok"] else 1)
+
+
+def _yes(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "NO")
 
 
 def _summary_line(data: dict[str, Any]) -> str:

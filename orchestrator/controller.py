@@ -31,6 +31,7 @@ from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.state import FailureCause, JobState, NodeState
 from orchestrator.store import Store
+from orchestrator.transport import default_connect
 from orchestrator.transport.base import ConnectionFactory, NodeConnection
 
 log = logging.getLogger("orchestrator.controller")
@@ -38,17 +39,6 @@ log = logging.getLogger("orchestrator.controller")
 STDERR_TAIL = 20  # lines of a failing rank's stderr kept for the failure message
 POLL = 0.05  # seconds between checks of the cancel flag and timeouts when nothing arrives
 STOP_MARGIN = 10.0  # beyond the grace period, how long stopping may take before a node is LOST
-
-
-def default_connect(node: NodeSpec, spec: JobSpec) -> NodeConnection:
-    """The transport for a node: a local subprocess, or an SSH session."""
-    if node.is_local:
-        from orchestrator.transport.local import LocalConnection
-
-        return LocalConnection(node.host)
-    from orchestrator.transport.ssh import SSHConnection  # paramiko only when needed
-
-    return SSHConnection(node, spec)
 
 
 @dataclass
@@ -442,7 +432,8 @@ class Controller:
 
     def _on_output(self, node: Node, message: dict[str, Any]) -> None:
         assert self.sink is not None
-        self.sink.write(node.spec.host, self._label(node, message.get("rank")),
+        host = "local" if node.spec.is_local else node.spec.hostname
+        self.sink.write(host, self._label(node, message.get("rank")),
                         str(message.get("stream")), str(message.get("line")))
 
     def _on_started(self, node: Node, message: dict[str, Any]) -> None:

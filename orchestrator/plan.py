@@ -135,7 +135,8 @@ def plan_attempt(
             env = {**spec.env, "ORCHESTRATOR_JOB_ID": job_id, "ORCHESTRATOR_ATTEMPT": str(attempt)}
             workers: tuple[WorkerPlan, ...] = (
                 WorkerPlan(None, 0, _torchrun_argv(spec, job_id, attempt, master_addr,
-                                                   port_text, is_host=node_rank == 0), {}),
+                                                   port_text, node_address(node),
+                                                   is_host=node_rank == 0), {}),
             )
         else:
             env = {**spec.env, **common, "GROUP_RANK": str(node_rank)}
@@ -163,7 +164,7 @@ def plan_attempt(
 
 
 def _torchrun_argv(spec: JobSpec, job_id: str, attempt: int, master_addr: str, port: str,
-                   *, is_host: bool) -> tuple[str, ...]:
+                   local_addr: str, *, is_host: bool) -> tuple[str, ...]:
     command = list(spec.command)
     python_first = os.path.basename(command[0]).startswith("python")
     launcher = [command[0], "-m", "torch.distributed.run"] if python_first else [
@@ -178,6 +179,9 @@ def _torchrun_argv(spec: JobSpec, job_id: str, attempt: int, master_addr: str, p
         f"--rdzv-endpoint={_host_port(master_addr, port)}",
         f"--rdzv-id={job_id}-{attempt}",
         f"--rdzv-conf={rdzv_conf}",
+        # The address peers reach this node at; torch would use the hostname, which often
+        # resolves to loopback, and rank 0's workers would then host the store unreachably.
+        f"--local-addr={local_addr}",
         "--max-restarts=0",  # restarts are the orchestrator's, counted once for the whole job
         *script,
     )

@@ -60,18 +60,16 @@ class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
 
 
 def resolve_target(node: NodeSpec, spec: JobSpec) -> dict[str, Any]:
-    """Hostname, port, user and identity for a node: spec first, then ~/.ssh/config."""
+    """Hostname, port, user and identity for a node: the spec first, then ~/.ssh/config."""
     user, hostname, port = node.resolved(spec.ssh)
     identity = node.identity_file or spec.ssh.identity_file
-    explicit_port = node.port is not None or ":" in node.host.split("@")[-1].strip("[]") \
-        if not node.host.startswith("[") else node.port is not None
     config_path = os.path.expanduser("~/.ssh/config")
     if os.path.exists(config_path):
         entry = paramiko.SSHConfig.from_path(config_path).lookup(hostname)
         hostname = entry.get("hostname", hostname)
         if user is None and entry.get("user"):
             user = entry["user"]
-        if not explicit_port and entry.get("port"):
+        if node.explicit_port is None and entry.get("port"):
             port = int(entry["port"])
         if identity is None and entry.get("identityfile"):
             identity = entry["identityfile"][0]
@@ -81,6 +79,20 @@ def resolve_target(node: NodeSpec, spec: JobSpec) -> dict[str, Any]:
         "username": user or _local_user(),
         "key_filename": os.path.expanduser(identity) if identity else None,
     }
+
+
+def known_hosts_path(spec: JobSpec) -> str:
+    return os.path.expanduser(spec.ssh.known_hosts or "~/.ssh/known_hosts")
+
+
+def known_host_names(spec: JobSpec, hostname: str, port: int) -> bool:
+    """Does known_hosts hold a key for this host (as ssh names it: ``[host]:port`` if not 22)?"""
+    try:
+        keys = paramiko.HostKeys(known_hosts_path(spec))
+    except (OSError, paramiko.SSHException):
+        return False
+    name = hostname if port == 22 else f"[{hostname}]:{port}"
+    return keys.lookup(name) is not None
 
 
 def _local_user() -> str:
@@ -106,7 +118,7 @@ class SSHConnection:
         """An authenticated SSH client for the node, host key verified."""
         opts = self._spec.ssh
         target = resolve_target(self._node, self._spec)
-        known_hosts = os.path.expanduser(opts.known_hosts or "~/.ssh/known_hosts")
+        known_hosts = known_hosts_path(self._spec)
         client = paramiko.SSHClient()
         try:
             client.load_host_keys(known_hosts)

@@ -58,7 +58,8 @@ def test_c10d_plan_runs_torchrun_once_per_node():
     assert argv[:3] == ("python", "-m", "torch.distributed.run")
     assert "--nnodes=2:3" in argv and "--nproc-per-node=2" in argv
     assert "--rdzv-endpoint=n0.example:29400" in argv and "--rdzv-id=demo-abc123-2" in argv
-    assert "--rdzv-conf=is_host=1" in argv
+    assert "--rdzv-conf=is_host=1" in argv and "--local-addr=n0.example" in argv
+    assert "--local-addr=10.0.0.2" in plan.nodes[1].workers[0].argv
     assert "--rdzv-conf=is_host=0" in plan.nodes[1].workers[0].argv
     assert argv[-3:] == ("train.py", "--lr", "0.1")
     assert "RANK" not in plan.nodes[0].env and "MASTER_ADDR" not in plan.nodes[0].env

@@ -1,0 +1,215 @@
+"""Preflight: can this job start? ``check`` talks to every node; ``quick_check`` is the cheap
+part that ``submit`` runs before recording anything.
+
+``check`` starts each node's agent (the real transport: SSH auth and host keys included),
+asks for its versions and GPUs, has node 0 listen on the master port, and has every node
+report the interface that routes to the master and whether it can open a TCP connection
+to ``master_addr:master_port``. Nothing of the user's runs.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from orchestrator.errors import (
+    AuthenticationError,
+    HostKeyError,
+    LaunchError,
+    OrchestratorError,
+)
+from orchestrator.plan import node_address
+from orchestrator.spec import JobSpec, NodeSpec
+from orchestrator.transport import default_connect
+from orchestrator.transport.base import ConnectionFactory, NodeConnection
+
+AGENT_TIMEOUT = 15.0
+
+
+@dataclass
+class NodeReport:
+    """What preflight learned about one node."""
+
+    node_index: int
+    host: str
+    reachable: bool = False
+    auth: bool | None = None
+    host_key: str = "n/a"  # verified | unknown | changed | n/a (local)
+    hostname: str | None = None
+    python: str | None = None
+    torch: str | None = None
+    gpus: int | None = None
+    interface: str | None = None
+    master_port_reachable: bool | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.master_port_reachable is not False
+
+
+@dataclass
+class CheckReport:
+    master_addr: str
+    master_port: int | None
+    nodes: list[NodeReport]
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(n.ok for n in self.nodes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "master_addr": self.master_addr, "master_port": self.master_port,
+                "nodes": [asdict(n) for n in self.nodes], "warnings": self.warnings}
+
+
+class _Session:
+    """Request/response over one agent connection, with timeouts."""
+
+    def __init__(self, conn: NodeConnection):
+        self.conn = conn
+        self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        while (msg := self.conn.receive()) is not None:
+            self.inbox.put(msg)
+        self.inbox.put(None)
+
+    def ask(self, message: dict[str, Any], answer: str, timeout: float = AGENT_TIMEOUT) -> dict:
+        self.conn.send(message)
+        while True:
+            try:
+                msg = self.inbox.get(timeout=timeout)
+            except queue.Empty:
+                raise LaunchError(f"{self.conn.host}: agent did not answer {message['op']}") \
+                    from None
+            if msg is None:
+                raise LaunchError(f"{self.conn.host}: agent connection closed")
+            if msg.get("type") == answer:
+                return msg
+
+
+def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> CheckReport:
+    """Reach every node and report; never raises for a node's fault (it is in the report)."""
+    reports = [NodeReport(i, n.host) for i, n in enumerate(spec.nodes)]
+    sessions: dict[int, _Session] = {}
+
+    def open_one(i: int) -> None:
+        node, report = spec.nodes[i], reports[i]
+        conn = connect(node, spec)
+        try:
+            conn.open()
+        except HostKeyError as exc:
+            report.reachable, report.error = True, str(exc)
+            report.host_key = "changed" if "does not match" in exc.message else "unknown"
+            return
+        except AuthenticationError as exc:
+            report.reachable, report.auth, report.error = True, False, str(exc)
+            report.host_key = "verified"
+            return
+        except OrchestratorError as exc:
+            report.error = str(exc)
+            return
+        report.reachable, report.auth = True, True
+        report.host_key = "n/a" if node.is_local else "verified"
+        session = _Session(conn)
+        try:
+            hello = session.ask({"op": "init", "job_id": "preflight", "node_index": i}, "hello")
+        except OrchestratorError as exc:
+            report.error = str(exc)
+            conn.close()
+            return
+        for key in ("hostname", "python", "torch", "gpus"):
+            setattr(report, key, hello.get(key))
+        sessions[i] = session
+
+    with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes))) as pool:
+        list(pool.map(open_one, range(len(spec.nodes))))
+
+    master = spec.nodes[0]
+    master_addr = spec.rendezvous.master_addr or node_address(master)
+    wanted = spec.rendezvous.port if isinstance(spec.rendezvous.port, int) else 0
+    master_port: int | None = None
+    try:
+        if 0 in sessions:
+            listening = sessions[0].ask({"op": "listen", "port": wanted}, "listening")
+            if listening.get("ok"):
+                master_port = int(listening["port"])
+            else:
+                reports[0].error = f"cannot listen on port {wanted}: {listening.get('error')}"
+
+        def probe(i: int) -> None:
+            if master_port is None:
+                return
+            answer = sessions[i].ask({"op": "probe", "address": master_addr,
+                                      "port": master_port, "timeout": 3}, "probe")
+            reports[i].interface = answer.get("interface")
+            reports[i].master_port_reachable = bool(answer.get("reachable"))
+            if not answer.get("reachable"):
+                reports[i].error = (f"cannot reach {master_addr}:{master_port}: "
+                                    f"{answer.get('error')}")
+
+        with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes))) as pool:
+            list(pool.map(probe, sorted(sessions)))
+    finally:
+        for session in sessions.values():
+            try:
+                session.conn.send({"op": "shutdown"})
+            except OrchestratorError:
+                pass
+            session.conn.close()
+
+    report = CheckReport(master_addr, master_port, reports)
+    for key in ("torch", "python"):
+        versions = {r.__dict__[key] for r in reports if r.reachable and r.auth}
+        if len(versions) > 1:
+            report.warnings.append(f"{key} versions differ between nodes: "
+                                   f"{', '.join(sorted(str(v) for v in versions))}")
+    if any(r.auth and r.torch is None for r in reports):
+        report.warnings.append("torch not found by the agent's python on some node(s) "
+                               "(the workers' python may differ)")
+    return report
+
+
+def quick_check(spec: JobSpec) -> None:
+    """The cheap part of preflight, run by ``submit``: every SSH node resolves, accepts TCP
+    on its SSH port within connect_timeout, has a known host key (unless accept-new), and
+    its identity file exists. Raises LaunchError naming the first bad host."""
+    remote = [n for n in spec.nodes if not n.is_local]
+    if not remote:
+        return
+    from orchestrator.transport.ssh import known_host_names, resolve_target
+
+    def one(node: NodeSpec) -> str | None:
+        target = resolve_target(node, spec)
+        where = f"{target['hostname']}:{target['port']}"
+        key = target["key_filename"]
+        if key and not os.path.exists(key):
+            return f"{node.host}: identity file {key} does not exist"
+        try:
+            with socket.create_connection((target["hostname"], target["port"]),
+                                          timeout=spec.ssh.connect_timeout):
+                pass
+        except TimeoutError:
+            return f"{node.host}: cannot connect to {where}: timed out after " \
+                   f"{spec.ssh.connect_timeout:g}s"
+        except OSError as exc:
+            return f"{node.host}: cannot connect to {where}: {exc.strerror or exc}"
+        if spec.ssh.host_key_policy == "reject":
+            if not known_host_names(spec, target["hostname"], target["port"]):
+                return (f"{node.host}: host key for {where} is not in known_hosts "
+                        "(add it, or set ssh.host_key_policy: accept-new)")
+        return None
+
+    with ThreadPoolExecutor(max_workers=min(32, len(remote))) as pool:
+        problems = [p for p in pool.map(one, remote) if p]
+    if problems:
+        raise LaunchError(problems[0] + (f" (and {len(problems) - 1} more)"
+                                         if len(problems) > 1 else ""))
