@@ -29,6 +29,7 @@ Agent -> controller (``type``), every message with the attempt it belongs to::
     exited     {rank, local_rank, exit_code, signal, error_file}
     stopped    {}
     heartbeat  {}
+    progress   {}                  (a worker touched its ORCHESTRATOR_HEARTBEAT_FILE)
     error      {message}
 
 The agent stops its workers (SIGTERM to each process group, a grace period, SIGKILL) on
@@ -220,6 +221,7 @@ class Worker:
         self.rank = spec.get("rank")
         self.local_rank = spec.get("local_rank")
         self.error_file = spec["env"].get("TORCHELASTIC_ERROR_FILE")
+        self.heartbeat_file = spec["env"]["ORCHESTRATOR_HEARTBEAT_FILE"]
         self.proc = proc
         self.done = threading.Event()
         self._readers = [
@@ -285,6 +287,7 @@ class Agent:
         self._stop_lock = threading.Lock()
         self.state_dir = ""
         self.listener: socket.socket | None = None
+        self._last_progress = 0.0
 
     # --- input -------------------------------------------------------------------------
     def read_commands(self, stream: BinaryIO) -> None:
@@ -305,6 +308,8 @@ class Agent:
             if now >= next_beat:
                 self.channel.send("heartbeat", self.attempt)
                 next_beat = now + self.heartbeat_interval
+                if self._workers_touched_heartbeat():
+                    self.channel.send("progress", self.attempt)
             if self.peer_timeout and now - self.last_heard > self.peer_timeout:
                 self.stop_workers(grace=0.0)  # the controller is gone: nobody will stop us
                 return 3
@@ -331,6 +336,17 @@ class Agent:
                 handler(msg)
             except Exception as exc:  # report, never die: the controller decides
                 self.channel.send("error", self.attempt, message=f"{op}: {exc!r}")
+
+    def _workers_touched_heartbeat(self) -> bool:
+        """Did any worker call orchestrator.heartbeat() since the last check?"""
+        newest = self._last_progress
+        for w in self.workers:
+            try:
+                newest = max(newest, os.stat(w.heartbeat_file).st_mtime)
+            except OSError:
+                continue
+        touched, self._last_progress = newest > self._last_progress, newest
+        return touched
 
     # --- ops ---------------------------------------------------------------------------
     def op_ping(self, msg: dict[str, Any]) -> None:
@@ -408,6 +424,8 @@ class Agent:
             error_file = os.path.join(attempt_dir, f"rank-{label}", "error.json")
             os.makedirs(os.path.dirname(error_file), mode=0o700, exist_ok=True)
             env.setdefault("TORCHELASTIC_ERROR_FILE", error_file)
+            env["ORCHESTRATOR_HEARTBEAT_FILE"] = os.path.join(os.path.dirname(error_file),
+                                                              "heartbeat")
             spec = {**spec, "env": env}
             try:
                 proc = subprocess.Popen(

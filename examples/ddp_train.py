@@ -7,8 +7,11 @@
 - ``--crash-rank R --crash-epoch E`` makes rank R exit with ``--crash-code`` in epoch E, once
   per ``--crash-marker`` file (the fault-tolerance tests use it).
 
-Rank 0 prints the loss each epoch; every rank prints a digest of its final weights, so a test
-can check that all ranks (and a crashed-and-resumed run) end with the same model.
+Rank 0 prints the loss each epoch and saves the final model as ``final.pt`` beside the
+checkpoint; every rank prints a digest of its final weights, so a test can check that all
+ranks end with the same model, bit for bit. A crashed-and-resumed run ends with the same
+model up to float rounding: DDP regroups gradients after the first step of every process,
+which changes gloo's summation order for four or more ranks.
 """
 
 from __future__ import annotations
@@ -131,6 +134,8 @@ def main() -> None:
         if args.epoch_sleep:
             time.sleep(args.epoch_sleep)
     print(f"rank {rank} final weights {weights_digest(model)}", flush=True)
+    if rank == 0:
+        torch.save(model.state_dict(), os.path.join(ckpt_dir, "final.pt"))
     dist.destroy_process_group()
 
 

@@ -21,6 +21,7 @@ from orchestrator.errors import (
     SpecError,
     TransportError,
 )
+from orchestrator.heartbeat import heartbeat
 from orchestrator.spec import JobSpec, load_jobspec
 from orchestrator.state import FailureCause, JobState, NodeState
 
@@ -41,6 +42,7 @@ __all__ = [
     "cancel",
     "check",
     "dry_run",
+    "heartbeat",
     "list_jobs",
     "load_jobspec",
     "logs",

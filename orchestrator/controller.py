@@ -74,6 +74,7 @@ class Node:
     last_heard: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
     node_rank: int | None = None
+    reconnecting: bool = False
 
     @property
     def connected(self) -> bool:
@@ -93,7 +94,7 @@ class LogSink:
         self._combined = open(directory / "combined.log", "a", encoding="utf-8", buffering=1)
         self._files: dict[str, IO[str]] = {}
         self.stderr: dict[str, deque[str]] = {}
-        self.last_output = time.monotonic()
+        self.last_activity = time.monotonic()  # output, or a worker's heartbeat()
 
     def write(self, host: str, label: str, stream: str, line: str) -> None:
         f = self._files.get(label)
@@ -104,7 +105,7 @@ class LogSink:
         self._combined.write(f"[{host}:{label}] {line}\n")
         if stream == "stderr":
             self.stderr.setdefault(label, deque(maxlen=STDERR_TAIL)).append(line)
-        self.last_output = time.monotonic()
+        self.last_activity = time.monotonic()
 
     def close(self) -> None:
         for f in [*self._files.values(), self._combined]:
@@ -169,7 +170,7 @@ class Controller:
     def _supervise(self) -> tuple[JobState, dict[str, Any]]:
         """The restart policy. Returns the terminal state to record, and its fields."""
         self._set_state(JobState.LAUNCHING, started_at=time.time())
-        self._connect_nodes(self.nodes)
+        self._connect_nodes()
         while True:
             self._check_cancel()
             outcome = self._run_attempt(self._participants())
@@ -183,8 +184,8 @@ class Controller:
             self.restarts += 1
             # Persisted before acting, so a crash here never grants a free restart.
             self._set_state(JobState.RESTARTING, restarts=self.restarts)
-            self._sleep(self._backoff())
             self._reconnect_lost()
+            self._sleep(self._backoff())
             self._set_state(JobState.LAUNCHING)
 
     def _end_attempt(self, outcome: str, failure: Failure | None) -> None:
@@ -224,22 +225,23 @@ class Controller:
         self.store.set_node(self.job_id, node.index, state, **fields)
 
     # --- connecting ----------------------------------------------------------------------
-    def _connect_nodes(self, nodes: list[Node], *, required: bool = True) -> None:
-        """Start agents in parallel and wait for their hello; fail the launch if required."""
+    def _open_node(self, node: Node) -> None:
+        """Start a node's agent and send it init; its hello arrives through the event queue."""
+        conn = self.connect(node.spec, self.spec)
+        conn.open()
+        node.last_heard = time.monotonic()
+        node.conn = conn
+        threading.Thread(target=self._read, args=(node.index, conn), daemon=True).start()
+        conn.send({"op": "init", "job_id": self.job_id, "node_index": node.index,
+                   "heartbeat_interval": self.spec.health.heartbeat_interval,
+                   "peer_timeout": self.spec.health.node_timeout})
+
+    def _connect_nodes(self) -> None:
+        """Start every agent in parallel and wait for their hello. Fewer than ``min_nodes``
+        answering fails the launch, naming the first node that did not."""
         errors: dict[int, str] = {}
-
-        def open_one(node: Node) -> None:
-            conn = self.connect(node.spec, self.spec)
-            conn.open()
-            node.last_heard = time.monotonic()
-            node.conn = conn
-            threading.Thread(target=self._read, args=(node.index, conn), daemon=True).start()
-            conn.send({"op": "init", "job_id": self.job_id, "node_index": node.index,
-                       "heartbeat_interval": self.spec.health.heartbeat_interval,
-                       "peer_timeout": self.spec.health.node_timeout})
-
-        with ThreadPoolExecutor(max_workers=min(32, max(1, len(nodes)))) as pool:
-            futures = {pool.submit(open_one, n): n for n in nodes}
+        with ThreadPoolExecutor(max_workers=min(32, len(self.nodes))) as pool:
+            futures = {pool.submit(self._open_node, n): n for n in self.nodes}
             for fut, node in futures.items():
                 try:
                     fut.result()
@@ -248,7 +250,7 @@ class Controller:
                 except Exception as exc:
                     errors[node.index] = f"{node.spec.host}: {exc!r}"
 
-        waiting = {n.index for n in nodes if n.index not in errors}
+        waiting = {n.index for n in self.nodes if n.index not in errors}
         deadline = time.monotonic() + self.spec.launch_timeout
         while waiting:
             if time.monotonic() > deadline:
@@ -271,15 +273,29 @@ class Controller:
                 node.conn.close()
                 node.conn = None
             self._set_node(node, NodeState.FAILED, info={"error": message})
-        if errors and required:
+        if len(self.nodes) - len(errors) < self.spec.min_nodes:
             first = min(errors)
             raise _LaunchFailed(Failure(FailureCause.LAUNCH_FAILED, errors[first], node_index=first,
                                         host=self.nodes[first].spec.host))
 
     def _reconnect_lost(self) -> None:
-        lost = [n for n in self.nodes if not n.connected]
-        if lost:
-            self._connect_nodes(lost, required=False)
+        """Try again, in the background, nodes that were lost or never came up: those whose
+        agent says hello before an attempt starts take part in it (they rejoin)."""
+        for node in self.nodes:
+            if not node.connected and not node.reconnecting:
+                node.reconnecting = True
+                threading.Thread(target=self._reopen, args=(node,), daemon=True).start()
+
+    def _reopen(self, node: Node) -> None:
+        old, node.conn = node.conn, None
+        if old is not None:
+            old.close()
+        try:
+            self._open_node(node)
+        except Exception as exc:  # still unreachable: it may answer at a later attempt
+            log.info("%s: not back yet: %s", node.spec.host, exc)
+        finally:
+            node.reconnecting = False
 
     def _participants(self) -> list[Node]:
         healthy = [n for n in self.nodes if n.connected]
@@ -426,6 +442,8 @@ class Controller:
                 rank=message.get("rank"), local_rank=message.get("local_rank")))
         elif kind == "stopped":
             self.stopped_nodes.add(index)
+        elif kind == "progress" and self.sink is not None:
+            self.sink.last_activity = time.monotonic()
 
     def _label(self, node: Node, rank: int | None) -> str:
         return str(rank) if rank is not None else f"node{node.node_rank}"
@@ -514,8 +532,9 @@ class Controller:
                                  f"{self.spec.health.node_timeout:g}s")
         hang = self.spec.health.hang_timeout
         if (hang and self.sink and self.state == JobState.RUNNING
-                and now - self.sink.last_output > hang and self.failure is None):
-            self._fail(Failure(FailureCause.HUNG, f"no output from any rank for {hang:g}s"))
+                and now - self.sink.last_activity > hang and self.failure is None):
+            self._fail(Failure(FailureCause.HUNG, f"no output or heartbeat from any rank for "
+                                                  f"{hang:g}s (health.hang_timeout)"))
 
     def _check_cancel(self) -> None:
         now = time.monotonic()

@@ -148,7 +148,7 @@ class Cluster:
     def down(self) -> None:
         """Stop every sshd and every process in our namespaces; delete namespaces, veths and
         bridge. Things already gone are skipped silently; this never raises."""
-        for i, h in enumerate(self.hosts):
+        for i in range(len(self.hosts)):
             with contextlib.suppress(Exception):
                 _stop_pidfile(self.dir / f"sshd{i}.pid")
         for h in self.hosts:
@@ -323,7 +323,7 @@ def cleanup_stale(prefix: str = "orc", *, include_detached: bool = False) -> lis
     recorded in our registry are touched, and only processes inside our own namespaces or
     named by our sshd pidfiles are killed.
     """
-    removed = []
+    removed: list[str] = []
     if not REGISTRY.is_dir():
         return removed
     for path in sorted(REGISTRY.glob("*.json")):

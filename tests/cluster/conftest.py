@@ -57,6 +57,19 @@ def _missing() -> str | None:
     return None
 
 
+def _processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (our sshds name files in the cluster dir)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if text.encode() in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # This hook sees the whole session's items; mark only ours.
     for item in items:
@@ -86,6 +99,5 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
         left = [h.netns for h in c.hosts if h.netns in namespaces]
         left += [name for name in [c.bridge, *(h.host_side_veth for h in c.hosts)]
                  if f" {name}:" in links or f" {name}@" in links]
-        left += [f"sshd{i}.pid" for i in range(len(c.hosts))
-                 if local_cluster._pidfile_process(c.dir / f"sshd{i}.pid") is not None]
+        left += [f"process {pid}" for pid in _processes_mentioning(str(c.dir))]
         assert not left, f"cluster teardown left {left}"

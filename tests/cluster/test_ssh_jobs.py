@@ -55,7 +55,8 @@ def test_three_node_ddp_over_ssh(cluster, home, tmp_path, backend):
                         rendezvous={"backend": backend})
     job_id = orchestrator.submit(spec)
     result = orchestrator.wait(job_id, timeout=240)
-    assert result["state"] == "SUCCEEDED", (result["failure"], list(orchestrator.logs(job_id))[-15:])
+    tail = list(orchestrator.logs(job_id))[-15:]
+    assert result["state"] == "SUCCEEDED", (result["failure"], tail)
     if backend == "static":
         digests = final_digests(job_id)
         assert sorted(digests) == list(range(6))
