@@ -2,8 +2,9 @@
 
 A spec is data: it says what to run where, never how. Loading is strict, because a typo in a
 spec should cost a second at submit time, not an hour of a cluster: unknown keys (with a
-"did you mean"), duplicate keys, several documents, files over
-1 MiB or not UTF-8, and alias bombs are refused, and every error names the field path and the value.
+"did you mean"), duplicate keys, several documents, files over 1 MiB or not UTF-8, deep
+nesting and alias bombs are refused, and every error is one ``SpecError`` naming the field
+path and the value.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -29,37 +31,57 @@ from pydantic import (
 from orchestrator.errors import SpecError
 
 MAX_SPEC_BYTES = 1024 * 1024
+MAX_DEPTH = 32  # a real spec nests 3 deep; PyYAML's composer recurses once per level
+MAX_EXPANDED_NODES = 100_000  # values after expanding aliases: far above any real spec
 
-RESERVED_ENV = frozenset({
+RESERVED_ENV: frozenset[str] = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
 })
-RESERVED_ENV_PREFIXES = ("TORCHELASTIC_", "ORCHESTRATOR_")
+RESERVED_ENV_PREFIXES: tuple[str, ...] = ("TORCHELASTIC_", "ORCHESTRATOR_")
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
-_IPV6_RE = re.compile(r"^[0-9A-Fa-f:.]+$")
+_IPV6_RE = re.compile(r"^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*$")
 _USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*$")
-_PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
+# The interpreter name goes into a remote shell command line: no spaces, no metacharacters,
+# and no leading "-" that would read as an option.
+_PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+][A-Za-z0-9_./+-]*$")
 
 Port = Annotated[StrictInt, Field(ge=1, le=65535)]
-Seconds = Annotated[float, Field(gt=0, strict=True)]
+# inf would reach time.sleep() and deadlines, where it raises or never fires.
+Seconds = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
+
+
+class _FieldError(ValueError):
+    """A check that knows which field is at fault, relative to where pydantic reports it
+    (``"nodes[1].host"`` from JobSpec, ``"user"`` from a NodeSpec, ``"FOO"`` from ``env``)."""
+
+    def __init__(self, field: str, message: str, value: Any = ...):
+        super().__init__(message)
+        self.field, self.message, self.value = field, message, value
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-def _no_control(value: str, what: str) -> str:
+def _check_path(value: str) -> str:
     if "\0" in value or "\n" in value or "\r" in value:
-        raise ValueError(f"{what} must not contain NUL or newline characters")
+        raise ValueError("a path must not contain NUL or newline characters")
+    return value
+
+
+def _check_user(value: str) -> str:
+    if not _USER_RE.match(value):
+        raise ValueError("invalid user name (allowed: [A-Za-z_][A-Za-z0-9._-]*)")
     return value
 
 
 def _check_hostname(value: str) -> str:
     """A DNS name, an IPv4 address, or an IPv6 literal: nothing a shell would interpret."""
-    if _HOSTNAME_RE.match(value) or (":" in value and _IPV6_RE.match(value)):
+    if _HOSTNAME_RE.match(value) or _IPV6_RE.match(value):
         return value
     raise ValueError("not a valid host name or address")
 
@@ -69,18 +91,16 @@ def split_host(text: str) -> tuple[str | None, str, int | None]:
     user = None
     if "@" in text:
         user, text = text.split("@", 1)
-        if not _USER_RE.match(user):
-            raise ValueError(f"invalid user name {user!r}")
-    port: int | None = None
+        _check_user(user)
+    port_text: str | None = None
     if text.startswith("["):
         addr, sep, rest = text[1:].partition("]")
-        if not sep or (rest and not rest.startswith(":")):
+        if not sep or not _IPV6_RE.match(addr) or (rest and not rest.startswith(":")):
             raise ValueError("invalid bracketed IPv6 address")
         text, port_text = addr, rest[1:] if rest else None
     elif text.count(":") == 1:
         text, port_text = text.split(":")
-    else:
-        port_text = None
+    port: int | None = None
     if port_text is not None:
         if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
             raise ValueError(f"invalid port {port_text!r}")
@@ -88,36 +108,30 @@ def split_host(text: str) -> tuple[str | None, str, int | None]:
     return user, _check_hostname(text), port
 
 
-class SSHOptions(_Model):
-    """Job-wide defaults for SSH nodes."""
+User = Annotated[str, AfterValidator(_check_user)]
+PathText = Annotated[str, AfterValidator(_check_path)]
+Address = Annotated[str, AfterValidator(_check_hostname)]
 
-    user: str | None = None
-    identity_file: str | None = None
-    known_hosts: str | None = Field(default=None, description="default: ~/.ssh/known_hosts")
+
+class SSHOptions(_Model):
+    """Job-wide defaults for SSH nodes; a node's own fields win."""
+
+    user: User | None = None
+    identity_file: PathText | None = None
+    known_hosts: PathText | None = Field(default=None, description="default: ~/.ssh/known_hosts")
     host_key_policy: Literal["reject", "accept-new"] = "reject"
     connect_timeout: Seconds = 10.0
 
-    @field_validator("user")
-    @classmethod
-    def _user(cls, v: str | None) -> str | None:
-        if v is not None and not _USER_RE.match(v):
-            raise ValueError("invalid user name")
-        return v
-
-    @field_validator("identity_file", "known_hosts")
-    @classmethod
-    def _path(cls, v: str | None) -> str | None:
-        return None if v is None else _no_control(v, "a path")
-
 
 class NodeSpec(_Model):
-    """One node: ``local`` (this machine, no SSH) or ``[user@]host[:port]`` over SSH."""
+    """One node: ``local`` (this machine, no SSH) or ``[user@]hostname[:port]`` over SSH."""
 
-    host: str
-    user: str | None = None
+    host: str = Field(description='"local", or "[user@]hostname[:port]" reached over SSH')
+    user: User | None = None
     port: Port | None = None
-    identity_file: str | None = None
-    address: str | None = Field(default=None, description="address other nodes reach this node at")
+    identity_file: PathText | None = None
+    address: Address | None = Field(
+        default=None, description="address other nodes reach this node at; default: hostname")
 
     @field_validator("host")
     @classmethod
@@ -126,40 +140,30 @@ class NodeSpec(_Model):
             split_host(v)
         return v
 
-    @field_validator("user")
-    @classmethod
-    def _user(cls, v: str | None) -> str | None:
-        if v is not None and not _USER_RE.match(v):
-            raise ValueError("invalid user name")
-        return v
-
-    @field_validator("identity_file")
-    @classmethod
-    def _identity(cls, v: str | None) -> str | None:
-        return None if v is None else _no_control(v, "a path")
-
-    @field_validator("address")
-    @classmethod
-    def _address(cls, v: str | None) -> str | None:
-        return None if v is None else _check_hostname(v)
-
     @model_validator(mode="after")
     def _consistent(self) -> NodeSpec:
         if self.is_local:
+            # Silently ignoring SSH settings on a local node would hide a mistaken host.
+            for name in ("user", "port", "identity_file"):
+                if getattr(self, name) is not None:
+                    raise _FieldError(name, "does not apply to a local node (no SSH)",
+                                      getattr(self, name))
             return self
         user, _, port = split_host(self.host)
         if user and self.user and user != self.user:
-            raise ValueError(f"user {self.user!r} contradicts the host string's {user!r}")
+            raise _FieldError("user", f"contradicts the user {user!r} in host", self.user)
         if port and self.port and port != self.port:
-            raise ValueError(f"port {self.port} contradicts the host string's {port}")
+            raise _FieldError("port", f"contradicts the port {port} in host", self.port)
         return self
 
     @property
     def is_local(self) -> bool:
+        """True for ``host: local``: run on this machine, without SSH."""
         return self.host == "local"
 
     @property
     def hostname(self) -> str:
+        """The host name or address alone (``localhost`` for a local node)."""
         return "localhost" if self.is_local else split_host(self.host)[1]
 
     @property
@@ -177,13 +181,16 @@ class RendezvousSpec(_Model):
     """How workers find each other: torchrun's static rendezvous, or torch's c10d."""
 
     backend: Literal["static", "c10d"] = "static"
-    port: Literal["auto"] | Port = "auto"
-    master_addr: str | None = None
+    port: Literal["auto"] | Port = Field(default="auto", description='"auto" picks a free port')
+    master_addr: Address | None = None
 
-    @field_validator("master_addr")
+    @field_validator("port", mode="before")
     @classmethod
-    def _addr(cls, v: str | None) -> str | None:
-        return None if v is None else _check_hostname(v)
+    def _port(cls, v: Any) -> Any:
+        # One message for both arms of the union, instead of pydantic's "should be 'auto'".
+        if v == "auto" or (type(v) is int and 1 <= v <= 65535):
+            return v
+        raise ValueError('must be "auto" or a port number 1..65535')
 
 
 class HealthSpec(_Model):
@@ -191,12 +198,13 @@ class HealthSpec(_Model):
 
     heartbeat_interval: Seconds = 1.0
     node_timeout: Seconds = 5.0
-    hang_timeout: Seconds | None = None
+    hang_timeout: Seconds | None = Field(default=None, description="no output for this long")
 
     @model_validator(mode="after")
     def _order(self) -> HealthSpec:
         if self.node_timeout <= self.heartbeat_interval:
-            raise ValueError("node_timeout must be longer than heartbeat_interval")
+            raise _FieldError("node_timeout", "must be longer than heartbeat_interval "
+                              f"({self.heartbeat_interval:g})", self.node_timeout)
         return self
 
 
@@ -209,7 +217,7 @@ class BackoffSpec(_Model):
     @model_validator(mode="after")
     def _order(self) -> BackoffSpec:
         if self.max < self.initial:
-            raise ValueError("max must be at least initial")
+            raise _FieldError("max", f"must be at least initial ({self.initial:g})", self.max)
         return self
 
 
@@ -218,17 +226,20 @@ class JobSpec(_Model):
 
     name: str = "job"
     nodes: tuple[NodeSpec, ...] = ()
-    hostfile: str | None = Field(default=None, description="DeepSpeed-style 'host slots=N' file")
+    hostfile: PathText | None = Field(
+        default=None, description="DeepSpeed-style 'hostname slots=N' file, instead of nodes")
     nproc_per_node: Annotated[StrictInt, Field(ge=1)] = 1
-    nnodes: str | StrictInt | None = Field(default=None, description='"MIN:MAX", "N" or N')
-    command: tuple[str, ...]
-    workdir: str = "."
+    nnodes: str | StrictInt | None = Field(
+        default=None, description='"MIN:MAX", "N" or N; default: every node')
+    command: tuple[str, ...] = Field(description="argv, or a string split like a shell does")
+    workdir: PathText = Field(default=".", description="relative to the spec file")
     env: dict[str, str] = Field(default_factory=dict)
     max_restarts: Annotated[StrictInt, Field(ge=0)] = 0
-    fail_on_exit_codes: tuple[Annotated[StrictInt, Field(ge=1, le=255)], ...] = ()
+    fail_on_exit_codes: tuple[Annotated[StrictInt, Field(ge=1, le=255)], ...] = Field(
+        default=(), description="exit codes that fail the job without a restart")
     stop_grace_period: Seconds = 10.0
     launch_timeout: Seconds = 60.0
-    python: str = "python3"
+    python: str = Field(default="python3", description="interpreter for the agent on SSH nodes")
     rendezvous: RendezvousSpec = RendezvousSpec()
     restart_backoff: BackoffSpec = BackoffSpec()
     health: HealthSpec = HealthSpec()
@@ -252,21 +263,19 @@ class JobSpec(_Model):
         if isinstance(v, (list, tuple)):
             if not v:
                 raise ValueError("must not be empty")
-            for item in v:
+            if v[0] == "":
+                raise _FieldError("[0]", "the program must not be empty", "")
+            for i, item in enumerate(v):
                 if isinstance(item, str) and "\0" in item:
-                    raise ValueError("arguments must not contain NUL")
+                    raise _FieldError(f"[{i}]", "must not contain NUL", item)
         return v
-
-    @field_validator("workdir", "hostfile")
-    @classmethod
-    def _path(cls, v: str | None) -> str | None:
-        return None if v is None else _no_control(v, "a path")
 
     @field_validator("python")
     @classmethod
     def _python(cls, v: str) -> str:
         if not _PYTHON_RE.match(v):
-            raise ValueError("must be a program name or path without spaces or shell characters")
+            raise ValueError("must be a program name or path of [A-Za-z0-9_./+-], not starting "
+                             "with -")
         return v
 
     @field_validator("env", mode="before")
@@ -277,32 +286,35 @@ class JobSpec(_Model):
         out = {}
         for key, value in v.items():
             if not isinstance(key, str) or not _ENV_NAME_RE.match(key):
-                raise ValueError(f"{key!r} is not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)")
+                raise _FieldError(str(key), "not a valid variable name ([A-Za-z_][A-Za-z0-9_]*)",
+                                  key)
             if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIXES):
-                raise ValueError(f"{key} is set by the orchestrator and cannot be overridden")
-            if isinstance(value, bool) or value is None or not isinstance(value, (str, int, float)):
-                raise ValueError(f"{key}: value must be a string or a number, got {value!r}")
+                raise _FieldError(key, "is set by the orchestrator and cannot be overridden", key)
+            # 3 and 0.5 are clearly meant as text; true/null are not (YAML's "yes" is a bool).
+            if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+                raise _FieldError(key, "value must be a string or a number (quote it)", value)
             value = str(value)
             if "\0" in value or "\n" in value or "\r" in value:
-                raise ValueError(f"{key}: value must not contain NUL or newline characters")
+                raise _FieldError(key, "value must not contain NUL or newline characters", value)
             out[key] = value
         return out
 
-    @field_validator("nnodes")
+    @field_validator("nnodes", mode="before")
     @classmethod
-    def _nnodes(cls, v: str | int | None) -> str | int | None:
+    def _nnodes(cls, v: Any) -> Any:
         if v is not None:
             _parse_nnodes(v)
         return v
 
     @model_validator(mode="after")
     def _nodes(self) -> JobSpec:
-        if self.hostfile is None and not self.nodes:
-            raise _FieldError("nodes", "at least one node is required (nodes or hostfile)")
-        if self.hostfile is not None and self.nodes:
-            raise _FieldError("hostfile", "give nodes or hostfile, not both")
         if self.hostfile is not None:
-            return self  # load_jobspec expands it, then validates again
+            if self.nodes:
+                raise _FieldError("hostfile", "give nodes or hostfile, not both", self.hostfile)
+            raise _FieldError("hostfile", "is expanded into nodes by load_jobspec() and "
+                              "parse_jobspec(); validate the YAML through them", self.hostfile)
+        if not self.nodes:
+            raise _FieldError("nodes", "at least one node is required (nodes or hostfile)")
         seen: dict[tuple[str | None, str, int], int] = {}
         for i, node in enumerate(self.nodes):
             if node.is_local:
@@ -313,39 +325,32 @@ class JobSpec(_Model):
                                   f"duplicate host (same as nodes[{seen[key]}])", node.host)
             seen[key] = i
         lo, hi = self.min_nodes, self.max_nodes
+        if lo > hi:
+            raise _FieldError("nnodes", "MIN is larger than MAX", self.nnodes)
         if hi > len(self.nodes):
             raise _FieldError("nnodes", f"MAX {hi} is more than the {len(self.nodes)} node(s)",
                               self.nnodes)
-        if lo > hi:
-            raise _FieldError("nnodes", "MIN is larger than MAX", self.nnodes)
         return self
 
     @property
     def min_nodes(self) -> int:
+        """Fewest nodes the job runs on (nnodes MIN; default: every node)."""
         return _parse_nnodes(self.nnodes)[0] if self.nnodes is not None else len(self.nodes)
 
     @property
     def max_nodes(self) -> int:
+        """Most nodes the job runs on (nnodes MAX; default: every node)."""
         return _parse_nnodes(self.nnodes)[1] if self.nnodes is not None else len(self.nodes)
 
 
-class _FieldError(ValueError):
-    """A model-level check that knows the exact field at fault."""
-
-    def __init__(self, field: str, message: str, value: Any = ...):
-        super().__init__(message)
-        self.field, self.message, self.value = field, message, value
-
-
-def _parse_nnodes(v: str | int) -> tuple[int, int]:
-    if isinstance(v, int):
+def _parse_nnodes(v: Any) -> tuple[int, int]:
+    if type(v) is int:
         lo = hi = v
-    else:
-        m = re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", v)
-        if not m:
-            raise ValueError('must be "MIN:MAX" or a number of nodes')
+    elif isinstance(v, str) and (m := re.fullmatch(r"\s*(\d+)\s*(?::\s*(\d+)\s*)?", v)):
         lo = int(m.group(1))
         hi = int(m.group(2)) if m.group(2) else lo
+    else:
+        raise ValueError('must be "MIN:MAX", "N" or a whole number of nodes')
     if lo < 1:
         raise ValueError("needs at least 1 node")
     return lo, hi
@@ -353,28 +358,60 @@ def _parse_nnodes(v: str | int) -> tuple[int, int]:
 
 # --- loading -------------------------------------------------------------------------------
 
-MAX_EXPANDED_NODES = 100_000
+_STR_TAG = "tag:yaml.org,2002:str"
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-def _check_tree(node: yaml.Node, path: str = "", memo: dict[int, int] | None = None) -> int:
-    """Refuse duplicate keys (naming their path) and count the nodes the document expands
-    to, aliases included, so an alias bomb is refused before anything is built."""
-    memo = {} if memo is None else memo
-    if id(node) in memo:  # an alias: its anchor was counted once, it costs that much again
+class _SpecLoader(yaml.SafeLoader):
+    """SafeLoader that refuses deep nesting while composing: the composer recurses once per
+    level, so 10 000 ``[`` would otherwise end in a RecursionError instead of an error."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        self._depth += 1
+        try:
+            if self._depth > MAX_DEPTH:
+                raise yaml.composer.ComposerError(
+                    None, None, f"nested deeper than {MAX_DEPTH} levels",
+                    self.peek_event().start_mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+def _check_tree(node: yaml.Node, path: str, memo: dict[int, int], active: set[int]) -> int:
+    """Walk the composed document before anything is built: refuse duplicate keys (naming
+    their path) and self-referencing aliases, make every key a string, and count the values
+    the document expands to, so an alias bomb is refused in microseconds. Returns that count."""
+    if id(node) in active:
+        raise SpecError(path, "a YAML alias refers to a value that contains it")
+    if id(node) in memo:  # an alias: already checked, and it costs its size again
         return memo[id(node)]
+    active.add(id(node))
     size = 1
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
-            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise SpecError(path, f"line {key_node.start_mark.line + 1}: keys must be "
+                                      "plain names")
+            # Every key is a name (field or variable): without this YAML 1.1 turns ON, no
+            # and 1 into bools and ints. Merge keys (<<) keep their meaning.
+            if key_node.tag != _MERGE_TAG:
+                key_node.tag = _STR_TAG
+            key = key_node.value
             child = f"{path}.{key}" if path else key
             if key in seen:
                 raise SpecError(child, f"duplicate key (line {key_node.start_mark.line + 1})")
             seen.add(key)
-            size += _check_tree(value_node, child, memo)
+            size += _check_tree(value_node, child, memo, active)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            size += _check_tree(item, f"{path}[{i}]", memo)
+            size += _check_tree(item, f"{path}[{i}]", memo, active)
+    active.discard(id(node))
     memo[id(node)] = size
     if size > MAX_EXPANDED_NODES:
         raise SpecError(path, f"the YAML expands to more than {MAX_EXPANDED_NODES} values "
@@ -382,52 +419,81 @@ def _check_tree(node: yaml.Node, path: str = "", memo: dict[int, int] | None = N
     return size
 
 
-def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".") -> JobSpec:
-    """Validate a spec given as YAML text; ``hostfile`` is read relative to ``base_dir``."""
-    if len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
-        raise SpecError("", f"spec is larger than {MAX_SPEC_BYTES} bytes")
+def _load_yaml(text: str) -> dict[str, Any]:
+    """One YAML document that is a mapping, or a SpecError."""
+    loader = _SpecLoader(text)
     try:
-        loader = yaml.SafeLoader(text)
-        try:
-            if not loader.check_node():
-                raise SpecError("", "the spec is empty; expected a mapping")
-            root = loader.get_node()
-            assert root is not None  # check_node() said there is one
-            if loader.check_node():
-                raise SpecError("", "several YAML documents; expected exactly one")
-            _check_tree(root)
-            data = loader.construct_document(root)
-        finally:
-            loader.dispose()
+        if not loader.check_node():
+            raise SpecError("", "the spec is empty; expected a mapping of fields")
+        root = loader.get_node()
+        assert root is not None  # check_node() said there is one
+        if loader.check_node():
+            raise SpecError("", "several YAML documents; expected exactly one")
+        _check_tree(root, "", {}, set())
+        data = loader.construct_document(root)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         raise SpecError("", f"invalid YAML: {where}{exc.problem or exc}") from None
     except yaml.YAMLError as exc:
         raise SpecError("", f"invalid YAML: {exc}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        raise SpecError("", "the spec is empty; expected a mapping of fields")
     if not isinstance(data, dict):
-        raise SpecError("", f"the spec must be a mapping of fields, not {type(data).__name__}")
-    if isinstance(data.get("hostfile"), str) and "nodes" not in data:
-        data = _expand_hostfile(data, Path(base_dir))
-    return validate_jobspec(data)
+        raise SpecError("", f"the spec must be a mapping of fields, not a {type(data).__name__}",
+                        data, has_value=True)
+    return data
 
 
-def load_jobspec(path: str | os.PathLike[str]) -> JobSpec:
-    """Read, parse and validate a YAML job spec file."""
-    path = Path(path)
+def _read_text(path: Path, field: str, what: str) -> str:
+    """Read a small UTF-8 file; the size is checked before reading, and the read is capped
+    in case the file grows or is not a regular file."""
     try:
         size = path.stat().st_size
         if size > MAX_SPEC_BYTES:
-            raise SpecError("", f"{path}: spec is larger than {MAX_SPEC_BYTES} bytes ({size})")
+            raise SpecError(field, f"{what} {path} is larger than {MAX_SPEC_BYTES} bytes ({size})")
         with open(path, "rb") as f:
             raw = f.read(MAX_SPEC_BYTES + 1)
     except OSError as exc:
-        raise SpecError("", f"cannot read spec file {path}: {exc.strerror or exc}") from None
+        raise SpecError(field, f"cannot read {what} {path}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_SPEC_BYTES:
+        raise SpecError(field, f"{what} {path} is larger than {MAX_SPEC_BYTES} bytes")
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise SpecError("", f"{path} is not UTF-8 (byte {exc.start})") from None
-    return parse_jobspec(text, base_dir=path.resolve().parent)
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise SpecError(field, f"{what} {path} is not UTF-8 (line {line}, byte {exc.start})"
+                        ) from None
+
+
+def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".") -> JobSpec:
+    """Validate a spec given as YAML text; ``hostfile`` is read relative to ``base_dir``."""
+    if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
+        raise SpecError("", f"the spec is larger than {MAX_SPEC_BYTES} bytes")
+    data = _load_yaml(text)
+    if not isinstance(data.get("hostfile"), str):
+        return validate_jobspec(data)
+    if "nodes" in data:
+        raise SpecError("hostfile", "give nodes or hostfile, not both", data["hostfile"],
+                        has_value=True)
+    data, lines = _expand_hostfile(data, Path(base_dir))
+    try:
+        return validate_jobspec(data)
+    except SpecError as exc:
+        # The user wrote a hostfile, not nodes[i]: point at its line instead.
+        m = re.match(r"nodes\[(\d+)\]", exc.field)
+        if not m:
+            raise
+        raise SpecError("hostfile", f"line {lines[int(m[1])]}: {exc.message}", exc.value,
+                        has_value=exc.has_value) from None
+
+
+def load_jobspec(path: str | os.PathLike[str]) -> JobSpec:
+    """Read, parse and validate a YAML job spec file (at most 1 MiB of UTF-8)."""
+    path = Path(path)
+    return parse_jobspec(_read_text(path, "", "spec file"), base_dir=path.resolve().parent)
 
 
 def validate_jobspec(data: dict[str, Any]) -> JobSpec:
@@ -438,38 +504,49 @@ def validate_jobspec(data: dict[str, Any]) -> JobSpec:
         raise _spec_error(exc, data) from None
 
 
-def _expand_hostfile(data: dict[str, Any], base_dir: Path) -> dict[str, Any]:
-    path = base_dir / os.path.expanduser(data["hostfile"])
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError("hostfile", f"cannot read {path}: {exc}", data["hostfile"],
-                        has_value=True) from None
-    nodes, slots = [], set()
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
+def _expand_hostfile(data: dict[str, Any], base_dir: Path) -> tuple[dict[str, Any], list[int]]:
+    """Replace ``hostfile`` by ``nodes`` (and ``nproc_per_node`` from ``slots``); also return
+    each node's line number in the hostfile."""
+    given = data["hostfile"]
+    path = base_dir / os.path.expanduser(given)
+    text = _read_text(path, "hostfile", "hostfile")
+    nodes: list[dict[str, str]] = []
+    lines: list[int] = []
+    slots: list[int | None] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        parts = line.split()
-        host, extra = parts[0], parts[1:]
-        for item in extra:
-            if not re.fullmatch(r"slots=\d+", item):
-                raise SpecError("hostfile", f"{path} line {number}: expected 'host slots=N'",
-                                line, has_value=True)
-            slots.add(int(item.split("=")[1]))
+        host, *extra = line.split()
+        m = re.fullmatch(r"slots=([1-9][0-9]*)", extra[0]) if len(extra) == 1 else None
+        if extra and not m:
+            raise SpecError("hostfile", f"{given} line {number}: expected 'hostname slots=N'",
+                            line, has_value=True)
+        try:
+            if host != "local":
+                split_host(host)
+        except ValueError as exc:
+            raise SpecError("hostfile", f"{given} line {number}: {exc}", host,
+                            has_value=True) from None
         nodes.append({"host": host})
-    if len(slots) > 1:
-        raise SpecError("hostfile", f"{path}: all hosts need the same slots (got "
-                        f"{sorted(slots)})", data["hostfile"], has_value=True)
+        lines.append(number)
+        slots.append(int(m[1]) if m else None)
+    if not nodes:
+        raise SpecError("hostfile", f"{path} lists no hosts", given, has_value=True)
+    if len(set(slots)) > 1:
+        shown = ", ".join(sorted({"none" if s is None else str(s) for s in slots}))
+        raise SpecError("hostfile", f"every host needs the same slots=N (found {shown})", given,
+                        has_value=True)
     out = {k: v for k, v in data.items() if k != "hostfile"}
     out["nodes"] = nodes
-    if slots:
-        (n,) = slots
-        if "nproc_per_node" in data and data["nproc_per_node"] != n:
-            raise SpecError("nproc_per_node", f"contradicts slots={n} in the hostfile",
-                            data["nproc_per_node"], has_value=True)
-        out["nproc_per_node"] = n
-    return out
+    if slots[0] is not None:
+        nproc = data.get("nproc_per_node")
+        if nproc is None:
+            out["nproc_per_node"] = slots[0]
+        elif type(nproc) is int and nproc != slots[0]:  # other types: the model says why
+            raise SpecError("nproc_per_node", f"contradicts slots={slots[0]} in the hostfile",
+                            nproc, has_value=True)
+    return out, lines
 
 
 def _path_text(loc: tuple[Any, ...]) -> str:
@@ -477,7 +554,7 @@ def _path_text(loc: tuple[Any, ...]) -> str:
     for part in loc:
         if isinstance(part, int):
             text += f"[{part}]"
-        else:
+        elif part:
             text += ("." if text else "") + str(part)
     return text
 
@@ -495,29 +572,46 @@ _MODELS: dict[str, type[BaseModel]] = {
     "": JobSpec, "nodes": NodeSpec, "rendezvous": RendezvousSpec, "health": HealthSpec,
     "restart_backoff": BackoffSpec, "ssh": SSHOptions,
 }
+_MESSAGES = {
+    "model_type": "must be a mapping",
+    "model_attributes_type": "must be a mapping",
+    "dict_type": "must be a mapping",
+    "tuple_type": "must be a list",
+    "int_type": "must be a whole number (not a boolean, fraction or string)",
+    "int_from_float": "must be a whole number (not a boolean, fraction or string)",
+    "float_type": "must be a number (not a boolean or string)",
+    "finite_number": "must be a finite number",
+}
 
 
 def _spec_error(exc: ValidationError, data: dict[str, Any]) -> SpecError:
+    """The first pydantic error as a SpecError with a clean path and a short message."""
     err = exc.errors()[0]
+    # Drop the parts of loc that name validators or union arms rather than fields.
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (
-        p.startswith(("function-", "json-or-python", "literal[")) or p in ("int", "str", "float"))))
+        p.startswith(("function-", "json-or-python", "literal[", "constrained-"))
+        or p in ("int", "str", "float"))))
+    field = _path_text(loc)
     ctx_error = (err.get("ctx") or {}).get("error")
     if isinstance(ctx_error, _FieldError):
+        sub = ctx_error.field
+        field = f"{field}{sub}" if sub.startswith("[") or not field else f"{field}.{sub}"
         has = ctx_error.value is not ...
-        return SpecError(ctx_error.field, ctx_error.message, ctx_error.value if has else None,
+        return SpecError(field, ctx_error.message, ctx_error.value if has else None,
                          has_value=has)
-    field = _path_text(loc)
     has_value, value = _value_at(data, loc)
-    if err["type"] == "extra_forbidden":
-        parent = str(loc[0]) if len(loc) > 1 and isinstance(loc[0], str) else ""
-        model = _MODELS.get(parent, JobSpec)
-        close = difflib.get_close_matches(str(loc[-1]), list(model.model_fields), n=1)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        return SpecError(field, f"unknown field{hint}")
-    if err["type"] == "missing":
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        parent = str(loc[0]) if len(loc) > 1 else ""
+        fields = list(_MODELS.get(parent, JobSpec).model_fields)
+        close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else f"expected one of {', '.join(fields)}"
+        return SpecError(field, f"unknown field; {hint}")
+    if kind == "missing":
         return SpecError(field, "required field is missing")
-    message = err["msg"].removeprefix("Value error, ")
-    if err["type"] in ("int_type", "int_parsing", "int_from_float") and \
-            isinstance(value, (bool, float, str)):
-        message = "must be a whole number (not a boolean, fraction or string)"
+    if kind == "string_type" and isinstance(value, (int, float)):
+        message = f'must be a string; quote it in YAML ("{value}")'
+    else:
+        message = _MESSAGES.get(kind) or err["msg"].removeprefix("Value error, ").replace(
+            "Input should be", "must be")
     return SpecError(field, message, value, has_value=has_value)
