@@ -66,8 +66,9 @@ class Bench:
 
     # --- baselines over plain ssh -------------------------------------------------------
     def ssh(self, i: int, command: str, tag: str) -> subprocess.Popen:
-        remote = f"cd {shlex.quote(str(self.dir))} && env BENCH_TAG={tag} GLOO_SOCKET_IFNAME=eth0 " \
-                 f"{command}"
+        remote = (f"cd {shlex.quote(str(self.dir))} && "
+                  f"env BENCH_TAG={tag} GLOO_SOCKET_IFNAME=eth0 "
+                  f"{command}")
         return subprocess.Popen(["ssh", "-F", str(self.c.ssh_config), self.hosts[i].alias,
                                  remote], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)

@@ -1,4 +1,5 @@
-"""Regenerate ``jobspecs/jobspec.schema.json`` from the JobSpec model:
+"""Regenerate ``jobspecs/jobspec.schema.json`` from the JobSpec model (a unit test checks
+that the committed file is current)::
 
     python -m orchestrator._schema
 """
@@ -14,6 +15,7 @@ SCHEMA_PATH = Path(__file__).resolve().parent.parent / "jobspecs" / "jobspec.sch
 
 
 def schema_text() -> str:
+    """The JSON Schema of a job spec, as the committed file holds it."""
     schema = JobSpec.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
     schema["title"] = "orchestrator job spec"

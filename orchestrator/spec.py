@@ -360,6 +360,7 @@ def _parse_nnodes(v: Any) -> tuple[int, int]:
 
 _STR_TAG = "tag:yaml.org,2002:str"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -407,6 +408,10 @@ def _check_tree(node: yaml.Node, path: str, memo: dict[int, int], active: set[in
             if key in seen:
                 raise SpecError(child, f"duplicate key (line {key_node.start_mark.line + 1})")
             seen.add(key)
+            # An env value is text: keep it as written, since 1.10 and 0x10 are not 1.1 and 16.
+            if path == "env" and isinstance(value_node, yaml.ScalarNode) and \
+                    value_node.tag in _NUMBER_TAGS:
+                value_node.tag = _STR_TAG
             size += _check_tree(value_node, child, memo, active)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
@@ -610,7 +615,8 @@ def _spec_error(exc: ValidationError, data: dict[str, Any]) -> SpecError:
     if kind == "missing":
         return SpecError(field, "required field is missing")
     if kind == "string_type" and isinstance(value, (int, float)):
-        message = f'must be a string; quote it in YAML ("{value}")'
+        shown = str(value).lower() if isinstance(value, bool) else value
+        message = f'must be a string; quote it in YAML ("{shown}")'
     else:
         message = _MESSAGES.get(kind) or err["msg"].removeprefix("Value error, ").replace(
             "Input should be", "must be")
