@@ -47,10 +47,12 @@ import json
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any, BinaryIO
@@ -95,6 +97,13 @@ def _set_pdeathsig() -> None:
     # parent): if the agent dies, the kernel kills the worker.
     if _prctl is not None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # real-time signals have no name
+        return f"SIG{number}"
 
 
 def processes_with_token(token: str) -> list[int]:
@@ -153,11 +162,11 @@ def interface_for(address: str) -> str | None:
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(sockaddr)  # UDP connect sends nothing: it only picks the route
             local_ip = probe.getsockname()[0]
+        if local_ip.startswith("127.") or local_ip == "::1":
+            return "lo"
+        return _interface_with_address(local_ip)
     except OSError:
         return None
-    if local_ip.startswith("127.") or local_ip == "::1":
-        return "lo"
-    return _interface_with_address(local_ip)
 
 
 def _interface_with_address(ip: str) -> str | None:
@@ -244,7 +253,7 @@ class Worker:
         # Report the exit after the last output line, unless a stray child holds the pipe.
         for t in self._readers:
             t.join(timeout=2.0)
-        exit_code, sig = (code, None) if code >= 0 else (None, signal.Signals(-code).name)
+        exit_code, sig = (code, None) if code >= 0 else (None, signal_name(-code))
         self.agent.channel.send(
             "exited",
             self.attempt,
@@ -276,7 +285,8 @@ class Agent:
     def __init__(self, channel: Channel):
         self.channel = channel
         self.token = secrets.token_hex(16)
-        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        # SimpleQueue: put() is safe in a signal handler, Queue.put() can deadlock there.
+        self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.workers: list[Worker] = []
         self.attempt = 0
         self.job_id = ""
@@ -292,7 +302,8 @@ class Agent:
     # --- input -------------------------------------------------------------------------
     def read_commands(self, stream: BinaryIO) -> None:
         for raw in iter(lambda: stream.readline(MAX_COMMAND), b""):
-            try:
+            self.last_heard = time.monotonic()  # here, not in the main loop: a slow op
+            try:                                # must not make queued pings look late
                 msg = json.loads(raw)
             except ValueError:
                 self.channel.send("error", self.attempt, message="unparsable command line")
@@ -310,9 +321,6 @@ class Agent:
                 next_beat = now + self.heartbeat_interval
                 if self._workers_touched_heartbeat():
                     self.channel.send("progress", self.attempt)
-            if self.peer_timeout and now - self.last_heard > self.peer_timeout:
-                self.stop_workers(grace=0.0)  # the controller is gone: nobody will stop us
-                return 3
             try:
                 kind, msg = self.events.get(timeout=max(0.0, next_beat - time.monotonic()))
             except queue.Empty:
@@ -323,7 +331,6 @@ class Agent:
             if kind == "signal":
                 self.stop_workers(grace=2.0)
                 return 128 + msg
-            self.last_heard = time.monotonic()
             op = msg.get("op")
             if op == "shutdown":
                 self.stop_workers(grace=2.0)
@@ -336,6 +343,18 @@ class Agent:
                 handler(msg)
             except Exception as exc:  # report, never die: the controller decides
                 self.channel.send("error", self.attempt, message=f"{op}: {exc!r}")
+
+    def watch_controller(self) -> None:
+        """Stop the workers and exit once the controller has been silent for peer_timeout.
+
+        Its own thread, touching neither the channel nor the event queue: when the link to
+        the controller is cut, a write to stdout can block the main loop for good.
+        """
+        while True:
+            time.sleep(0.2)
+            if self.peer_timeout and time.monotonic() - self.last_heard > self.peer_timeout:
+                self.stop_workers(grace=0.0)  # nobody is left to stop them
+                os._exit(3)
 
     def _workers_touched_heartbeat(self) -> bool:
         """Did any worker call orchestrator.heartbeat() since the last check?"""
@@ -357,10 +376,9 @@ class Agent:
         self.node_index = int(msg.get("node_index", 0))
         self.heartbeat_interval = float(msg.get("heartbeat_interval", 1.0))
         self.peer_timeout = float(msg.get("peer_timeout", 0.0))
-        base = os.environ.get("TMPDIR", "/tmp")
-        self.state_dir = os.path.join(base, f"orchestrator-{os.getuid()}", self.job_id,
-                                      f"node-{self.node_index}-{os.getpid()}")
-        os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+        if not self.state_dir:
+            # Our own fresh 0700 directory: never one another user could have planted.
+            self.state_dir = tempfile.mkdtemp(prefix=f"orchestrator-{self.job_id[:40]}-")
         self.channel.send(
             "hello",
             self.attempt,
@@ -410,6 +428,7 @@ class Agent:
         self.attempt = int(msg["attempt"])
         workdir = os.path.expanduser(msg.get("workdir") or ".")
         base_env = dict(os.environ)
+        base_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, unless set here
         base_env.update(msg.get("env", {}))
         iface = interface_for(msg["master_addr"]) if msg.get("master_addr") else None
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
@@ -418,28 +437,10 @@ class Agent:
         base_env[TOKEN_VAR] = self.token
         attempt_dir = os.path.join(self.state_dir, f"attempt-{self.attempt}")
         for spec in msg["workers"]:
-            env = dict(base_env)
-            env.update(spec.get("env", {}))
-            label = spec.get("rank") if spec.get("rank") is not None else "node"
-            error_file = os.path.join(attempt_dir, f"rank-{label}", "error.json")
-            os.makedirs(os.path.dirname(error_file), mode=0o700, exist_ok=True)
-            env.setdefault("TORCHELASTIC_ERROR_FILE", error_file)
-            env["ORCHESTRATOR_HEARTBEAT_FILE"] = os.path.join(os.path.dirname(error_file),
-                                                              "heartbeat")
-            spec = {**spec, "env": env}
             try:
-                proc = subprocess.Popen(
-                    spec["argv"],
-                    cwd=workdir,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    start_new_session=True,  # own process group: one killpg reaches its children
-                    preexec_fn=_set_pdeathsig,
-                )
-            except OSError as exc:
-                error = f"{spec['argv'][0]}: {exc.strerror or exc}"
+                proc, spec = self._spawn(spec, base_env, attempt_dir, workdir)
+            except Exception as exc:  # the controller must hear of every rank, or it waits
+                error = f"{spec['argv'][0]}: {getattr(exc, 'strerror', None) or exc}"
                 self.channel.send("spawn_failed", self.attempt, rank=spec.get("rank"),
                                   local_rank=spec.get("local_rank"), error=error)
                 continue
@@ -447,9 +448,34 @@ class Agent:
                               local_rank=spec.get("local_rank"), pid=proc.pid)
             self.workers.append(Worker(self, self.attempt, spec, proc))
 
+    def _spawn(self, spec: dict[str, Any], base_env: dict[str, str], attempt_dir: str,
+               workdir: str) -> tuple[subprocess.Popen, dict[str, Any]]:
+        env = dict(base_env)
+        env.update(spec.get("env", {}))
+        label = spec.get("rank") if spec.get("rank") is not None else "node"
+        rank_dir = os.path.join(attempt_dir, f"rank-{label}")
+        os.makedirs(rank_dir, mode=0o700, exist_ok=True)
+        env["TORCHELASTIC_ERROR_FILE"] = os.path.join(rank_dir, "error.json")  # never shared
+        env["ORCHESTRATOR_HEARTBEAT_FILE"] = os.path.join(rank_dir, "heartbeat")
+        spec = {**spec, "env": env}
+        proc = subprocess.Popen(
+            spec["argv"],
+            cwd=workdir,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,  # own process group: one killpg reaches its children
+            preexec_fn=_set_pdeathsig,
+        )
+        return proc, spec
+
     def op_stop(self, msg: dict[str, Any]) -> None:
         attempt = int(msg.get("attempt", self.attempt))
         grace = float(msg.get("grace", 5.0))
+        if attempt != self.attempt:  # a late stop of an older attempt: those are gone
+            self.channel.send("stopped", attempt)
+            return
         # Stopping can take the whole grace period: do it aside so heartbeats keep flowing.
         threading.Thread(target=self._stop_and_report, args=(attempt, grace), daemon=True).start()
 
@@ -488,9 +514,12 @@ def main() -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _frame: agent.events.put(("signal", signum)))
     threading.Thread(target=agent.read_commands, args=(sys.stdin.buffer,), daemon=True).start()
-    code = agent.run()
-    sys.stdout.flush()
-    return code
+    threading.Thread(target=agent.watch_controller, daemon=True).start()
+    try:
+        return agent.run()
+    finally:
+        if agent.state_dir:
+            shutil.rmtree(agent.state_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import signal
@@ -18,7 +19,7 @@ from orchestrator import preflight
 from orchestrator.errors import LaunchError
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
-from orchestrator.state import FailureCause, JobState
+from orchestrator.state import FailureCause, InvalidTransition, JobState
 from orchestrator.store import JobRecord, Store, check_job_id
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -67,7 +68,9 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
         log_path = store.job_dir(job_id) / "controller.log"
         env = dict(os.environ)
         env["ORCHESTRATOR_HOME"] = str(store.home)
-        # The controller must import this very package, installed or not.
+        # The controller must import this very package, installed or not; it puts the
+        # user's PYTHONPATH back (ORCHESTRATOR_USER_PYTHONPATH) for agents and workers.
+        env["ORCHESTRATOR_USER_PYTHONPATH"] = json.dumps(env.get("PYTHONPATH"))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         with open(log_path, "ab") as log:
             try:
@@ -213,7 +216,7 @@ def _checked_job(store: Store, job_id: str) -> JobRecord:
     # The only writer is gone (killed, machine rebooted): its agents saw their stdin close
     # and stopped their workers. Say so instead of showing RUNNING forever.
     job = store.get_job(job_id)
-    if not job.state.is_terminal():
+    try:
         if job.cancel_requested:
             store.set_state(job_id, JobState.CANCELLED)
         else:
@@ -221,6 +224,8 @@ def _checked_job(store: Store, job_id: str) -> JobRecord:
                 "cause": FailureCause.LAUNCH_FAILED.value,
                 "message": f"the job's controller (pid {job.controller_pid}) exited "
                            f"unexpectedly; see {store.job_dir(job_id) / 'controller.log'}"})
+    except InvalidTransition:
+        pass  # another reader (or the controller's last write) got there first
     return store.get_job(job_id)
 
 

@@ -14,7 +14,9 @@ Run it as ``python -m orchestrator.controller JOB_ID`` (``submit`` does).
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import queue
 import signal
 import sys
@@ -22,6 +24,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -39,6 +42,7 @@ log = logging.getLogger("orchestrator.controller")
 STDERR_TAIL = 20  # lines of a failing rank's stderr kept for the failure message
 POLL = 0.05  # seconds between checks of the cancel flag and timeouts when nothing arrives
 STOP_MARGIN = 10.0  # beyond the grace period, how long stopping may take before a node is LOST
+MAX_BATCH = 2000  # messages handled between two checks of cancel and health
 
 
 @dataclass
@@ -124,8 +128,11 @@ class Controller:
         self.connect = connect
         self.nodes = [Node(i, n) for i, n in enumerate(spec.nodes)]
         # (node index, the connection it came on, message or None at EOF); index -1 wakes up.
-        self.events: queue.Queue[tuple[int, Any, dict[str, Any] | None]] = queue.Queue()
-        self.cancel_event = threading.Event()
+        # SimpleQueue, because request_cancel() puts from a signal handler.
+        self.events: queue.SimpleQueue[tuple[int, Any, dict[str, Any] | None]] = \
+            queue.SimpleQueue()
+        self.cancel_requested = False
+        self._last_tick = time.monotonic()
         self.state = JobState.PENDING
         self.attempt = 0
         self.restarts = 0
@@ -202,11 +209,15 @@ class Controller:
         return self.restarts < self.spec.max_restarts
 
     def _final_failure(self, failure: Failure) -> dict[str, Any]:
+        """The job's failure: the last attempt's first failure, as ``root_cause``; the cause
+        is RESTARTS_EXHAUSTED when a restart budget was spent on it."""
         d = failure.to_dict()
+        d["root_cause"] = d["cause"]
         d["restarts_exhausted"] = (
             self.spec.max_restarts > 0 and self.restarts >= self.spec.max_restarts
         )
         if d["restarts_exhausted"]:
+            d["cause"] = FailureCause.RESTARTS_EXHAUSTED.value
             d["message"] += f" (after {self.restarts} restart(s), max_restarts reached)"
         return d
 
@@ -240,15 +251,22 @@ class Controller:
         """Start every agent in parallel and wait for their hello. Fewer than ``min_nodes``
         answering fails the launch, naming the first node that did not."""
         errors: dict[int, str] = {}
-        with ThreadPoolExecutor(max_workers=min(32, len(self.nodes))) as pool:
-            futures = {pool.submit(self._open_node, n): n for n in self.nodes}
-            for fut, node in futures.items():
-                try:
-                    fut.result()
-                except OrchestratorError as exc:
-                    errors[node.index] = str(exc)
-                except Exception as exc:
-                    errors[node.index] = f"{node.spec.host}: {exc!r}"
+        pool = ThreadPoolExecutor(max_workers=min(32, len(self.nodes)))
+        futures = {pool.submit(self._open_node, n): n for n in self.nodes}
+        try:
+            pending = set(futures)
+            while pending:  # connecting can take connect_timeout: cancel must still win
+                _, pending = futures_wait(pending, timeout=POLL)
+                self._last_tick = time.monotonic()
+                self._check_cancel()
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        for fut, node in futures.items():
+            exc = fut.exception()
+            if isinstance(exc, OrchestratorError):
+                errors[node.index] = str(exc)
+            elif exc is not None:
+                errors[node.index] = f"{node.spec.host}: {exc!r}"
 
         waiting = {n.index for n in self.nodes if n.index not in errors}
         deadline = time.monotonic() + self.spec.launch_timeout
@@ -265,7 +283,9 @@ class Controller:
                 if node.state == NodeState.CONNECTED:
                     waiting.discard(i)
                 elif node.state == NodeState.LOST:
-                    errors[i] = f"{node.spec.host}: agent exited before saying hello"
+                    tail = list(getattr(node.conn, "stderr_tail", []) or [])[-3:]
+                    errors[i] = f"{node.spec.host}: agent exited before saying hello" + (
+                        ": " + " | ".join(tail) if tail else "")
                     waiting.discard(i)
         for i, message in errors.items():
             node = self.nodes[i]
@@ -298,6 +318,13 @@ class Controller:
             node.reconnecting = False
 
     def _participants(self) -> list[Node]:
+        """The first ``max_nodes`` healthy nodes; waits up to launch_timeout for lost nodes
+        to rejoin while fewer than ``min_nodes`` are healthy."""
+        deadline = time.monotonic() + self.spec.launch_timeout
+        while (sum(n.connected for n in self.nodes) < self.spec.min_nodes
+               and any(n.reconnecting for n in self.nodes) and time.monotonic() < deadline):
+            self._pump(POLL)
+            self._check_cancel()
         healthy = [n for n in self.nodes if n.connected]
         if len(healthy) < self.spec.min_nodes:
             raise _LaunchFailed(Failure(
@@ -356,10 +383,15 @@ class Controller:
             })
 
         expected = sum(len(n.workers) for n in plan.nodes)
+        launch_deadline = time.monotonic() + self.spec.launch_timeout
         while self.failure is None:
             self._pump(POLL)
             self._check_cancel()
             self._check_health()
+            if self.state == JobState.LAUNCHING and time.monotonic() > launch_deadline:
+                self._fail(Failure(FailureCause.LAUNCH_FAILED,
+                                   f"only {len(self.started)} of {expected} workers started "
+                                   f"within launch_timeout ({self.spec.launch_timeout:g}s)"))
             if self.state == JobState.LAUNCHING and len(self.started) == expected:
                 self._set_state(JobState.RUNNING)
             if len(self.rank_exits) == expected and self.failure is None:
@@ -394,12 +426,14 @@ class Controller:
 
     # --- messages --------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
-        """Handle every message that arrives within ``timeout`` (at least one wait)."""
+        """Handle the messages that arrive within ``timeout``: a bounded batch, so that a
+        flood of output never keeps the loop from its cancel and health checks."""
+        self._last_tick = time.monotonic()
         try:
             index, conn, message = self.events.get(timeout=timeout)
         except queue.Empty:
             return
-        while True:
+        for _ in range(MAX_BATCH):
             if index >= 0 and conn is self.nodes[index].conn:  # else: a wake-up, or a stale channel
                 self._handle(self.nodes[index], message)
             try:
@@ -515,13 +549,16 @@ class Controller:
         """The controller's heartbeat, on its own thread so that no slow step delays it:
         an agent that stops hearing it stops its workers."""
         while not self.state.is_terminal():
-            for node in self.nodes:
-                conn = node.conn
-                if conn is not None:
-                    try:
-                        conn.send({"op": "ping"})
-                    except TransportError:
-                        pass  # the reader thread reports the closed channel
+            # A wedged main loop must not be kept alive by this thread: then the agents'
+            # own timeout stops the workers.
+            if time.monotonic() - self._last_tick < self.spec.health.node_timeout:
+                for node in self.nodes:
+                    conn = node.conn
+                    if conn is not None:
+                        try:
+                            conn.send({"op": "ping"})
+                        except Exception:
+                            pass  # the reader thread reports the closed channel
             time.sleep(self.spec.health.heartbeat_interval)
 
     def _check_health(self) -> None:
@@ -541,8 +578,8 @@ class Controller:
         if now >= self._next_cancel_check:
             self._next_cancel_check = now + 0.25
             if self.store.job_state(self.job_id)[1]:
-                self.cancel_event.set()
-        if self.cancel_event.is_set():
+                self.cancel_requested = True
+        if self.cancel_requested:
             raise Cancelled()
 
     def _sleep(self, seconds: float) -> None:
@@ -576,24 +613,31 @@ class Controller:
                 self._set_node(node, NodeState.STOPPED)
 
     def _shutdown(self) -> None:
-        for node in self.nodes:
-            if node.conn is not None:
-                try:
-                    node.conn.send({"op": "shutdown"})
-                except TransportError:
-                    pass
-        for node in self.nodes:
-            if node.conn is not None:
-                node.conn.close()
-                node.conn = None
-                if node.state not in (NodeState.LOST, NodeState.FAILED):
-                    self._set_node(node, NodeState.DONE)
+        """Tell every agent to exit and close its channel; in parallel, since closing an SSH
+        session waits for the remote exit status."""
+        open_nodes = [n for n in self.nodes if n.conn is not None]
+
+        def close(node: Node) -> None:
+            assert node.conn is not None
+            try:
+                node.conn.send({"op": "shutdown"})
+            except TransportError:
+                pass
+            node.conn.close()
+
+        if open_nodes:
+            with ThreadPoolExecutor(max_workers=min(32, len(open_nodes))) as pool:
+                list(pool.map(close, open_nodes))
+        for node in open_nodes:
+            node.conn = None
+            if node.state not in (NodeState.LOST, NodeState.FAILED):
+                self._set_node(node, NodeState.DONE)
         if self.sink:
             self.sink.close()
 
     def request_cancel(self) -> None:
         """Cancel from a signal handler or another thread."""
-        self.cancel_event.set()
+        self.cancel_requested = True
         self.events.put((-1, None, None))
 
 
@@ -607,8 +651,6 @@ def _error_file_message(content: str | None) -> str | None:
     """The first line of the message a worker wrote with torch's ``@record``."""
     if not content:
         return None
-    import json
-
     try:
         data = json.loads(content)
         message = data["message"]
@@ -623,10 +665,15 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the detached controller process: ``python -m orchestrator.controller ID``."""
     argv = sys.argv[1:] if argv is None else argv
     job_id = argv[0]
+    user_path = json.loads(os.environ.pop("ORCHESTRATOR_USER_PYTHONPATH", "null"))
+    if user_path is None:  # the submitting shell had none
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = user_path
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     store = Store()
     job = store.get_job(job_id)
-    store.update_job(job_id, controller_pid=__import__("os").getpid())
+    store.update_job(job_id, controller_pid=os.getpid())
     spec = JobSpec.model_validate_json(job.spec_json)
     controller = Controller(store, job_id, spec, job.spec_dir)
     for sig in (signal.SIGTERM, signal.SIGINT):

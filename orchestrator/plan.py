@@ -153,7 +153,6 @@ def plan_attempt(
                 )
                 for local in range(nproc)
             )
-        env.setdefault("OMP_NUM_THREADS", "1")
         workdir = spec.workdir
         if node.is_local:
             workdir = os.path.normpath(os.path.join(spec_dir, os.path.expanduser(workdir)))
@@ -168,7 +167,7 @@ def _torchrun_argv(spec: JobSpec, job_id: str, attempt: int, master_addr: str, p
     command = list(spec.command)
     python_first = os.path.basename(command[0]).startswith("python")
     launcher = [command[0], "-m", "torch.distributed.run"] if python_first else [
-        "python3", "-m", "torch.distributed.run", "--no-python"]
+        spec.python, "-m", "torch.distributed.run", "--no-python"]
     script = command[1:] if python_first else command
     rdzv_conf = "is_host=1" if is_host else "is_host=0"
     return (

@@ -138,18 +138,26 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
     wanted = spec.rendezvous.port if isinstance(spec.rendezvous.port, int) else 0
     master_port: int | None = None
     try:
+        listening: dict[str, Any] = {}
         if 0 in sessions:
-            listening = sessions[0].ask({"op": "listen", "port": wanted}, "listening")
+            try:
+                listening = sessions[0].ask({"op": "listen", "port": wanted}, "listening")
+            except OrchestratorError as exc:
+                reports[0].error = str(exc)
             if listening.get("ok"):
                 master_port = int(listening["port"])
-            else:
+            elif listening:
                 reports[0].error = f"cannot listen on port {wanted}: {listening.get('error')}"
 
         def probe(i: int) -> None:
             if master_port is None:
                 return
-            answer = sessions[i].ask({"op": "probe", "address": master_addr,
-                                      "port": master_port, "timeout": 3}, "probe")
+            try:
+                answer = sessions[i].ask({"op": "probe", "address": master_addr,
+                                          "port": master_port, "timeout": 3}, "probe")
+            except OrchestratorError as exc:
+                reports[i].error = str(exc)
+                return
             reports[i].interface = answer.get("interface")
             reports[i].master_port_reachable = bool(answer.get("reachable"))
             if not answer.get("reachable"):

@@ -324,6 +324,13 @@ class JobSpec(_Model):
                 raise _FieldError(f"nodes[{i}].host",
                                   f"duplicate host (same as nodes[{seen[key]}])", node.host)
             seen[key] = i
+        if len(seen) and not self.rendezvous.master_addr:
+            for i, node in enumerate(self.nodes):
+                if node.is_local and not node.address:
+                    # As the master it would hand its SSH peers 127.0.0.1.
+                    raise _FieldError(f"nodes[{i}].address", "a local node in a job with SSH "
+                                      "nodes needs the address the others reach it at (or "
+                                      "set rendezvous.master_addr)")
         lo, hi = self.min_nodes, self.max_nodes
         if lo > hi:
             raise _FieldError("nnodes", "MIN is larger than MAX", self.nnodes)

@@ -22,6 +22,7 @@ BOMB = "".join(
 BAD = [
     # (case id, YAML text, the field path, a fragment of the message)
     ("unknown key", BASE + "nproc_per_nod: 2\n", "nproc_per_nod", "did you mean 'nproc_per_node'"),
+    ("local node among SSH nodes", "nodes: [{host: local}, {host: gpu1}]\n" + CMD, "nodes[0].address", "needs the address"),
     ("unknown nested key", "nodes: [{host: local, prot: 2}]\n" + CMD, "nodes[0].prot", "did you mean 'port'"),
     ("unknown rendezvous key", BASE + "rendezvous: {backnd: c10d}\n", "rendezvous.backnd", "did you mean 'backend'"),
     ("unknown health key", BASE + "health: {node_timout: 3}\n", "health.node_timout", "did you mean 'node_timeout'"),
@@ -295,8 +296,11 @@ def test_host_strings_resolve(host: str, expected: tuple[str | None, str, int]) 
 
 
 def test_local_nodes_may_repeat_and_mix_with_ssh() -> None:
-    spec = parse_jobspec("nodes: [{host: local}, {host: local}, {host: a}]\nnnodes: 2\n" + CMD)
+    spec = parse_jobspec("nodes: [{host: local, address: 10.0.0.1}, {host: local, address: "
+                         "10.0.0.1}, {host: a}]\nnnodes: 2\n" + CMD)
     assert spec.min_nodes == spec.max_nodes == 2 and len(spec.nodes) == 3
+    spec = parse_jobspec("nodes: [{host: local}, {host: a}]\nrendezvous: {master_addr: b}\n" + CMD)
+    assert spec.nodes[0].is_local
 
 
 def test_aliases_and_merge_keys_still_work() -> None:
