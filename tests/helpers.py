@@ -71,3 +71,12 @@ def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "cond
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_for_output(job_id: str, text: str, count: int, timeout: float = 60) -> None:
+    """Wait until ``count`` log lines of the job contain ``text`` (e.g. every rank's start
+    line: a worker's signal handlers are in place only once its script runs)."""
+    import orchestrator
+
+    wait_for(lambda: sum(text in ln for ln in orchestrator.logs(job_id)) >= count, timeout,
+             what=f"{count} lines with {text!r}")

@@ -78,6 +78,21 @@ class JsonLines:
                 return message
 
 
+class LineConnection:
+    """send() and receive() over the JsonLines that a transport's open() sets up."""
+
+    host: str
+    _lines: JsonLines | None = None
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self._lines is None:
+            raise AgentError(self.host, "not open")
+        self._lines.send(message)
+
+    def receive(self) -> dict[str, Any] | None:
+        return self._lines.receive() if self._lines else None
+
+
 def agent_source() -> bytes:
     """The agent program, as shipped to nodes."""
     return AGENT_SOURCE_PATH.read_bytes()

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import Any
 
 from orchestrator.errors import AgentError
-from orchestrator.transport.base import AGENT_SOURCE_PATH, JsonLines
+from orchestrator.transport.base import AGENT_SOURCE_PATH, JsonLines, LineConnection
 
 
-class LocalConnection:
+class LocalConnection(LineConnection):
     """Runs the node agent on this machine. Its stderr is the controller's (controller.log)."""
 
     def __init__(self, host: str = "local"):
@@ -30,18 +29,6 @@ class LocalConnection:
             raise AgentError(self.host, f"cannot start agent: {exc}") from exc
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._lines = JsonLines(self.host, self._proc.stdout, self._proc.stdin)
-
-    def send(self, message: dict[str, Any]) -> None:
-        if self._lines is None:
-            raise AgentError(self.host, "not open")
-        self._lines.send(message)
-
-    def receive(self) -> dict[str, Any] | None:
-        return self._lines.receive() if self._lines else None
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
 
     def close(self) -> None:
         proc, self._lines = self._proc, None

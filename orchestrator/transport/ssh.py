@@ -31,7 +31,7 @@ from orchestrator.errors import (
     TransportError,
 )
 from orchestrator.spec import JobSpec, NodeSpec
-from orchestrator.transport.base import JsonLines, agent_source
+from orchestrator.transport.base import JsonLines, LineConnection, agent_source
 
 # Reads the agent's source (length line, then bytes) from stdin and runs it; the rest of
 # stdin is then the agent's command stream.
@@ -101,7 +101,7 @@ def _local_user() -> str:
     return getpass.getuser()
 
 
-class SSHConnection:
+class SSHConnection(LineConnection):
     """One node's agent over SSH."""
 
     def __init__(self, node: NodeSpec, spec: JobSpec):
@@ -191,14 +191,6 @@ class SSHConnection:
         f = channel.makefile_stderr("rb")
         for raw in iter(f.readline, b""):
             self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
-
-    def send(self, message: dict[str, Any]) -> None:
-        if self._lines is None:
-            raise AgentError(self.host, "not open")
-        self._lines.send(message)
-
-    def receive(self) -> dict[str, Any] | None:
-        return self._lines.receive() if self._lines else None
 
     def close(self) -> None:
         channel, client = self._channel, self._client

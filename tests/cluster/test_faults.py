@@ -11,7 +11,14 @@ import time
 
 import orchestrator
 from tests.cluster.test_ssh_jobs import cluster_spec, final_digests
-from tests.helpers import PYTHON, ROOT, WORKERS, assert_no_job_processes, wait_for
+from tests.helpers import (
+    PYTHON,
+    ROOT,
+    WORKERS,
+    assert_no_job_processes,
+    wait_for,
+    wait_for_output,
+)
 
 TRAIN = [PYTHON, str(ROOT / "examples" / "ddp_train.py"), "--samples", "128"]
 FAST = {"restart_backoff": {"initial": 0.1, "max": 0.2}}
@@ -91,6 +98,7 @@ def test_worker_ignoring_sigterm_is_killed_after_grace(cluster, home, tmp_path):
         cluster, tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], hosts=cluster.hosts[:2],
         env={"IGNORE_SIGTERM": "1", "SPAWN_GRANDCHILD": "1"}, stop_grace_period=1))
     running(job_id, 4)
+    wait_for_output(job_id, "sleeping", 4)  # SIGTERM is ignored from here on
     started = time.monotonic()
     result = orchestrator.cancel(job_id)
     assert result["state"] == "CANCELLED"
@@ -126,6 +134,7 @@ def test_sigkilled_agent_is_a_node_failure_with_no_orphans(cluster, home, tmp_pa
         cluster, tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], hosts=cluster.hosts[:2],
         env={"SPAWN_GRANDCHILD": "1"}))
     status = running(job_id, 4)
+    wait_for_output(job_id, "sleeping", 4)  # the grandchildren exist
     os.kill(status["nodes"][1]["agent_pid"], signal.SIGKILL)
     result = orchestrator.wait(job_id, timeout=60)
     assert result["state"] == "FAILED" and result["failure"]["cause"] == "NODE_FAIL"

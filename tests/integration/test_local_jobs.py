@@ -10,7 +10,15 @@ import time
 import pytest
 
 import orchestrator
-from tests.helpers import PYTHON, ROOT, WORKERS, assert_no_job_processes, wait_for, write_spec
+from tests.helpers import (
+    PYTHON,
+    ROOT,
+    WORKERS,
+    assert_no_job_processes,
+    wait_for,
+    wait_for_output,
+    write_spec,
+)
 
 
 def local_spec(tmp_path, command, *, nodes=2, nproc=2, **extra):
@@ -189,9 +197,10 @@ def test_bad_spec_exits_2_and_starts_nothing(home, tmp_path):
 
 
 def _pids_running(job_id):
-    return wait_for(lambda: len(orchestrator.status(job_id)["ranks"]) == 4 and all(
+    wait_for(lambda: len(orchestrator.status(job_id)["ranks"]) == 4 and all(
         r["state"] == "RUNNING" for r in orchestrator.status(job_id)["ranks"]), 30,
         what="all ranks RUNNING")
+    wait_for_output(job_id, "sleeping", 4)  # signal handlers and grandchildren in place
 
 
 def test_killed_agent_is_a_node_failure_and_leaves_no_orphans(home, tmp_path):
@@ -234,6 +243,7 @@ def test_worker_ignoring_sigterm_is_killed_after_grace(home, tmp_path):
                       env={"IGNORE_SIGTERM": "1"}, stop_grace_period=1)
     job_id = orchestrator.submit(spec)
     wait_for(lambda: orchestrator.status(job_id)["state"] == "RUNNING", 30, what="RUNNING")
+    wait_for_output(job_id, "sleeping", 2)  # SIGTERM is ignored from here on
     started = time.monotonic()
     assert orchestrator.cancel(job_id)["state"] == "CANCELLED"
     assert time.monotonic() - started < 10
