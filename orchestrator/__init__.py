@@ -19,6 +19,7 @@ from orchestrator.errors import (
     LaunchError,
     OrchestratorError,
     SpecError,
+    StoreError,
     TransportError,
 )
 from orchestrator.heartbeat import heartbeat
@@ -38,6 +39,7 @@ __all__ = [
     "NodeState",
     "OrchestratorError",
     "SpecError",
+    "StoreError",
     "TransportError",
     "cancel",
     "check",

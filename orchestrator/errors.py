@@ -8,7 +8,8 @@
     │   ├── AuthenticationError       the node refused our credentials
     │   ├── HostKeyError              unknown or changed host key
     │   └── AgentError                the agent did not start or broke the protocol
-    └── LaunchError                   the job could not be started (e.g. preflight failed)
+    ├── LaunchError                   the job could not be started (e.g. preflight failed)
+    └── StoreError                    $ORCHESTRATOR_HOME or its database cannot be used
 
 Third-party exceptions (paramiko, socket, sqlite) are caught at the module that talks to
 them and re-raised as one of these with context and ``from exc``.
@@ -71,3 +72,7 @@ class AgentError(TransportError):
 
 class LaunchError(OrchestratorError):
     """The job could not be started."""
+
+
+class StoreError(OrchestratorError):
+    """The state directory or database cannot be opened or written."""

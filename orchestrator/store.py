@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.errors import JobNotFoundError
+from orchestrator.errors import JobNotFoundError, StoreError
 from orchestrator.state import JobState, NodeState, check_transition
 
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
@@ -151,15 +151,19 @@ class Store:
 
     def __init__(self, home: str | os.PathLike[str] | None = None):
         self.home = Path(home) if home is not None else default_home()
-        self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.jobs_dir = self.home / "jobs"
-        self.jobs_dir.mkdir(mode=0o700, exist_ok=True)
-        self._db = sqlite3.connect(self.home / "state.db", timeout=30, isolation_level=None,
-                                   check_same_thread=False)
-        self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA busy_timeout=30000")
-        self._db.executescript(_SCHEMA)
+        try:
+            self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
+            self.jobs_dir.mkdir(mode=0o700, exist_ok=True)
+            self._db = sqlite3.connect(self.home / "state.db", timeout=30,
+                                       isolation_level=None, check_same_thread=False)
+            self._db.row_factory = sqlite3.Row
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA busy_timeout=30000")
+            self._db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot use the state directory {self.home} "
+                             f"($ORCHESTRATOR_HOME): {exc}") from exc
 
     def close(self) -> None:
         self._db.close()

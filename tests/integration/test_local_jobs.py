@@ -250,3 +250,13 @@ def test_worker_ignoring_sigterm_is_killed_after_grace(home, tmp_path):
     ranks = orchestrator.status(job_id)["ranks"]
     assert {r["signal"] for r in ranks} == {"SIGKILL"}
     assert_no_job_processes(job_id)
+
+
+def test_unusable_state_directory_is_one_line_error(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("ORCHESTRATOR_HOME", str(blocker / "home"))  # under a regular file
+    run = run_cli("list")
+    assert run.returncode == 1
+    assert run.stderr.startswith("error: cannot use the state directory")
+    assert "Traceback" not in run.stderr
