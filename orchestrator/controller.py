@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from orchestrator.errors import OrchestratorError, TransportError
-from orchestrator.plan import LaunchPlan, plan_attempt
+from orchestrator.plan import TORCHRUN_LINE_RE, LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.state import FailureCause, JobState, NodeState
 from orchestrator.store import Store
@@ -485,8 +485,10 @@ class Controller:
     def _on_output(self, node: Node, message: dict[str, Any]) -> None:
         assert self.sink is not None
         host = "local" if node.spec.is_local else node.spec.hostname
-        self.sink.write(host, self._label(node, message.get("rank")),
-                        str(message.get("stream")), str(message.get("line")))
+        rank, line = message.get("rank"), str(message.get("line"))
+        if rank is None and (m := TORCHRUN_LINE_RE.match(line)):
+            rank, line = int(m.group(1)), line[m.end():]  # a c10d worker's line, via torchrun
+        self.sink.write(host, self._label(node, rank), str(message.get("stream")), line)
 
     def _on_started(self, node: Node, message: dict[str, Any]) -> None:
         self.started.add((node.index, int(message.get("local_rank") or 0)))

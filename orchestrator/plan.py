@@ -7,6 +7,7 @@ and the restart policy can recompute a plan for any attempt on any set of nodes.
 from __future__ import annotations
 
 import os
+import re
 import shlex
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,9 @@ from typing import Any
 from orchestrator.spec import JobSpec, NodeSpec
 
 ROLE_NAME = "default"
+# torchrun (c10d mode) starts each tee'd worker line with this; ${rank} is the global rank.
+TORCHRUN_LINE_PREFIX = "[orc-rank ${rank}]:"
+TORCHRUN_LINE_RE = re.compile(r"^\[orc-rank (\d+)\]:\s?")
 
 
 @dataclass(frozen=True)
@@ -131,8 +135,10 @@ def plan_attempt(
     for node_rank, index in enumerate(node_indices):
         node = spec.nodes[index]
         if spec.rendezvous.backend == "c10d":
-            # torchrun computes ranks and sizes itself; only our own ids pass through.
-            env = {**spec.env, "ORCHESTRATOR_JOB_ID": job_id, "ORCHESTRATOR_ATTEMPT": str(attempt)}
+            # torchrun computes ranks and sizes itself; only our own ids pass through, and
+            # the prefix that lets the controller file each output line under its rank.
+            env = {**spec.env, "ORCHESTRATOR_JOB_ID": job_id, "ORCHESTRATOR_ATTEMPT": str(attempt),
+                   "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": TORCHRUN_LINE_PREFIX}
             workers: tuple[WorkerPlan, ...] = (
                 WorkerPlan(None, 0, _torchrun_argv(spec, job_id, attempt, master_addr,
                                                    port_text, node_address(node),
@@ -182,6 +188,7 @@ def _torchrun_argv(spec: JobSpec, job_id: str, attempt: int, master_addr: str, p
         # resolves to loopback, and rank 0's workers would then host the store unreachably.
         f"--local-addr={local_addr}",
         "--max-restarts=0",  # restarts are the orchestrator's, counted once for the whole job
+        "--tee=3",  # workers' lines through torchrun, whole and prefixed with their rank
         *script,
     )
 
