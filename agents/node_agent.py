@@ -354,6 +354,8 @@ class Agent:
             time.sleep(0.2)
             if self.peer_timeout and time.monotonic() - self.last_heard > self.peer_timeout:
                 self.stop_workers(grace=0.0)  # nobody is left to stop them
+                if self.state_dir:
+                    shutil.rmtree(self.state_dir, ignore_errors=True)
                 os._exit(3)
 
     def _workers_touched_heartbeat(self) -> bool:
