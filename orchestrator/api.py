@@ -25,10 +25,6 @@ from orchestrator.store import JobRecord, Store, check_job_id
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
-def _store(home: str | os.PathLike[str] | None) -> Store:
-    return Store(home)
-
-
 def _load(spec: str | os.PathLike[str] | JobSpec, spec_dir: str | None) -> tuple[JobSpec, str]:
     if isinstance(spec, JobSpec):
         return spec, os.path.abspath(spec_dir or ".")
@@ -60,7 +56,7 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
     """
     job_spec, directory = _load(spec, spec_dir)
     preflight.quick_check(job_spec)
-    store = _store(home)
+    store = Store(home)
     try:
         job_id = f"{job_spec.name}-{secrets.token_hex(3)}"
         store.create_job(job_id, job_spec.name, job_spec.model_dump_json(), directory,
@@ -93,7 +89,7 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
 
 def status(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """The job's state as a JSON-ready dict (the documented ``status --json`` shape)."""
-    store = _store(home)
+    store = Store(home)
     try:
         return _status_dict(_checked_job(store, job_id))
     finally:
@@ -102,7 +98,7 @@ def status(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
 
 def list_jobs(*, home: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     """Every job, oldest first: job_id, name, state, submitted_at, attempt, restarts."""
-    store = _store(home)
+    store = Store(home)
     try:
         return [
             {"job_id": j.job_id, "name": j.name, "state": j.state.value,
@@ -118,16 +114,19 @@ def list_jobs(*, home: str | os.PathLike[str] | None = None) -> list[dict[str, A
 def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,
          home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Block until the job is in a terminal state (or ``timeout``); return its status."""
-    store = _store(home)
+    store = Store(home)
     deadline = None if timeout is None else time.monotonic() + timeout
+    next_liveness_check = 0.0
     try:
         while True:
-            state, _ = store.job_state(check_job_id(job_id))
+            state, _ = store.job_state(check_job_id(job_id))  # the cheap read, every poll
             if state.is_terminal():
                 return _status_dict(store.get_job(job_id))
             if deadline is not None and time.monotonic() > deadline:
                 return _status_dict(_checked_job(store, job_id))
-            _checked_job(store, job_id)  # notices a controller that died
+            if time.monotonic() >= next_liveness_check:  # notices a controller that died
+                _checked_job(store, job_id)
+                next_liveness_check = time.monotonic() + 2.0
             time.sleep(poll)
     finally:
         store.close()
@@ -139,7 +138,7 @@ def cancel(job_id: str, *, wait_seconds: float = 60.0,
 
     Cancelling a finished job changes nothing; cancelling twice is harmless.
     """
-    store = _store(home)
+    store = Store(home)
     try:
         job = _checked_job(store, job_id)
         if job.state.is_terminal():
@@ -169,7 +168,7 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
 
     ``follow`` keeps yielding new lines, moving on to new attempts, until the job ends.
     """
-    store = _store(home)
+    store = Store(home)
     try:
         job = _checked_job(store, job_id)
         attempts = [attempt] if attempt is not None else list(range(1, job.attempt + 1))

@@ -198,11 +198,7 @@ class SSHConnection(LineConnection):
         if channel is not None:
             try:
                 channel.shutdown_write()  # EOF: the agent stops its workers and exits
-                deadline = 15.0
-                step = 0.05
-                while not channel.exit_status_ready() and deadline > 0:
-                    threading.Event().wait(step)
-                    deadline -= step
+                channel.status_event.wait(15)  # set when the remote exit status arrives
             except (paramiko.SSHException, OSError, EOFError):
                 pass
             channel.close()
