@@ -1,89 +1,66 @@
-"""The node agent: a thin, obedient supervisor of one node's workers.
+"""The node agent: a thin, obedient supervisor of one job's workers on one node.
 
-Stdlib only and one file, because the controller ships its source to nodes that have
-nothing but ``python3``; it never imports torch, so it starts in tens of milliseconds.
+Stdlib only, shipped by the controller with ``agents/protocol.py`` (the messages are
+described there) to nodes that have nothing but ``python3``; it never imports torch.
 
-It speaks JSON lines with the controller over stdin/stdout.
+One program, two roles:
 
-Controller -> agent (``op``)::
+- The **relay** is what the channel runs (a local pipe, or an SSH exec channel). It reads
+  ``connect``, attaches to the job's agent through its Unix socket, starting the agent first
+  when asked to, and then copies bytes both ways until either side closes.
+- The **agent** is a daemon (its own session, stdio on /dev/null) that owns the workers. It
+  listens on ``<private dir>/agent.sock``, in a 0700 directory of the user, and serves one
+  controller at a time after it proves the job's secret. It outlives every channel: while
+  no controller is attached it keeps the workers running for ``controller_grace`` seconds,
+  spooling every message to a bounded file, and replays what the controller has not
+  acknowledged when one attaches again. When the grace ends it stops the workers (SIGTERM to
+  each group, a grace period, SIGKILL, the token sweep), records the outcome beside its
+  directory, removes the directory and exits.
 
-    init      {"job_id", "node_index", "heartbeat_interval", "peer_timeout"}
-    start     {"attempt", "workdir", "master_addr", "env", "workers": [{"rank", "local_rank",
-               "argv", "env"}], "stop_grace"}
-    stop      {"attempt", "grace"}
-    free_port {"port"}             (0: pick one; otherwise check that this one is free)
-    listen    {"port"}             (preflight: hold a listening socket)
-    probe     {"address", "port"}  (preflight: route and TCP reachability toward the master)
-    ping      {}                   (the controller's heartbeat)
-    shutdown  {}
+No orphans: every worker is in its own process group with ``PR_SET_PDEATHSIG(SIGKILL)``; a
+watchdog process kills the workers when the agent dies, SIGKILL included; and processes that
+left their group (``setsid``, torchrun's workers) are found by a per-agent token in their
+environment, never by name.
 
-Agent -> controller (``type``), every message with the attempt it belongs to::
-
-    hello      {hostname, python, torch, gpus, pid, protocol}
-    port       {port, ok}
-    listening  {port, ok, error}
-    probe      {interface, reachable, error}
-    started    {rank, local_rank, pid}
-    spawn_failed {rank, local_rank, error}
-    output     {rank, stream, line}
-    exited     {rank, local_rank, exit_code, signal, error_file}
-    stopped    {}
-    heartbeat  {}
-    progress   {}                  (a worker touched its ORCHESTRATOR_HEARTBEAT_FILE)
-    error      {message}
-
-The agent stops its workers (SIGTERM to each process group, a grace period, SIGKILL) on
-``stop``, on ``shutdown``, when its stdin closes, when the controller's pings stop, and when
-it is signalled. A watchdog process forked at start kills the workers if the agent itself is
-SIGKILLed. Every worker carries ``ORCHESTRATOR_AGENT_TOKEN`` in its environment, so processes
-that left the worker's process group (``setsid``, torchrun's own workers) are found and
-killed too: by that unique token, never by name.
+Nothing is dropped silently: output travels in batches of one rank's lines; a reader stops
+reading a worker's pipe while the controller is behind (the worker then blocks on write), and
+past the spool's cap the agent counts the lines it could not keep and says so.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
+import fcntl
+import hmac
 import json
 import os
 import queue
+import re
 import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import traceback
 from typing import Any, BinaryIO
 
-PROTOCOL = 1
-MAX_LINE = 8192  # bytes of one worker output line; longer lines are split
+from agents import protocol as P
+
 MAX_ERROR_FILE = 64 * 1024
-MAX_COMMAND = 16 * 1024 * 1024
+LINES_CAP = 1024 * 1024  # bytes of read-but-unsent worker output; readers wait beyond it
 TOKEN_VAR = "ORCHESTRATOR_AGENT_TOKEN"
 PR_SET_PDEATHSIG = 1
+JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
+ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
 
 
-class Channel:
-    """Writes JSON lines to the controller; shared by threads, so writes are serialised."""
-
-    def __init__(self, stream: BinaryIO):
-        self._stream = stream
-        self._lock = threading.Lock()
-        self.broken = False
-
-    def send(self, type_: str, attempt: int, **fields: Any) -> None:
-        data = json.dumps({"type": type_, "attempt": attempt, **fields}).encode() + b"\n"
-        with self._lock:
-            if self.broken:
-                return
-            try:
-                self._stream.write(data)
-                self._stream.flush()
-            except (OSError, ValueError):
-                self.broken = True
-
+# --- small helpers ---------------------------------------------------------------------------
 
 _prctl: Any
 try:
@@ -137,13 +114,15 @@ def start_watchdog(token: str) -> None:
     agent_pid = os.getpid()
     if os.fork() != 0:
         return
-    # The watchdog must not hold the controller's pipes open, or a dead agent would look alive.
+    # The watchdog must hold nothing of the agent's: no socket, no pipe.
+    os.closerange(3, 65536)
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     os.setsid()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     while os.getppid() == agent_pid:
         time.sleep(0.2)
     kill_token_processes(token)
@@ -170,7 +149,6 @@ def interface_for(address: str) -> str | None:
 
 
 def _interface_with_address(ip: str) -> str | None:
-    import fcntl
     import struct
 
     siocgifaddr = 0x8915
@@ -202,7 +180,7 @@ def torch_version() -> str | None:
 
 def gpu_count() -> int:
     try:
-        return len([d for d in os.listdir("/proc/driver/nvidia/gpus")])
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
     except OSError:
         pass
     try:
@@ -221,6 +199,445 @@ def free_port(port: int) -> tuple[int, bool]:
         return s.getsockname()[1], True
 
 
+# --- where an agent lives ----------------------------------------------------------------------
+
+def private_base() -> str:
+    """This user's directory for agents: created 0700, and refused unless it is a real
+    directory owned by this user that nobody else can enter (never one another user planted)."""
+    base = os.environ.get("ORCHESTRATOR_AGENT_DIR") or os.path.join(
+        tempfile.gettempdir(), f"orchestrator-{os.getuid()}")
+    try:
+        os.mkdir(base, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(base)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RuntimeError(f"{base} is not a private directory of uid {os.getuid()} "
+                           "(must be a directory, owned by the user, mode 0700)")
+    return base
+
+
+def agent_paths(job_id: str, node_index: int) -> tuple[str, str]:
+    """(the agent's private directory, the outcome file beside it) for a job's node."""
+    if not JOB_ID_RE.match(job_id) or not isinstance(node_index, int) or node_index < 0:
+        raise ValueError(f"bad job id or node index: {job_id!r} {node_index!r}")
+    base = private_base()
+    name = f"{job_id}.{node_index}"
+    return os.path.join(base, name), os.path.join(base, name + ".outcome")
+
+
+# --- the relay ------------------------------------------------------------------------------------
+
+def relay_main() -> int:
+    """Join this process's stdin/stdout (the channel) to the job's agent socket."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+
+    def say(message: dict[str, Any]) -> None:
+        stdout.write(P.encode(message))
+        stdout.flush()
+
+    first = P.decode(stdin.readline(P.MAX_MESSAGE))
+    if not first or first.get("op") != P.CONNECT:
+        say({"type": P.ERROR, "message": "expected connect"})
+        return 2
+    try:
+        directory, outcome = agent_paths(str(first.get("job_id")), first.get("node_index"))
+        sock_path = os.path.join(directory, "agent.sock")
+        launch = first.get("launch")
+        sock = _connect_unix(sock_path)
+        launched = False
+        if sock is None and launch is not None:
+            with _lock(directory + ".lock"):
+                sock = _connect_unix(sock_path)  # another relay may have started it meanwhile
+                if sock is None:
+                    _start_agent(directory, outcome, launch)
+                    sock = _connect_unix(sock_path)
+                    launched = True
+        if sock is None:
+            gone: dict[str, Any] = {"type": P.GONE}
+            try:
+                with open(outcome, encoding="utf-8") as f:
+                    gone["outcome"] = json.loads(f.read(65536))
+            except (OSError, ValueError):
+                pass
+            say(gone)
+            if "outcome" in gone:  # told once: nothing of the job is left on the node
+                os.unlink(outcome)
+            return 0
+    except Exception as exc:  # reported on the channel: the controller names the node
+        say({"type": P.ERROR, "message": f"relay: {exc}"})
+        return 2
+    say({"type": P.RELAY, "launched": launched})
+    _pump(sock, stdin, stdout)
+    return 0
+
+
+def _connect_unix(path: str) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        s.connect(path)
+    except OSError:
+        s.close()
+        return None
+    return s
+
+
+class _lock:
+    """An exclusive flock on ``path``, so that two relays never start two agents."""
+
+    def __init__(self, path: str):
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *_: object) -> None:
+        os.close(self.fd)
+
+
+def _start_agent(directory: str, outcome: str, config: dict[str, Any]) -> None:
+    """Start the agent as a daemon and return once its socket listens."""
+    shutil.rmtree(directory, ignore_errors=True)  # a dead agent's leftovers
+    try:
+        os.unlink(outcome)
+    except FileNotFoundError:
+        pass
+    os.mkdir(directory, 0o700)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: detach twice, so the agent is nobody's child and no session's
+        try:
+            os.close(ready_r)
+            os.setsid()
+            if os.fork() != 0:
+                os._exit(0)
+            os.closerange(3, ready_w)
+            os.closerange(ready_w + 1, 65536)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            log = os.open(os.path.join(directory, "agent.log"),
+                          os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            os.dup2(devnull, 0)
+            os.dup2(devnull, 1)
+            os.dup2(log, 2)
+            code = 1
+            try:
+                agent = Agent(directory, outcome, config)
+                agent.listen()
+                os.write(ready_w, b"ok")
+                os.close(ready_w)
+                code = agent.run()
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        except BaseException:
+            os._exit(1)
+    os.close(ready_w)
+    os.waitpid(pid, 0)
+    with os.fdopen(ready_r, "rb") as ready:
+        if ready.read(2) != b"ok":
+            tail = ""
+            try:
+                with open(os.path.join(directory, "agent.log"), encoding="utf-8",
+                          errors="replace") as f:
+                    tail = " | ".join(f.read()[-2000:].strip().splitlines()[-3:])
+            except OSError:
+                pass
+            raise RuntimeError(f"the agent did not start: {tail or 'no error given'}")
+
+
+def _pump(sock: socket.socket, stdin: BinaryIO, stdout: BinaryIO) -> None:
+    def upstream() -> None:  # controller -> agent
+        try:
+            while data := stdin.read1(65536):  # type: ignore[attr-defined]
+                sock.sendall(data)
+        except (OSError, ValueError):
+            pass
+        os._exit(0)  # the channel closed: the agent sees its connection end
+
+    threading.Thread(target=upstream, daemon=True).start()
+    try:
+        while data := sock.recv(65536):
+            stdout.write(data)
+            stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(0)
+
+
+# --- the outbox: numbering, sending, keeping, spooling -----------------------------------------
+
+class Outbox:
+    """Every message of the agent goes out through here, on one sender thread.
+
+    Sequenced messages (protocol.SEQUENCED) get the next ``seq`` when they are sent or
+    spooled, and stay in memory until the controller acknowledges them (at most
+    ``WINDOW_BYTES`` of output in flight: beyond it output waits, and so do the workers).
+    While no controller is attached they are appended to the spool file instead, up to
+    ``spool_max_bytes`` for output (control messages are always kept); output past that
+    cap is counted, and the count is reported as ``dropped`` messages.
+
+    Control messages go before output that is waiting, except that a rank's ``exited`` is
+    only queued once every line that rank printed has been numbered.
+    """
+
+    def __init__(self, spool_path: str, spool_max_bytes: int | None):
+        self._cond = threading.Condition()
+        self._conn: socket.socket | None = None
+        self._pending_attach: tuple[socket.socket, int] | None = None
+        self._control: collections.deque[dict[str, Any]] = collections.deque()
+        # Output read but not yet numbered: per (attempt, rank, stream), oldest first.
+        self._lines: collections.OrderedDict[tuple[int, Any, str], list[str]] = \
+            collections.OrderedDict()
+        self._key_bytes: collections.Counter[tuple[int, Any, str]] = collections.Counter()
+        self._line_bytes = 0
+        self._lines_since = 0.0
+        self._added: collections.Counter[Any] = collections.Counter()  # lines per rank
+        self._taken: collections.Counter[Any] = collections.Counter()
+        self.seq = 0
+        self._unacked: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._unacked_bytes = 0
+        self._spool_path = spool_path
+        self._spool_max = spool_max_bytes
+        self._spool: BinaryIO | None = None
+        self._spool_bytes = 0  # of output written to the spool since it was last emptied
+        self._spool_offset = 0  # replayed up to here
+        self._dropped: collections.Counter[tuple[Any, str, int]] = collections.Counter()
+        self.detached_since: float | None = time.monotonic()
+        self.hello: Any = None  # set by the agent: builds the hello message
+        self.closed = False
+
+    # --- producers (any thread) ------------------------------------------------------------
+    def put(self, message: dict[str, Any]) -> None:
+        with self._cond:
+            if message.get("type") == P.EXITED:  # what was lost is said before the exit
+                self._control.extend(self._take_dropped(message.get("rank")))
+            self._control.append(message)
+            self._cond.notify_all()
+
+    def _take_dropped(self, rank: Any = ...) -> list[dict[str, Any]]:
+        """``dropped`` messages for the counted lines of ``rank`` (default: every rank)."""
+        out = []
+        for key in sorted(self._dropped, key=str):
+            r, stream, attempt = key
+            if rank is ... or r == rank:
+                out.append({"type": P.DROPPED, "attempt": attempt, "rank": r,
+                            "stream": stream, "lines": self._dropped.pop(key)})
+        return out
+
+    def add_lines(self, attempt: int, rank: Any, stream: str, lines: list[str]) -> None:
+        """Queue a worker's lines; blocks while too much output waits (backpressure)."""
+        size = sum(map(len, lines)) + len(lines)
+        with self._cond:
+            while self._line_bytes > LINES_CAP and not self.closed:
+                self._cond.wait(0.5)
+            if not self._lines:
+                self._lines_since = time.monotonic()
+            key = (attempt, rank, stream)
+            self._lines.setdefault(key, []).extend(lines)
+            self._key_bytes[key] += size
+            self._line_bytes += size
+            self._added[rank] += len(lines)
+            self._cond.notify_all()
+
+    def wait_sent(self, rank: Any) -> None:
+        """Until every line of ``rank`` queued so far has been numbered (sent or spooled)."""
+        with self._cond:
+            target = self._added[rank]
+            while self._taken[rank] < target and not self.closed:
+                self._cond.wait(0.5)
+
+    # --- the controller's side (its connection's reader thread) ----------------------------
+    def attach(self, conn: socket.socket, ack: int) -> None:
+        with self._cond:
+            if self._pending_attach is not None:
+                _close(self._pending_attach[0])
+            self._pending_attach = (conn, ack)
+            self._cond.notify_all()
+
+    def ack(self, seq: int) -> None:
+        with self._cond:
+            self._forget(seq)
+            self._cond.notify_all()
+
+    def detach(self, conn: socket.socket) -> None:
+        """The connection ended (or went silent): spool from now on."""
+        with self._cond:
+            if self._conn is conn:
+                self._conn = None
+                self.detached_since = time.monotonic()
+                self._cond.notify_all()
+        _close(conn)
+
+    @property
+    def attached(self) -> bool:
+        return self._conn is not None
+
+    def current(self) -> socket.socket | None:
+        return self._conn
+
+    def _forget(self, seq: int) -> None:
+        while self._unacked and self._unacked[0][0] <= seq:
+            self._unacked_bytes -= len(self._unacked.popleft()[1])
+
+    # --- the sender thread -----------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            job = self._next()
+            if job is None:
+                return
+            kind, conn, payload = job
+            if kind == "attach":
+                self._do_attach(conn, payload)
+            elif conn is not None:
+                self._write(conn, payload)
+
+    def _next(self) -> tuple[str, Any, Any] | None:
+        """The next thing to do: an attach, a control message, or a batch of output."""
+        with self._cond:
+            while True:
+                if self.closed and not self._control:
+                    return None
+                if self._pending_attach is not None:
+                    conn, ack = self._pending_attach
+                    self._pending_attach = None
+                    return "attach", conn, ack
+                if self._control:
+                    data = self._number(self._control.popleft())
+                    if data is None:
+                        continue
+                    return "send", self._conn, data
+                wait: float | None = None
+                if self._lines and (self._conn is None or self._unacked_bytes < P.WINDOW_BYTES):
+                    age = time.monotonic() - self._lines_since
+                    if self._line_bytes >= P.BATCH_BYTES or age >= P.BATCH_DELAY:
+                        data = self._take_batch()
+                        if data is None:
+                            continue
+                        return "send", self._conn, data
+                    wait = P.BATCH_DELAY - age
+                self._cond.wait(wait)
+
+    def _take_batch(self) -> bytes | None:
+        key, lines = next(iter(self._lines.items()))
+        if self._key_bytes[key] <= P.BATCH_BYTES * 3 // 2:
+            batch, rest, size = lines, [], self._key_bytes[key]
+        else:
+            taken, size = 0, 0
+            while taken < len(lines) and size < P.BATCH_BYTES:
+                size += len(lines[taken]) + 1
+                taken += 1
+            batch, rest = lines[:taken], lines[taken:]
+        del self._lines[key]
+        if rest:
+            self._lines[key] = rest  # to the back: ranks take turns
+            self._key_bytes[key] -= size
+        else:
+            del self._key_bytes[key]
+        self._line_bytes -= size
+        attempt, rank, stream = key
+        self._taken[rank] += len(batch)
+        self._cond.notify_all()
+        if self._conn is None and self._spool_max is not None and \
+                self._spool_bytes + size > self._spool_max:
+            self._dropped[(rank, stream, attempt)] += len(batch)
+            return None
+        return self._number({"type": P.OUTPUT, "attempt": attempt, "rank": rank,
+                             "stream": stream, "lines": batch})
+
+    def _number(self, message: dict[str, Any]) -> bytes | None:
+        """Encode a message; number, keep or spool it if it is sequenced. None: nothing to
+        write now (spooled, or a live-only message with nobody attached)."""
+        if message.get("type") not in P.SEQUENCED:
+            return P.encode(message) if self._conn is not None else None
+        self.seq += 1
+        message["seq"] = self.seq
+        data = P.encode(message)
+        if self._conn is not None and self._spool is None:
+            self._unacked.append((self.seq, data))
+            self._unacked_bytes += len(data)
+            return data
+        self._append_spool(data, message.get("type") == P.OUTPUT)
+        return None
+
+    def _append_spool(self, data: bytes, is_output: bool) -> None:
+        if self._spool is None:
+            self._spool = open(self._spool_path, "a+b")  # noqa: SIM115 (kept open)
+            self._spool_offset = 0
+        self._spool.write(data)
+        if is_output:
+            self._spool_bytes += len(data)
+
+    def _write(self, conn: socket.socket, data: bytes) -> bool:
+        try:
+            conn.sendall(data)
+            return True
+        except OSError:
+            self.detach(conn)
+            return False
+
+    def _do_attach(self, conn: socket.socket, ack: int) -> None:
+        """A controller proved the secret: hello, then everything it has not kept, in order."""
+        with self._cond:
+            old, self._conn = self._conn, conn
+            self.detached_since = None
+            self._forget(ack)
+            replay = list(self._unacked)
+            self._control.extendleft(reversed(self._take_dropped()))
+            hello = P.encode(self.hello())
+        if old is not None and old is not conn:
+            _close(old)
+        if not self._write(conn, hello):
+            return
+        for _, data in replay:
+            if not self._write(conn, data):
+                return
+        self._replay_spool(conn)
+
+    def _replay_spool(self, conn: socket.socket) -> None:
+        while True:
+            with self._cond:
+                if self._spool is None or self._conn is not conn:
+                    return
+                while self._unacked_bytes >= P.WINDOW_BYTES and self._conn is conn:
+                    self._cond.wait(0.5)
+                if self._conn is not conn:
+                    return
+                self._spool.flush()
+                self._spool.seek(self._spool_offset)
+                chunk = self._spool.readlines(256 * 1024)
+                if not chunk:  # caught up: live from here on
+                    self._spool.close()
+                    self._spool = None
+                    self._spool_bytes = 0
+                    os.unlink(self._spool_path)
+                    self._cond.notify_all()
+                    return
+                self._spool.seek(0, os.SEEK_END)
+                for data in chunk:
+                    self._spool_offset += len(data)
+                    seq = json.loads(data).get("seq", 0)
+                    self._unacked.append((seq, data))
+                    self._unacked_bytes += len(data)
+            if not self._write(conn, b"".join(chunk)):
+                return
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()
+
+
+def _close(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    conn.close()
+
+
+# --- workers -------------------------------------------------------------------------------------
+
 class Worker:
     """One spawned process and the threads that stream its output and report its exit."""
 
@@ -229,23 +646,47 @@ class Worker:
         self.attempt = attempt
         self.rank = spec.get("rank")
         self.local_rank = spec.get("local_rank")
+        self.label = self.rank if self.rank is not None else f"node{agent.node_index}"
         self.error_file = spec["env"].get("TORCHELASTIC_ERROR_FILE")
         self.heartbeat_file = spec["env"]["ORCHESTRATOR_HEARTBEAT_FILE"]
         self.proc = proc
         self.done = threading.Event()
         self._readers = [
-            threading.Thread(target=self._pump, args=(proc.stdout, "stdout"), daemon=True),
-            threading.Thread(target=self._pump, args=(proc.stderr, "stderr"), daemon=True),
+            threading.Thread(target=self._read, args=(proc.stdout, "stdout"), daemon=True),
+            threading.Thread(target=self._read, args=(proc.stderr, "stderr"), daemon=True),
         ]
+
+    def start_threads(self) -> None:
         for t in self._readers:
             t.start()
         threading.Thread(target=self._wait, daemon=True).start()
 
-    def _pump(self, pipe: BinaryIO, stream: str) -> None:
-        send = self.agent.channel.send
-        for raw in iter(lambda: pipe.readline(MAX_LINE), b""):
-            line = raw.decode("utf-8", "replace").rstrip("\r\n")
-            send("output", self.attempt, rank=self.rank, stream=stream, line=line)
+    def _read(self, pipe: BinaryIO, stream: str) -> None:
+        fd = pipe.fileno()
+        add = self.agent.outbox.add_lines
+        carry = b""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:
+                break
+            if not chunk:
+                break
+            data = carry + chunk
+            end = data.rfind(b"\n")
+            if end < 0:
+                carry = data
+                if len(carry) >= P.MAX_LINE:  # a line too long to wait for: cut it
+                    piece, carry = carry[:P.MAX_LINE], carry[P.MAX_LINE:]
+                    add(self.attempt, self.rank, stream, [_text(piece)])
+                continue
+            body, carry = data[:end], data[end + 1:]
+            lines = body.decode("utf-8", "replace").split("\n")
+            if len(body) > P.MAX_LINE and max(map(len, lines)) > P.MAX_LINE // 4:
+                lines = _cut(lines)
+            add(self.attempt, self.rank, stream, [ln.rstrip("\r") for ln in lines])
+        if carry:
+            add(self.attempt, self.rank, stream, _cut([_text(carry)]))
         pipe.close()
 
     def _wait(self) -> None:
@@ -253,16 +694,13 @@ class Worker:
         # Report the exit after the last output line, unless a stray child holds the pipe.
         for t in self._readers:
             t.join(timeout=2.0)
+        self.agent.outbox.wait_sent(self.rank)
         exit_code, sig = (code, None) if code >= 0 else (None, signal_name(-code))
-        self.agent.channel.send(
-            "exited",
-            self.attempt,
-            rank=self.rank,
-            local_rank=self.local_rank,
-            exit_code=exit_code,
-            signal=sig,
-            error_file=self._read_error_file(),
-        )
+        self.agent.outbox.put({
+            "type": P.EXITED, "attempt": self.attempt, "rank": self.rank,
+            "local_rank": self.local_rank, "exit_code": exit_code, "signal": sig,
+            "error_file": self._read_error_file(), "at": time.time(),
+        })
         self.done.set()
 
     def _read_error_file(self) -> str | None:
@@ -281,87 +719,194 @@ class Worker:
             pass
 
 
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", "replace").rstrip("\r")
+
+
+def _cut(lines: list[str]) -> list[str]:
+    """Lines longer than MAX_LINE characters, cut into pieces."""
+    out: list[str] = []
+    for line in lines:
+        while len(line) > P.MAX_LINE:
+            out.append(line[:P.MAX_LINE])
+            line = line[P.MAX_LINE:]
+        out.append(line)
+    return out
+
+
+# --- the agent -----------------------------------------------------------------------------------
+
 class Agent:
-    def __init__(self, channel: Channel):
-        self.channel = channel
+    def __init__(self, directory: str, outcome_path: str, config: dict[str, Any]):
+        self.directory = directory
+        self.outcome_path = outcome_path
+        self.secret = str(config["secret"])
+        self.job_id = os.path.basename(directory).rsplit(".", 1)[0]
+        self.node_index = int(os.path.basename(directory).rsplit(".", 1)[1])
+        self.heartbeat_interval = float(config.get("heartbeat_interval") or 1.0)
+        self.node_timeout = float(config.get("node_timeout") or 5.0)
+        grace = config.get("controller_grace")
+        self.controller_grace = None if grace is None else float(grace)
+        spool_max = config.get("spool_max_bytes")
+        self.outbox = Outbox(os.path.join(directory, "spool"),
+                             None if spool_max is None else int(spool_max))
+        self.outbox.hello = self._hello
         self.token = secrets.token_hex(16)
         # SimpleQueue: put() is safe in a signal handler, Queue.put() can deadlock there.
         self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.workers: list[Worker] = []
         self.attempt = 0
-        self.job_id = ""
-        self.node_index = 0
-        self.heartbeat_interval = 1.0
-        self.peer_timeout = 0.0  # 0: until init says otherwise, only EOF ends the agent
         self.last_heard = time.monotonic()
         self._stop_lock = threading.Lock()
-        self.state_dir = ""
         self.listener: socket.socket | None = None
+        self.preflight_listener: socket.socket | None = None
         self._last_progress = 0.0
 
-    # --- input -------------------------------------------------------------------------
-    def read_commands(self, stream: BinaryIO) -> None:
-        for raw in iter(lambda: stream.readline(MAX_COMMAND), b""):
-            self.last_heard = time.monotonic()  # here, not in the main loop: a slow op
-            try:                                # must not make queued pings look late
-                msg = json.loads(raw)
-            except ValueError:
-                self.channel.send("error", self.attempt, message="unparsable command line")
-                continue
-            self.events.put(("command", msg))
-        self.events.put(("eof", None))
+    # --- start ---------------------------------------------------------------------------
+    def listen(self) -> None:
+        start_watchdog(self.token)  # first: it must inherit no socket
+        path = os.path.join(self.directory, "agent.sock")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            s.bind(path)
+        finally:
+            os.umask(old)
+        s.listen(16)
+        self.listener = s
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda signum, _frame: self.events.put(("signal", signum)))
+        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self.outbox.run, daemon=True).start()
 
-    # --- main loop ---------------------------------------------------------------------
+    def _accept(self) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One controller connection: prove the secret, then read its commands."""
+        reader = conn.makefile("rb")
+        conn.settimeout(ATTACH_TIMEOUT)
+        try:
+            first = P.decode(reader.readline(P.MAX_MESSAGE))
+        except OSError:
+            first = None
+        ok = (first is not None and first.get("op") == P.ATTACH
+              and hmac.compare_digest(str(first.get("secret", "")).encode(),
+                                      self.secret.encode()))
+        if not ok:
+            _close(conn)
+            return
+        conn.settimeout(None)
+        self.last_heard = time.monotonic()
+        ack = first.get("ack")
+        self.outbox.attach(conn, ack if isinstance(ack, int) else 0)
+        try:
+            for raw in iter(lambda: reader.readline(P.MAX_MESSAGE), b""):
+                self.last_heard = time.monotonic()  # here: a slow op must not make pings late
+                msg = P.decode(raw)
+                if msg is None:
+                    continue
+                op = msg.get("op")
+                if op == P.ACK:
+                    seq = msg.get("seq")
+                    if isinstance(seq, int):
+                        self.outbox.ack(seq)
+                elif op != P.PING:
+                    self.events.put(("command", msg))
+        except OSError:
+            pass
+        self.outbox.detach(conn)
+
+    def _hello(self) -> dict[str, Any]:
+        return {
+            "type": P.HELLO, "protocol": P.VERSION, "hostname": socket.gethostname(),
+            "python": sys.version.split()[0], "torch": torch_version(), "gpus": gpu_count(),
+            "pid": os.getpid(), "attempt": self.attempt, "last_seq": self.outbox.seq,
+            "workers": [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.proc.pid,
+                         "running": w.proc.poll() is None} for w in list(self.workers)],
+        }
+
+    # --- main loop -------------------------------------------------------------------------
     def run(self) -> int:
         next_beat = time.monotonic()
         while True:
             now = time.monotonic()
             if now >= next_beat:
-                self.channel.send("heartbeat", self.attempt)
-                next_beat = now + self.heartbeat_interval
-                if self._workers_touched_heartbeat():
-                    self.channel.send("progress", self.attempt)
+                next_beat = now + min(self.heartbeat_interval, 0.5)
+                if self._tick(now):
+                    return 3
             try:
                 kind, msg = self.events.get(timeout=max(0.0, next_beat - time.monotonic()))
             except queue.Empty:
                 continue
-            if kind == "eof":
-                self.stop_workers(grace=2.0)
-                return 0
             if kind == "signal":
-                self.stop_workers(grace=2.0)
+                self.finish(f"signal {signal_name(msg)}")
                 return 128 + msg
             op = msg.get("op")
-            if op == "shutdown":
-                self.stop_workers(grace=2.0)
+            if op == P.SHUTDOWN:
+                self.finish(None)
                 return 0
             handler = getattr(self, f"op_{op}", None)
             if handler is None:
-                self.channel.send("error", self.attempt, message=f"unknown op {op!r}")
+                self.outbox.put({"type": P.ERROR, "attempt": self.attempt,
+                                 "message": f"unknown op {op!r}"})
                 continue
             try:
                 handler(msg)
             except Exception as exc:  # report, never die: the controller decides
-                self.channel.send("error", self.attempt, message=f"{op}: {exc!r}")
+                self.outbox.put({"type": P.ERROR, "attempt": self.attempt,
+                                 "message": f"{op}: {exc!r}"})
 
-    def watch_controller(self) -> None:
-        """Stop the workers and exit once the controller has been silent for peer_timeout.
+    def _tick(self, now: float) -> bool:
+        """Heartbeat, progress, silence and grace checks. True: the agent gave up."""
+        conn = self.outbox.current()
+        if conn is not None:
+            if now - self.last_heard > self.node_timeout:
+                self.outbox.detach(conn)  # silent controller: as if the channel dropped
+            else:
+                self.outbox.put({"type": P.HEARTBEAT, "attempt": self.attempt})
+                if self._workers_touched_heartbeat():
+                    self.outbox.put({"type": P.PROGRESS, "attempt": self.attempt})
+        since = self.outbox.detached_since
+        if (since is not None and self.controller_grace is not None
+                and now - since > self.controller_grace):
+            self.finish(f"no controller for {self.controller_grace:g}s (controller_grace)")
+            return True
+        return False
 
-        Its own thread, touching neither the channel nor the event queue: when the link to
-        the controller is cut, a write to stdout can block the main loop for good.
-        """
-        while True:
-            time.sleep(0.2)
-            if self.peer_timeout and time.monotonic() - self.last_heard > self.peer_timeout:
-                self.stop_workers(grace=0.0)  # nobody is left to stop them
-                if self.state_dir:
-                    shutil.rmtree(self.state_dir, ignore_errors=True)
-                os._exit(3)
+    def finish(self, reason: str | None) -> None:
+        """Stop the workers, record why (unless the controller asked), remove our state."""
+        running = [w.rank for w in self.workers if w.proc.poll() is None]
+        self.stop_workers(grace=2.0)
+        if reason is not None:
+            outcome = {"reason": reason, "at": time.time(), "attempt": self.attempt,
+                       "stopped_ranks": running, "unsent_messages": self.outbox.seq}
+            try:
+                fd = os.open(self.outcome_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC |
+                             os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(outcome, f)
+            except OSError:
+                pass
+        self.outbox.close()
+        if self.listener is not None:
+            self.listener.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        try:
+            os.unlink(self.directory + ".lock")
+        except OSError:
+            pass
 
     def _workers_touched_heartbeat(self) -> bool:
         """Did any worker call orchestrator.heartbeat() since the last check?"""
         newest = self._last_progress
-        for w in self.workers:
+        for w in list(self.workers):
             try:
                 newest = max(newest, os.stat(w.heartbeat_file).st_mtime)
             except OSError:
@@ -370,36 +915,18 @@ class Agent:
         return touched
 
     # --- ops ---------------------------------------------------------------------------
-    def op_ping(self, msg: dict[str, Any]) -> None:
-        pass
-
-    def op_init(self, msg: dict[str, Any]) -> None:
-        self.job_id = str(msg["job_id"])
-        self.node_index = int(msg.get("node_index", 0))
-        self.heartbeat_interval = float(msg.get("heartbeat_interval", 1.0))
-        self.peer_timeout = float(msg.get("peer_timeout", 0.0))
-        if not self.state_dir:
-            # Our own fresh 0700 directory: never one another user could have planted.
-            self.state_dir = tempfile.mkdtemp(prefix=f"orchestrator-{self.job_id[:40]}-")
-        self.channel.send(
-            "hello",
-            self.attempt,
-            hostname=socket.gethostname(),
-            python=sys.version.split()[0],
-            torch=torch_version(),
-            gpus=gpu_count(),
-            pid=os.getpid(),
-            protocol=PROTOCOL,
-        )
+    def _reply(self, msg: dict[str, Any], type_: str, **fields: Any) -> None:
+        self.outbox.put({"type": type_, "req": msg.get("req"), "attempt": self.attempt,
+                         **fields})
 
     def op_free_port(self, msg: dict[str, Any]) -> None:
         port, ok = free_port(int(msg.get("port", 0)))
-        self.channel.send("port", self.attempt, port=port, ok=ok)
+        self._reply(msg, P.PORT, port=port, ok=ok)
 
     def op_listen(self, msg: dict[str, Any]) -> None:
         """Hold a listening socket on ``port`` (0: any) so peers can test that they reach it."""
-        if self.listener is not None:
-            self.listener.close()
+        if self.preflight_listener is not None:
+            self.preflight_listener.close()
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -407,11 +934,10 @@ class Agent:
             s.listen(64)
         except OSError as exc:
             s.close()
-            self.channel.send("listening", self.attempt, port=msg.get("port"), ok=False,
-                              error=str(exc))
+            self._reply(msg, P.LISTENING, port=msg.get("port"), ok=False, error=str(exc))
             return
-        self.listener = s
-        self.channel.send("listening", self.attempt, port=s.getsockname()[1], ok=True)
+        self.preflight_listener = s
+        self._reply(msg, P.LISTENING, port=s.getsockname()[1], ok=True)
 
     def op_probe(self, msg: dict[str, Any]) -> None:
         """Report the interface toward ``address`` and whether ``address:port`` accepts TCP."""
@@ -422,12 +948,15 @@ class Agent:
                 reachable = True
         except OSError as exc:
             error = str(exc)
-        self.channel.send("probe", self.attempt, interface=interface_for(address),
-                          reachable=reachable, error=error)
+        self._reply(msg, P.PROBE_RESULT, interface=interface_for(address), reachable=reachable,
+                    error=error)
 
     def op_start(self, msg: dict[str, Any]) -> None:
+        attempt = int(msg["attempt"])
+        if attempt <= self.attempt:
+            return  # already started (a controller re-sent it after reattaching)
         self.stop_workers(grace=float(msg.get("stop_grace", 5.0)))
-        self.attempt = int(msg["attempt"])
+        self.attempt = attempt
         workdir = os.path.expanduser(msg.get("workdir") or ".")
         base_env = dict(os.environ)
         base_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, unless set here
@@ -437,18 +966,22 @@ class Agent:
             if iface and var not in base_env:
                 base_env[var] = iface
         base_env[TOKEN_VAR] = self.token
-        attempt_dir = os.path.join(self.state_dir, f"attempt-{self.attempt}")
+        attempt_dir = os.path.join(self.directory, f"attempt-{self.attempt}")
         for spec in msg["workers"]:
             try:
                 proc, spec = self._spawn(spec, base_env, attempt_dir, workdir)
             except Exception as exc:  # the controller must hear of every rank, or it waits
                 error = f"{spec['argv'][0]}: {getattr(exc, 'strerror', None) or exc}"
-                self.channel.send("spawn_failed", self.attempt, rank=spec.get("rank"),
-                                  local_rank=spec.get("local_rank"), error=error)
+                self.outbox.put({"type": P.SPAWN_FAILED, "attempt": attempt,
+                                 "rank": spec.get("rank"), "local_rank": spec.get("local_rank"),
+                                 "error": error})
                 continue
-            self.channel.send("started", self.attempt, rank=spec.get("rank"),
-                              local_rank=spec.get("local_rank"), pid=proc.pid)
-            self.workers.append(Worker(self, self.attempt, spec, proc))
+            # "started" is queued before the first output line can be read.
+            self.outbox.put({"type": P.STARTED, "attempt": attempt, "rank": spec.get("rank"),
+                             "local_rank": spec.get("local_rank"), "pid": proc.pid})
+            worker = Worker(self, attempt, spec, proc)
+            self.workers.append(worker)
+            worker.start_threads()
 
     def _spawn(self, spec: dict[str, Any], base_env: dict[str, str], attempt_dir: str,
                workdir: str) -> tuple[subprocess.Popen, dict[str, Any]]:
@@ -475,15 +1008,15 @@ class Agent:
     def op_stop(self, msg: dict[str, Any]) -> None:
         attempt = int(msg.get("attempt", self.attempt))
         grace = float(msg.get("grace", 5.0))
-        if attempt != self.attempt:  # a late stop of an older attempt: those are gone
-            self.channel.send("stopped", attempt)
+        if attempt < self.attempt:  # a late stop of an older attempt: those are gone
+            self.outbox.put({"type": P.STOPPED, "attempt": attempt})
             return
         # Stopping can take the whole grace period: do it aside so heartbeats keep flowing.
         threading.Thread(target=self._stop_and_report, args=(attempt, grace), daemon=True).start()
 
     def _stop_and_report(self, attempt: int, grace: float) -> None:
         self.stop_workers(grace)
-        self.channel.send("stopped", attempt)
+        self.outbox.put({"type": P.STOPPED, "attempt": attempt})
 
     # --- stopping ----------------------------------------------------------------------
     def stop_workers(self, grace: float) -> None:
@@ -502,7 +1035,7 @@ class Agent:
             # it still carry the token.
             kill_token_processes(self.token)
             for w in workers:
-                w.done.wait(timeout=5.0)
+                w.done.wait(timeout=60.0)  # its exit is queued after its last line
             deadline = time.monotonic() + 5.0
             while processes_with_token(self.token) and time.monotonic() < deadline:
                 kill_token_processes(self.token)
@@ -510,18 +1043,7 @@ class Agent:
 
 
 def main() -> int:
-    channel = Channel(sys.stdout.buffer)
-    agent = Agent(channel)
-    start_watchdog(agent.token)
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, lambda signum, _frame: agent.events.put(("signal", signum)))
-    threading.Thread(target=agent.read_commands, args=(sys.stdin.buffer,), daemon=True).start()
-    threading.Thread(target=agent.watch_controller, daemon=True).start()
-    try:
-        return agent.run()
-    finally:
-        if agent.state_dir:
-            shutil.rmtree(agent.state_dir, ignore_errors=True)
+    return relay_main()
 
 
 if __name__ == "__main__":

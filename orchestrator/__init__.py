@@ -9,12 +9,23 @@ The public API, used by the ``orchestrator`` command and by scripts::
         print(line)
 """
 
-from orchestrator.api import cancel, check, dry_run, list_jobs, logs, status, submit, wait
+from orchestrator.api import (
+    cancel,
+    check,
+    dry_run,
+    list_jobs,
+    logs,
+    resume,
+    status,
+    submit,
+    wait,
+)
 from orchestrator.errors import (
     AgentError,
     AuthenticationError,
     ConnectError,
     HostKeyError,
+    JobEndedError,
     JobNotFoundError,
     LaunchError,
     OrchestratorError,
@@ -24,20 +35,23 @@ from orchestrator.errors import (
 )
 from orchestrator.heartbeat import heartbeat
 from orchestrator.spec import JobSpec, load_jobspec
-from orchestrator.state import FailureCause, JobState, NodeState
+from orchestrator.state import AttemptOutcome, FailureCause, JobState, NodeState, RankState
 
 __all__ = [
     "AgentError",
+    "AttemptOutcome",
     "AuthenticationError",
     "ConnectError",
     "FailureCause",
     "HostKeyError",
+    "JobEndedError",
     "JobNotFoundError",
     "JobSpec",
     "JobState",
     "LaunchError",
     "NodeState",
     "OrchestratorError",
+    "RankState",
     "SpecError",
     "StoreError",
     "TransportError",
@@ -48,6 +62,7 @@ __all__ = [
     "list_jobs",
     "load_jobspec",
     "logs",
+    "resume",
     "status",
     "submit",
     "wait",

@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -16,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import preflight
-from orchestrator.errors import LaunchError
+from orchestrator.errors import JobEndedError, LaunchError
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
-from orchestrator.state import FailureCause, InvalidTransition, JobState
+from orchestrator.state import FailureCause, JobState
 from orchestrator.store import JobRecord, Store, check_job_id
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -59,30 +60,62 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
     store = Store(home)
     try:
         job_id = f"{job_spec.name}-{secrets.token_hex(3)}"
+        # The agents' secret: a controller proves it to attach to them (also after a restart).
         store.create_job(job_id, job_spec.name, job_spec.model_dump_json(), directory,
-                         job_spec.max_restarts, [n.host for n in job_spec.nodes])
-        log_path = store.job_dir(job_id) / "controller.log"
-        env = dict(os.environ)
-        env["ORCHESTRATOR_HOME"] = str(store.home)
-        # The controller must import this very package, installed or not; it puts the
-        # user's PYTHONPATH back (ORCHESTRATOR_USER_PYTHONPATH) for agents and workers.
-        env["ORCHESTRATOR_USER_PYTHONPATH"] = json.dumps(env.get("PYTHONPATH"))
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        with open(log_path, "ab") as log:
-            try:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "orchestrator.controller", job_id],
-                    stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                    env=env, cwd=directory,
-                    start_new_session=True,  # outlives the terminal that submitted it
-                )
-            except OSError as exc:
-                store.set_state(job_id, JobState.FAILED,
-                                failure={"cause": FailureCause.LAUNCH_FAILED.value,
-                                         "message": f"cannot start controller: {exc}"})
-                raise LaunchError(f"cannot start the controller: {exc}") from exc
-        store.update_job(job_id, controller_pid=proc.pid)
+                         job_spec.max_restarts, [n.host for n in job_spec.nodes],
+                         secret=secrets.token_hex(32))
+        try:
+            _start_controller(store, job_id, resume=False)
+        except OSError as exc:
+            store.set_state(job_id, JobState.FAILED,
+                            failure={"cause": FailureCause.LAUNCH_FAILED.value,
+                                     "message": f"cannot start controller: {exc}"})
+            raise LaunchError(f"cannot start the controller: {exc}") from exc
         return job_id
+    finally:
+        store.close()
+
+
+def _start_controller(store: Store, job_id: str, *, resume: bool) -> int:
+    """Start the job's supervised controller, detached; return the supervisor's pid."""
+    log_path = store.job_dir(job_id) / "controller.log"
+    env = dict(os.environ)
+    env["ORCHESTRATOR_HOME"] = str(store.home)
+    # The controller must import this very package, installed or not; it puts the user's
+    # PYTHONPATH back (ORCHESTRATOR_USER_PYTHONPATH) for agents and workers.
+    if "ORCHESTRATOR_USER_PYTHONPATH" not in env:
+        env["ORCHESTRATOR_USER_PYTHONPATH"] = json.dumps(env.get("PYTHONPATH"))
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    env["PYTHONSAFEPATH"] = "1"  # nothing from the current directory is imported
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.controller", job_id, "--supervise",
+             *(["--resume"] if resume else [])],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            env=env, cwd=str(store.home),
+            start_new_session=True,  # outlives the terminal that submitted it
+        )
+    store.update_job(job_id, supervisor_pid=proc.pid)
+    return proc.pid
+
+
+def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Start a new controller for a job whose controller is gone: it reattaches to the same
+    agents and the same attempt, and the job goes on (no restart is charged). Returns
+    ``{"job_id", "resumed": bool, "controller": {...}}``; ``resumed`` is False when the job
+    already has a live controller. A job that ended raises JobEndedError."""
+    store = Store(home)
+    try:
+        job = store.get_job(check_job_id(job_id))
+        if job.state.is_terminal():
+            raise JobEndedError(job_id, job.state.value)
+        view = _controller_view(job)
+        if view["alive"] is not False:
+            return {"job_id": job_id, "resumed": False, "controller": view}
+        _start_controller(store, job_id, resume=True)
+        return {"job_id": job_id, "resumed": True,
+                "controller": _controller_view(store.get_job(job_id))}
     finally:
         store.close()
 
@@ -91,7 +124,7 @@ def status(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
     """The job's state as a JSON-ready dict (the documented ``status --json`` shape)."""
     store = Store(home)
     try:
-        return _status_dict(_checked_job(store, job_id))
+        return _status_dict(store.get_job(check_job_id(job_id)))
     finally:
         store.close()
 
@@ -101,11 +134,10 @@ def list_jobs(*, home: str | os.PathLike[str] | None = None) -> list[dict[str, A
     store = Store(home)
     try:
         return [
-            {"job_id": j.job_id, "name": j.name, "state": j.state.value,
+            {"job_id": j.job_id, "name": j.name, "state": _shown_state(j, _controller_view(j)),
              "submitted_at": _iso(j.submitted_at), "ended_at": _iso(j.ended_at),
              "attempt": j.attempt, "restarts": j.restarts}
-            for j in (_checked_job(store, j.job_id) if not j.state.is_terminal() else j
-                      for j in store.list_jobs())
+            for j in store.list_jobs()
         ]
     finally:
         store.close()
@@ -113,19 +145,23 @@ def list_jobs(*, home: str | os.PathLike[str] | None = None) -> list[dict[str, A
 
 def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,
          home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Block until the job is in a terminal state (or ``timeout``); return its status."""
+    """Block until the job is in a terminal state (or ``timeout``); return its status.
+
+    A job whose controller (and its supervisor) died is resumed: whoever waits for a job
+    wants it to go on.
+    """
     store = Store(home)
     deadline = None if timeout is None else time.monotonic() + timeout
-    next_liveness_check = 0.0
+    next_liveness_check = time.monotonic() + 2.0
     try:
         while True:
             state, _ = store.job_state(check_job_id(job_id))  # the cheap read, every poll
             if state.is_terminal():
                 return _status_dict(store.get_job(job_id))
             if deadline is not None and time.monotonic() > deadline:
-                return _status_dict(_checked_job(store, job_id))
-            if time.monotonic() >= next_liveness_check:  # notices a controller that died
-                _checked_job(store, job_id)
+                return _status_dict(store.get_job(job_id))
+            if time.monotonic() >= next_liveness_check:
+                _ensure_controller(store, job_id)
                 next_liveness_check = time.monotonic() + 2.0
             time.sleep(poll)
     finally:
@@ -140,7 +176,7 @@ def cancel(job_id: str, *, wait_seconds: float = 60.0,
     """
     store = Store(home)
     try:
-        job = _checked_job(store, job_id)
+        job = store.get_job(check_job_id(job_id))
         if job.state.is_terminal():
             return _status_dict(job)
         store.request_cancel(job_id)
@@ -150,9 +186,11 @@ def cancel(job_id: str, *, wait_seconds: float = 60.0,
                 os.kill(pid, signal.SIGTERM)
             except OSError:
                 pass
+        else:  # only a controller stops workers: start one, it sees the request at once
+            _ensure_controller(store, job_id)
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:
-            job = _checked_job(store, job_id)
+            job = store.get_job(job_id)
             if job.state.is_terminal():
                 break
             time.sleep(0.1)
@@ -170,7 +208,7 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
     """
     store = Store(home)
     try:
-        job = _checked_job(store, job_id)
+        job = store.get_job(check_job_id(job_id))
         attempts = [attempt] if attempt is not None else list(range(1, job.attempt + 1))
         keep = _line_filter(job, rank, node)
         cursor = _Cursor(store.log_dir(job_id, attempts[-1] if attempts else 1) / "combined.log")
@@ -187,8 +225,12 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
         if not follow:
             return
         current = attempts[-1] if attempts else 1
+        next_liveness_check = time.monotonic() + 2.0
         while True:
-            job = _checked_job(store, job_id)
+            job = store.get_job(job_id)
+            if not job.state.is_terminal() and time.monotonic() >= next_liveness_check:
+                _ensure_controller(store, job_id)
+                next_liveness_check = time.monotonic() + 2.0
             keep = _line_filter(job, rank, node)
             new = [line for line in cursor.read() if keep(line)]
             yield from new
@@ -205,27 +247,37 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
 
 # --- helpers ---------------------------------------------------------------------------------
 
-def _checked_job(store: Store, job_id: str) -> JobRecord:
-    """The job, after making sure its state is not a lie left by a controller that died."""
-    job = store.get_job(check_job_id(job_id))
-    if job.state.is_terminal() or not job.controller_pid:
-        return job
-    if _is_controller(job.controller_pid, job_id):
-        return job
-    # The only writer is gone (killed, machine rebooted): its agents saw their stdin close
-    # and stopped their workers. Say so instead of showing RUNNING forever.
+def _controller_view(job: JobRecord) -> dict[str, Any]:
+    """The job's controller as this machine sees it. ``alive`` is None when it runs on
+    another host (or in a PID namespace we cannot see into): then nobody here can tell."""
+    here = job.controller_host in (None, socket.gethostname())
+    alive: bool | None
+    if job.state.is_terminal():
+        alive = any(_is_controller(p, job.job_id) for p in
+                    (job.controller_pid, job.supervisor_pid) if p) if here else None
+    elif not here:
+        alive = None
+    else:
+        alive = any(_is_controller(p, job.job_id)
+                    for p in (job.controller_pid, job.supervisor_pid) if p)
+    return {"pid": job.controller_pid, "host": job.controller_host, "alive": alive,
+            "since": _iso(job.controller_since), "supervisor_pid": job.supervisor_pid}
+
+
+def _shown_state(job: JobRecord, controller: dict[str, Any]) -> str:
+    """The recorded state, except that a job whose controller is known to be dead is not
+    RUNNING any more: it is UNKNOWN until ``resume`` (nothing is rewritten)."""
+    if not job.state.is_terminal() and controller["alive"] is False \
+            and job.state != JobState.PENDING:
+        return "UNKNOWN"
+    return job.state.value
+
+
+def _ensure_controller(store: Store, job_id: str) -> None:
+    """Resume the job if its controller and supervisor are known to be dead."""
     job = store.get_job(job_id)
-    try:
-        if job.cancel_requested:
-            store.set_state(job_id, JobState.CANCELLED)
-        else:
-            store.set_state(job_id, JobState.FAILED, failure={
-                "cause": FailureCause.LAUNCH_FAILED.value,
-                "message": f"the job's controller (pid {job.controller_pid}) exited "
-                           f"unexpectedly; see {store.job_dir(job_id) / 'controller.log'}"})
-    except InvalidTransition:
-        pass  # another reader (or the controller's last write) got there first
-    return store.get_job(job_id)
+    if not job.state.is_terminal() and _controller_view(job)["alive"] is False:
+        _start_controller(store, job_id, resume=True)
 
 
 def _is_controller(pid: int, job_id: str) -> bool:
@@ -248,6 +300,7 @@ def _iso(ts: float | None) -> str | None:
 
 def _status_dict(job: JobRecord) -> dict[str, Any]:
     hosts = {n.node_index: n.host for n in job.nodes}
+    controller = _controller_view(job)
     ranks = []
     for r in job.ranks:
         if r.attempt != job.attempt:
@@ -260,17 +313,22 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
     return {
         "job_id": job.job_id,
         "name": job.name,
-        "state": job.state.value,
+        "state": _shown_state(job, controller),
+        "recorded_state": job.state.value,
         "submitted_at": _iso(job.submitted_at),
         "started_at": _iso(job.started_at),
         "ended_at": _iso(job.ended_at),
         "attempt": job.attempt,
         "restarts": job.restarts,
         "max_restarts": job.max_restarts,
+        "free_restarts": job.free_restarts,
+        "controller": controller,
         "nodes": [
             {"node_index": n.node_index, "host": n.host, "node_rank": n.node_rank,
              "state": n.state.value, "hostname": n.info.get("hostname"),
-             "agent_pid": n.info.get("pid"), "error": n.info.get("error")}
+             "agent_pid": n.info.get("pid"), "error": n.info.get("error"),
+             "history": [{"at": _iso(e.at), "state": e.state.value, "message": e.message}
+                         for e in n.history]}
             for n in job.nodes
         ],
         "ranks": ranks,

@@ -16,7 +16,7 @@ from typing import Any, NoReturn, TypeVar
 import typer
 
 import orchestrator as api
-from orchestrator.errors import JobNotFoundError, OrchestratorError, SpecError
+from orchestrator.errors import JobEndedError, JobNotFoundError, OrchestratorError, SpecError
 from orchestrator.plan import describe
 
 app = typer.Typer(
@@ -47,7 +47,7 @@ def _call(fn: Callable[[], T]) -> T:
     """Run an API call, mapping our errors to one line and an exit code."""
     try:
         return fn()
-    except (SpecError, JobNotFoundError) as exc:
+    except (SpecError, JobNotFoundError, JobEndedError) as exc:
         if _debug:
             raise
         _fail(str(exc), 2)
@@ -159,6 +159,23 @@ def cancel(job: str = typer.Argument(..., help="Job id.")) -> None:
     typer.echo(f"{data['job_id']}: {data['state']}")
 
 
+@app.command()
+def resume(
+    job: str = typer.Argument(..., help="Job id."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Start a new controller for a job whose controller died; the job goes on."""
+    data = _call(lambda: api.resume(job))
+    if as_json:
+        _print_json(data)
+    elif data["resumed"]:
+        typer.echo(f"{job}: resumed by a new controller")
+    else:
+        c = data["controller"]
+        where = "not visible from here" if c["alive"] is None else "alive"
+        typer.echo(f"{job}: already has a controller (pid {c['pid']} on {c['host']}, {where})")
+
+
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List jobs, oldest first."""
@@ -229,9 +246,17 @@ def _print_status(data: dict[str, Any]) -> None:
     from rich.table import Table
 
     console = _console()
+    free = f" (+{data['free_restarts']} not charged)" if data.get("free_restarts") else ""
     typer.echo(f"{data['job_id']}  {data['state']}  attempt {data['attempt']}  "
-               f"restarts {data['restarts']}/{data['max_restarts']}  "
+               f"restarts {data['restarts']}/{data['max_restarts']}{free}  "
                f"submitted {data['submitted_at']}")
+    c = data["controller"]
+    alive = {True: "alive", False: "NOT RUNNING", None: "not visible from here"}[c["alive"]]
+    if data["state"] not in EXIT_FOR_STATE:
+        typer.echo(f"controller pid {c['pid']} on {c['host']} since {c['since']}: {alive}")
+    if data["state"] == "UNKNOWN":
+        typer.echo(f"the controller is gone (recorded state {data['recorded_state']}); run "
+                   f"`orchestrator resume {data['job_id']}` to carry on", err=True)
     ranks_by_node: dict[int, list[dict[str, Any]]] = {}
     for r in data["ranks"]:
         ranks_by_node.setdefault(r["node_index"], []).append(r)
@@ -245,8 +270,11 @@ def _print_status(data: dict[str, Any]) -> None:
         )
         node_rank = "-" if n["node_rank"] is None else str(n["node_rank"])
         state = n["state"] + (f" ({n['error']})" if n.get("error") else "")
+        gaps = sum(e["state"] == "UNREACHABLE" for e in n.get("history", []))
+        if gaps:
+            state += f" [unreachable {gaps}x]"
         nodes.add_row(node_rank, n["host"], state, ranks)
-    console.print(nodes)
+    console.print(nodes, markup=False)
     if len(data["attempts"]) > 1 or any(a["failure"] for a in data["attempts"]):
         history = Table("ATTEMPT", "STARTED", "ENDED", "OUTCOME", "CAUSE", box=None)
         for a in data["attempts"]:

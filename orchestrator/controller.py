@@ -1,205 +1,168 @@
 """The controller: one process per job, the only writer of the job's state.
 
-It connects to every node's agent, plans each attempt, starts the workers, watches every
-message, and applies the restart policy in one loop (:meth:`Controller.run`):
+Three owners (see DESIGN.md): the :class:`~orchestrator.nodepool.NodePool` keeps a channel
+to every node's agent; an :class:`~orchestrator.attempt.Attempt` keeps what one attempt's
+ranks did; and :meth:`Controller._supervise`, the restart policy, is one loop::
 
     connect agents ─> attempt n: pick port, plan, start ─> watch ─┬─> all ranks exit 0: SUCCEEDED
                                 ▲                                 └─> failure / node lost / hang:
                                 └── backoff <─ RESTARTING <─ budget left? <─ stop every worker
                                                                 └─ no: FAILED (root cause kept)
 
-Cancel is checked everywhere the loop waits, so it wins in every phase.
-Run it as ``python -m orchestrator.controller JOB_ID`` (``submit`` does).
+A dropped channel makes a node UNREACHABLE while the attempt goes on; the pool reconnects,
+and the agent replays what the controller has not kept. Only a node unheard for
+``health.node_timeout`` is LOST. Output is written in batches and kept exactly once: every
+``CHECKPOINT_EVERY`` the controller records the log sizes and each node's last handled
+message in one transaction, and only then acknowledges them to the agents.
+
+A controller that dies is replaced (``resume``): the new one truncates the logs to the last
+checkpoint, reattaches to the same agents and the same attempt, and carries on. If the agents
+gave up meanwhile (``controller_grace``), the attempt ends with cause CONTROLLER_LOST and the
+job restarts without charging ``max_restarts``.
+
+Run it as ``python -m orchestrator.controller JOB_ID [--resume] [--supervise]``; ``submit``
+starts it with ``--supervise``: a small parent that starts the controller again (resuming)
+if it crashes.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
 import queue
+import secrets
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from orchestrator.errors import OrchestratorError, TransportError
-from orchestrator.plan import TORCHRUN_LINE_RE, LaunchPlan, plan_attempt
-from orchestrator.spec import JobSpec, NodeSpec
-from orchestrator.state import FailureCause, JobState, NodeState
+from agents import protocol as P
+from orchestrator.attempt import Attempt, AttemptResult, Failure, LogSink
+from orchestrator.errors import OrchestratorError
+from orchestrator.nodepool import Channel, Node, NodePool
+from orchestrator.plan import plan_attempt
+from orchestrator.spec import JobSpec
+from orchestrator.state import AttemptOutcome, FailureCause, JobState, NodeState
 from orchestrator.store import Store
 from orchestrator.transport import default_connect
-from orchestrator.transport.base import ConnectionFactory, NodeConnection
+from orchestrator.transport.base import ConnectionFactory
 
 log = logging.getLogger("orchestrator.controller")
 
-STDERR_TAIL = 20  # lines of a failing rank's stderr kept for the failure message
-POLL = 0.05  # seconds between checks of the cancel flag and timeouts when nothing arrives
+POLL = 0.05  # seconds the loop waits for an event before its checks
+PUMP_BUDGET = 0.05  # seconds of messages handled between two checks of cancel and health
+CHECKPOINT_EVERY = 0.05  # seconds between checkpoints while messages arrive
 STOP_MARGIN = 10.0  # beyond the grace period, how long stopping may take before a node is LOST
-MAX_BATCH = 2000  # messages handled between two checks of cancel and health
-
-
-@dataclass
-class Failure:
-    """The first thing that went wrong in an attempt."""
-
-    cause: FailureCause
-    message: str
-    node_index: int | None = None
-    node_rank: int | None = None
-    host: str | None = None
-    rank: int | None = None
-    local_rank: int | None = None
-    exit_code: int | None = None
-    signal: str | None = None
-    stderr_tail: list[str] = field(default_factory=list)
-    error_file: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dict(self.__dict__)
-        d["cause"] = self.cause.value
-        return d
-
-
-@dataclass
-class Node:
-    """The controller's live view of one spec node."""
-
-    index: int
-    spec: NodeSpec
-    conn: NodeConnection | None = None
-    state: NodeState = NodeState.PENDING
-    last_heard: float = 0.0
-    info: dict[str, Any] = field(default_factory=dict)
-    node_rank: int | None = None
-    reconnecting: bool = False
-
-    @property
-    def connected(self) -> bool:
-        return self.conn is not None and self.state not in (NodeState.LOST, NodeState.FAILED)
+SHUTDOWN_WAIT = 10.0  # seconds agents get to stop their workers and exit at the end
+LIVE = (NodeState.CONNECTED, NodeState.RUNNING, NodeState.STOPPED)
 
 
 class Cancelled(Exception):
     """Raised inside the loop when a cancel request is seen."""
 
 
-class LogSink:
-    """Writes each rank's output to its log files and keeps its last stderr lines."""
-
-    def __init__(self, directory: Path):
-        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-        self.directory = directory
-        self._combined = open(directory / "combined.log", "a", encoding="utf-8", buffering=1)
-        self._files: dict[str, IO[str]] = {}
-        self.stderr: dict[str, deque[str]] = {}
-        self.last_activity = time.monotonic()  # output, or a worker's heartbeat()
-
-    def write(self, host: str, label: str, stream: str, line: str) -> None:
-        f = self._files.get(label)
-        if f is None:
-            f = self._files[label] = open(self.directory / f"rank-{label}.log", "a",
-                                          encoding="utf-8", buffering=1)
-        f.write(line + "\n")
-        self._combined.write(f"[{host}:{label}] {line}\n")
-        if stream == "stderr":
-            self.stderr.setdefault(label, deque(maxlen=STDERR_TAIL)).append(line)
-        self.last_activity = time.monotonic()
-
-    def close(self) -> None:
-        for f in [*self._files.values(), self._combined]:
-            f.close()
+class _LaunchFailed(Exception):
+    def __init__(self, failure: Failure):
+        super().__init__(failure.message)
+        self.failure = failure
 
 
 class Controller:
     """Runs one job to a terminal state. ``connect`` builds a transport per node."""
 
     def __init__(self, store: Store, job_id: str, spec: JobSpec, spec_dir: str,
-                 connect: ConnectionFactory = default_connect):
+                 connect: ConnectionFactory = default_connect, *, secret: str | None = None,
+                 resume: bool = False):
         self.store = store
         self.job_id = job_id
         self.spec = spec
         self.spec_dir = spec_dir
-        self.connect = connect
-        self.nodes = [Node(i, n) for i, n in enumerate(spec.nodes)]
-        # (node index, the connection it came on, message or None at EOF); index -1 wakes up.
-        # SimpleQueue, because request_cancel() puts from a signal handler.
-        self.events: queue.SimpleQueue[tuple[int, Any, dict[str, Any] | None]] = \
-            queue.SimpleQueue()
+        self.pool = NodePool(job_id, spec, secret or secrets.token_hex(16), connect)
+        self.nodes = self.pool.nodes
+        self.hosts = {n.index: "local" if n.spec.is_local else n.spec.hostname
+                      for n in self.nodes}
+        self.resuming = resume
         self.cancel_requested = False
-        self._last_tick = time.monotonic()
         self.state = JobState.PENDING
         self.attempt = 0
         self.restarts = 0
+        self.free_restarts = 0
+        self.current: Attempt | None = None
+        self._ended: set[int] = set()  # attempts already recorded as ended
         self._next_cancel_check = 0.0
-        # Per-attempt bookkeeping, reset by _run_attempt.
-        self.plan: LaunchPlan | None = None
-        self.sink: LogSink | None = None
-        self.failure: Failure | None = None
-        self.stopping = False
-        self.attempt_open = False
-        self.rank_exits: dict[int, tuple[int | None, str | None]] = {}
-        self.started: set[tuple[int, int]] = set()  # (node_index, local_rank)
-        self.stopped_nodes: set[int] = set()
-        self.port_reply: dict[str, Any] | None = None
+        self._last_checkpoint = 0.0
+        self._lingering = False
 
     # --- the restart policy: one loop ---------------------------------------------------
     def run(self) -> JobState:
-        threading.Thread(target=self._ping_agents, daemon=True).start()
+        self.pool.start_pinger()
         try:
             final, fields = self._supervise()
         except Cancelled:
-            self._stop_workers()
-            self._end_attempt("CANCELLED", None)
+            self._stop_attempt()
+            self._end_attempt(AttemptResult(AttemptOutcome.CANCELLED))
             final, fields = JobState.CANCELLED, {}
         except _LaunchFailed as exc:
-            self._stop_workers()
-            self._end_attempt("FAILED", exc.failure)
+            self._stop_attempt()
+            self._end_attempt(AttemptResult(AttemptOutcome.FAILED, exc.failure))
             final, fields = JobState.FAILED, {"failure": exc.failure.to_dict()}
         except BaseException as exc:  # a bug or an unexpected OS error: never leave RUNNING
             log.exception("controller error")
             failure = Failure(FailureCause.LAUNCH_FAILED, f"controller error: {exc!r}")
             try:
-                self._stop_workers()
+                self._stop_attempt()
+                self._end_attempt(AttemptResult(AttemptOutcome.FAILED, failure))
             finally:
                 final, fields = JobState.FAILED, {"failure": failure.to_dict()}
         # Agents are shut down before the terminal state is written: whoever sees the job
-        # ended also sees every node done.
+        # ended also sees every reachable node done.
         self._shutdown()
         self._set_state(final, **fields)
+        self._linger()
+        self.pool.close()
         return self.state
 
     def _supervise(self) -> tuple[JobState, dict[str, Any]]:
         """The restart policy. Returns the terminal state to record, and its fields."""
-        self._set_state(JobState.LAUNCHING, started_at=time.time())
-        self._connect_nodes()
+        if self.resuming:
+            result = self._resume()
+        else:
+            self._set_state(JobState.LAUNCHING, started_at=time.time())
+            self._connect_all()
+            result = None
         while True:
-            self._check_cancel()
-            outcome = self._run_attempt(self._participants())
-            if outcome is None:
-                self._end_attempt("SUCCEEDED", None)
+            if result is None:
+                self._check_cancel()
+                result = self._run_attempt(self._participants())
+            if result.outcome == AttemptOutcome.SUCCEEDED:
+                self._end_attempt(result)
                 return JobState.SUCCEEDED, {}
-            self._stop_workers()
-            self._end_attempt("FAILED", outcome)
-            if not self._may_restart(outcome):
-                return JobState.FAILED, {"failure": self._final_failure(outcome)}
-            self.restarts += 1
-            # Persisted before acting, so a crash here never grants a free restart.
-            self._set_state(JobState.RESTARTING, restarts=self.restarts)
-            self._reconnect_lost()
-            self._sleep(self._backoff())
+            failure = result.failure
+            assert failure is not None
+            self._stop_attempt()
+            self._end_attempt(result)
+            if failure.cause == FailureCause.CONTROLLER_LOST:
+                # Not the user's failure: restart without touching the budget.
+                self.free_restarts += 1
+                self._set_state(JobState.RESTARTING, free_restarts=self.free_restarts)
+                delay = self.spec.restart_backoff.initial
+            elif not self._may_restart(failure):
+                return JobState.FAILED, {"failure": self._final_failure(failure)}
+            else:
+                self.restarts += 1
+                # Persisted before acting, so a crash here never grants a free restart.
+                self._set_state(JobState.RESTARTING, restarts=self.restarts)
+                delay = self._backoff()
+            self._reconnect_absent()
+            self._sleep(delay)
             self._set_state(JobState.LAUNCHING)
-
-    def _end_attempt(self, outcome: str, failure: Failure | None) -> None:
-        if self.attempt_open:
-            self.attempt_open = False
-            self.store.end_attempt(self.job_id, self.attempt, outcome,
-                                   failure.to_dict() if failure else None)
+            result = None
 
     def _may_restart(self, failure: Failure) -> bool:
         if failure.exit_code is not None and failure.exit_code in self.spec.fail_on_exit_codes:
@@ -231,101 +194,60 @@ class Controller:
         self.state = new
         log.info("job %s -> %s", self.job_id, new.value)
 
-    def _set_node(self, node: Node, state: NodeState, **fields: Any) -> None:
+    def _set_node(self, node: Node, state: NodeState, message: str | None = None,
+                  **fields: Any) -> None:
+        if state != node.state:
+            log.info("%s: %s -> %s%s", node.host, node.state.value, state.value,
+                     f" ({message})" if message else "")
         node.state = state
-        self.store.set_node(self.job_id, node.index, state, **fields)
+        if "info" in fields:
+            node.info = fields["info"]
+        self.store.set_node(self.job_id, node.index, state, message, **fields)
 
     # --- connecting ----------------------------------------------------------------------
-    def _open_node(self, node: Node) -> None:
-        """Start a node's agent and send it init; its hello arrives through the event queue."""
-        conn = self.connect(node.spec, self.spec)
-        conn.open()
-        node.last_heard = time.monotonic()
-        node.conn = conn
-        threading.Thread(target=self._read, args=(node.index, conn), daemon=True).start()
-        conn.send({"op": "init", "job_id": self.job_id, "node_index": node.index,
-                   "heartbeat_interval": self.spec.health.heartbeat_interval,
-                   "peer_timeout": self.spec.health.node_timeout})
-
-    def _connect_nodes(self) -> None:
-        """Start every agent in parallel and wait for their hello. Fewer than ``min_nodes``
-        answering fails the launch, naming the first node that did not."""
-        errors: dict[int, str] = {}
-        pool = ThreadPoolExecutor(max_workers=min(32, len(self.nodes)))
-        futures = {pool.submit(self._open_node, n): n for n in self.nodes}
-        try:
-            pending = set(futures)
-            while pending:  # connecting can take connect_timeout: cancel must still win
-                _, pending = futures_wait(pending, timeout=POLL)
-                self._last_tick = time.monotonic()
-                self._check_cancel()
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
-        for fut, node in futures.items():
-            exc = fut.exception()
-            if isinstance(exc, OrchestratorError):
-                errors[node.index] = str(exc)
-            elif exc is not None:
-                errors[node.index] = f"{node.spec.host}: {exc!r}"
-
-        waiting = {n.index for n in self.nodes if n.index not in errors}
+    def _connect_all(self) -> None:
+        """Start (or find) every node's agent in parallel and wait for their hello. Fewer
+        than ``min_nodes`` answering fails the launch, naming the first node that did not."""
+        for node in self.nodes:
+            self.pool.connect(node, launch=True)
         deadline = time.monotonic() + self.spec.launch_timeout
-        while waiting:
+        while any(n.state == NodeState.PENDING for n in self.nodes):
             if time.monotonic() > deadline:
-                for i in waiting:
-                    errors[i] = f"{self.nodes[i].spec.host}: agent did not answer within " \
-                                f"{self.spec.launch_timeout:g}s"
+                for n in self.nodes:
+                    if n.state == NodeState.PENDING:
+                        self._set_node(n, NodeState.FAILED, info={
+                            "error": f"{n.host}: agent did not answer within "
+                                     f"{self.spec.launch_timeout:g}s"})
                 break
             self._pump(POLL)
             self._check_cancel()
-            for i in list(waiting):
-                node = self.nodes[i]
-                if node.state == NodeState.CONNECTED:
-                    waiting.discard(i)
-                elif node.state == NodeState.LOST:
-                    tail = list(getattr(node.conn, "stderr_tail", []) or [])[-3:]
-                    errors[i] = f"{node.spec.host}: agent exited before saying hello" + (
-                        ": " + " | ".join(tail) if tail else "")
-                    waiting.discard(i)
-        for i, message in errors.items():
-            node = self.nodes[i]
-            if node.conn is not None:
-                node.conn.close()
-                node.conn = None
-            self._set_node(node, NodeState.FAILED, info={"error": message})
-        if len(self.nodes) - len(errors) < self.spec.min_nodes:
-            first = min(errors)
-            raise _LaunchFailed(Failure(FailureCause.LAUNCH_FAILED, errors[first], node_index=first,
-                                        host=self.nodes[first].spec.host))
+        self._require_min_nodes()
 
-    def _reconnect_lost(self) -> None:
-        """Try again, in the background, nodes that were lost or never came up: those whose
-        agent says hello before an attempt starts take part in it (they rejoin)."""
+    def _require_min_nodes(self) -> None:
+        failed = [n for n in self.nodes if n.state == NodeState.FAILED]
+        if len(self.nodes) - len(failed) < self.spec.min_nodes:
+            first = failed[0]
+            raise _LaunchFailed(Failure(FailureCause.LAUNCH_FAILED,
+                                        str(first.info.get("error")), node_index=first.index,
+                                        host=first.host))
+
+    def _reconnect_absent(self) -> None:
+        """Keep trying, in the background, nodes that never came up or were lost: those
+        that answer before an attempt starts take part in it."""
         for node in self.nodes:
-            if not node.connected and not node.reconnecting:
-                node.reconnecting = True
-                threading.Thread(target=self._reopen, args=(node,), daemon=True).start()
-
-    def _reopen(self, node: Node) -> None:
-        old, node.conn = node.conn, None
-        if old is not None:
-            old.close()
-        try:
-            self._open_node(node)
-        except Exception as exc:  # still unreachable: it may answer at a later attempt
-            log.info("%s: not back yet: %s", node.spec.host, exc)
-        finally:
-            node.reconnecting = False
+            if node.state in (NodeState.FAILED, NodeState.LOST) and node.channel is None:
+                self.pool.connect(node, launch=True, retry=True)
 
     def _participants(self) -> list[Node]:
         """The first ``max_nodes`` healthy nodes; waits up to launch_timeout for lost nodes
         to rejoin while fewer than ``min_nodes`` are healthy."""
         deadline = time.monotonic() + self.spec.launch_timeout
-        while (sum(n.connected for n in self.nodes) < self.spec.min_nodes
-               and any(n.reconnecting for n in self.nodes) and time.monotonic() < deadline):
+        while (sum(n.usable for n in self.nodes) < self.spec.min_nodes
+               and any(n.connecting or n.draining is not None for n in self.nodes)
+               and time.monotonic() < deadline):
             self._pump(POLL)
             self._check_cancel()
-        healthy = [n for n in self.nodes if n.connected]
+        healthy = [n for n in self.nodes if n.usable]
         if len(healthy) < self.spec.min_nodes:
             raise _LaunchFailed(Failure(
                 FailureCause.NODE_FAIL,
@@ -334,246 +256,397 @@ class Controller:
             ))
         return healthy[: self.spec.max_nodes]
 
-    def _read(self, index: int, conn: NodeConnection) -> None:
-        while True:
-            try:
-                message = conn.receive()
-            except Exception:
-                message = None
-            self.events.put((index, conn, message))
-            if message is None:
-                return
-
     # --- one attempt ---------------------------------------------------------------------
-    def _run_attempt(self, participants: list[Node]) -> Failure | None:
-        """Start attempt n+1 on ``participants`` and watch it; None means every rank succeeded."""
+    def _run_attempt(self, participants: list[Node]) -> AttemptResult:
+        """Start attempt n+1 on ``participants`` and watch it to its end."""
         self.attempt += 1
-        self.failure = None
-        self.stopping = False
-        self.rank_exits = {}
-        self.started = set()
-        self.stopped_nodes = set()
-        for node in self.nodes:
-            node.node_rank = None
-        if self.sink:
-            self.sink.close()
-        self.sink = LogSink(self.store.log_dir(self.job_id, self.attempt))
-
         port = self._pick_port(participants[0])
         plan = plan_attempt(
-            self.spec, self.job_id, attempt=self.attempt, restart_count=self.restarts,
+            self.spec, self.job_id, attempt=self.attempt, restart_count=self.attempt - 1,
             master_port=port, node_indices=[n.index for n in participants],
             spec_dir=self.spec_dir,
         )
-        self.plan = plan
+        if self.current is not None:
+            self.current.sink.close()
+        attempt = Attempt(plan, LogSink(self.store.log_dir(self.job_id, self.attempt)),
+                          self.hosts, self.store, self.job_id)
+        self.current = attempt
         ranks = [(w.rank, n.node_index, w.local_rank) for n in plan.nodes for w in n.workers
                  if w.rank is not None]
         self.store.start_attempt(self.job_id, self.attempt, plan.master_addr, port or 0,
                                  plan.world_size, ranks)
-        self.attempt_open = True
+        self._checkpoint(force=True)  # a replaced controller finds the participants here
+        for node in self.nodes:
+            node.node_rank = None
         for node_plan in plan.nodes:
             node = self.nodes[node_plan.node_index]
             node.node_rank = node_plan.node_rank
             self._set_node(node, NodeState.RUNNING, node_rank=node_plan.node_rank)
-            self._send(node, {
-                "op": "start", "attempt": self.attempt, "workdir": node_plan.workdir,
-                "master_addr": plan.master_addr, "env": node_plan.env,
-                "workers": [w.to_message() for w in node_plan.workers],
-                "stop_grace": self.spec.stop_grace_period,
-            })
+            self._send_start(node)
+        return self._watch(attempt)
 
-        expected = sum(len(n.workers) for n in plan.nodes)
-        launch_deadline = time.monotonic() + self.spec.launch_timeout
-        while self.failure is None:
+    def _send_start(self, node: Node) -> None:
+        assert self.current is not None
+        plan = self.current.plan
+        node_plan = next(n for n in plan.nodes if n.node_index == node.index)
+        self.pool.send(node, {
+            "op": P.START, "attempt": plan.attempt, "workdir": node_plan.workdir,
+            "master_addr": plan.master_addr, "env": node_plan.env,
+            "workers": [w.to_message() for w in node_plan.workers],
+            "stop_grace": self.spec.stop_grace_period,
+        })
+
+    def _watch(self, attempt: Attempt) -> AttemptResult:
+        launch_deadline = attempt.launched_at + self.spec.launch_timeout
+        while True:
             self._pump(POLL)
             self._check_cancel()
             self._check_health()
-            if self.state == JobState.LAUNCHING and time.monotonic() > launch_deadline:
-                self._fail(Failure(FailureCause.LAUNCH_FAILED,
-                                   f"only {len(self.started)} of {expected} workers started "
-                                   f"within launch_timeout ({self.spec.launch_timeout:g}s)"))
-            if self.state == JobState.LAUNCHING and len(self.started) == expected:
-                self._set_state(JobState.RUNNING)
-            if len(self.rank_exits) == expected and self.failure is None:
-                if self.state == JobState.LAUNCHING:
+            result = attempt.result()
+            if self.state == JobState.LAUNCHING:
+                if attempt.all_started or (result and result.failure is None):
                     self._set_state(JobState.RUNNING)
-                return None
-        return self.failure
+                elif result is None and time.monotonic() > launch_deadline:
+                    attempt.fail(Failure(
+                        FailureCause.LAUNCH_FAILED,
+                        f"only {len(attempt.started)} of {attempt.expected} workers started "
+                        f"within launch_timeout ({self.spec.launch_timeout:g}s)"))
+                    result = attempt.result()
+            self._checkpoint()
+            if result is not None:
+                return result
 
     def _pick_port(self, node: Node) -> int:
         """A master port that node 0 can bind now (the spec's own, if it fixed one)."""
         wanted = self.spec.rendezvous.port
         for _ in range(5):
-            self.port_reply = None
-            self._send(node, {"op": "free_port", "port": wanted if isinstance(wanted, int) else 0})
-            deadline = time.monotonic() + self.spec.launch_timeout
-            while self.port_reply is None:
-                if time.monotonic() > deadline or not node.connected:
-                    raise _LaunchFailed(Failure(FailureCause.LAUNCH_FAILED,
-                                                f"{node.spec.host}: no free port reported",
-                                                node_index=node.index, host=node.spec.host))
-                self._pump(POLL)
-                self._check_cancel()
-            if self.port_reply.get("ok"):
-                return int(self.port_reply["port"])
+            reply = self.pool.request(node, P.FREE_PORT, self.spec.launch_timeout,
+                                      check=self._check_cancel,
+                                      port=wanted if isinstance(wanted, int) else 0)
+            if reply is None:
+                raise _LaunchFailed(Failure(FailureCause.LAUNCH_FAILED,
+                                            f"{node.host}: no free port reported",
+                                            node_index=node.index, host=node.host))
+            if reply.get("ok"):
+                return int(reply["port"])
             if isinstance(wanted, int):
                 raise _LaunchFailed(Failure(
                     FailureCause.LAUNCH_FAILED,
-                    f"rendezvous.port {wanted} is in use on {node.spec.host}",
-                    node_index=node.index, host=node.spec.host))
+                    f"rendezvous.port {wanted} is in use on {node.host}",
+                    node_index=node.index, host=node.host))
         raise _LaunchFailed(Failure(FailureCause.LAUNCH_FAILED,
-                                    f"{node.spec.host}: could not find a free port"))
+                                    f"{node.host}: could not find a free port"))
+
+    def _stop_attempt(self) -> None:
+        """Stop every worker of the current attempt on every node and wait until they are
+        gone (or their node is lost)."""
+        attempt = self.current
+        if attempt is None or attempt.number in self._ended:
+            return
+        attempt.stopping = True
+        grace = self.spec.stop_grace_period
+        live = [self.nodes[i] for i in attempt.participants
+                if self.nodes[i].state in (NodeState.RUNNING, NodeState.UNREACHABLE)]
+        for node in live:
+            self.pool.send(node, {"op": P.STOP, "attempt": attempt.number, "grace": grace})
+        deadline = time.monotonic() + grace + STOP_MARGIN
+        while time.monotonic() < deadline:
+            if all(n.index in attempt.stopped_nodes or n.state not in
+                   (NodeState.RUNNING, NodeState.UNREACHABLE) for n in live):
+                break
+            self._pump(POLL)
+            self._check_health()
+            self._checkpoint()
+        for node in live:
+            if node.state == NodeState.RUNNING:
+                if node.index in attempt.stopped_nodes:
+                    self._set_node(node, NodeState.STOPPED)
+                else:
+                    self._lose(node, f"{node.host}: workers did not stop in time")
+
+    def _end_attempt(self, result: AttemptResult) -> None:
+        attempt = self.current
+        if attempt is None or attempt.number in self._ended:
+            return
+        self._checkpoint(force=True)
+        self._ended.add(attempt.number)
+        self.store.end_attempt(self.job_id, attempt.number, result.outcome.value,
+                               result.failure.to_dict() if result.failure else None)
+
+    # --- resuming a job whose controller died -----------------------------------------------
+    def _resume(self) -> AttemptResult | None:
+        """Take over the job where the last controller left it. Returns the open attempt's
+        result once it ends, or None when no attempt was open."""
+        job = self.store.get_job(self.job_id)
+        self.attempt, self.restarts, self.free_restarts = \
+            job.attempt, job.restarts, job.free_restarts
+        self.state = job.state
+        for record in job.nodes:
+            node = self.nodes[record.node_index]
+            node.state, node.info, node.node_rank = record.state, record.info, record.node_rank
+            node.received = node.acked = record.acked_seq
+        log.info("resuming job %s in state %s, attempt %d", self.job_id, job.state.value,
+                 job.attempt)
+        if job.state == JobState.PENDING:
+            self._set_state(JobState.LAUNCHING, started_at=time.time())
+        open_attempt = job.attempts[-1] if job.attempts and job.attempts[-1].ended_at is None \
+            else None
+        if open_attempt is not None and open_attempt.checkpoint:
+            cp = open_attempt.checkpoint
+            plan = plan_attempt(self.spec, self.job_id, attempt=open_attempt.attempt,
+                                restart_count=open_attempt.attempt - 1,
+                                master_port=cp.get("master_port"),
+                                node_indices=list(cp["participants"]), spec_dir=self.spec_dir)
+            sink = LogSink(self.store.log_dir(self.job_id, open_attempt.attempt), cp["logs"])
+            self.current = Attempt(plan, sink, self.hosts, self.store, self.job_id)
+            self.current.restore(cp)
+        # Reattach to every agent that may be alive; launch nothing yet.
+        for node in self.nodes:
+            node.last_heard = time.monotonic()
+            if node.state not in (NodeState.PENDING, NodeState.FAILED, NodeState.DONE):
+                self.pool.connect(node, launch=False)
+        deadline = time.monotonic() + self.spec.launch_timeout
+        while any(n.connecting for n in self.nodes) and time.monotonic() < deadline:
+            self._pump(POLL)
+            self._check_cancel()
+        self.resuming = False
+        attempt = self.current
+        if attempt is None or open_attempt is None:
+            if self.state == JobState.RESTARTING:
+                self._set_state(JobState.LAUNCHING)
+            for node in self.nodes:
+                if node.channel is None:
+                    self.pool.connect(node, launch=True, retry=node.state != NodeState.PENDING)
+            if any(n.state == NodeState.PENDING for n in self.nodes):
+                self._connect_all()
+            return None
+        gone = [self.nodes[i] for i in attempt.participants
+                if self.nodes[i].state in (NodeState.LOST, NodeState.FAILED, NodeState.DONE)]
+        if gone:
+            node = gone[0]
+            attempt.fail(Failure(
+                FailureCause.CONTROLLER_LOST,
+                f"the job's controller was gone and the agent on {node.host} "
+                f"{node.info.get('gone_reason') or 'is gone'}; restarting (not charged to "
+                "max_restarts)", node_index=node.index, node_rank=node.node_rank,
+                host=node.host))
+            return attempt.result()
+        return self._watch(attempt)
 
     # --- messages --------------------------------------------------------------------------
     def _pump(self, timeout: float) -> None:
-        """Handle the messages that arrive within ``timeout``: a bounded batch, so that a
-        flood of output never keeps the loop from its cancel and health checks."""
-        self._last_tick = time.monotonic()
+        """Handle the events that arrive within ``timeout``, for at most PUMP_BUDGET, so that
+        a flood of output never keeps the loop from its cancel and health checks. Every
+        event taken from the queue is handled."""
+        self.pool.main_tick = time.monotonic()
         try:
-            index, conn, message = self.events.get(timeout=timeout)
+            event = self.pool.events.get(timeout=timeout)
         except queue.Empty:
             return
-        for _ in range(MAX_BATCH):
-            if index >= 0 and conn is self.nodes[index].conn:  # else: a wake-up, or a stale channel
-                self._handle(self.nodes[index], message)
+        budget = time.monotonic() + PUMP_BUDGET
+        while True:
+            self._dispatch(event)
+            if time.monotonic() > budget:
+                return
             try:
-                index, conn, message = self.events.get_nowait()
+                event = self.pool.events.get_nowait()
             except queue.Empty:
                 return
 
-    def _handle(self, node: Node, message: dict[str, Any] | None) -> None:
-        index = node.index
-        if message is None:
-            if node.state not in (NodeState.LOST, NodeState.FAILED, NodeState.DONE):
-                self._lose(node, f"{node.spec.host}: agent connection closed")
-            return
-        node.last_heard = time.monotonic()
+    def _dispatch(self, event: tuple[Any, ...]) -> None:
+        kind = event[0]
+        if kind == "message":
+            self._on_message(self.nodes[event[1]], event[2], event[3])
+        elif kind == "attached":
+            self._on_attached(self.nodes[event[1]], event[2])
+        elif kind == "closed":
+            self._on_closed(self.nodes[event[1]], event[2])
+        elif kind == "unavailable":
+            self._on_unavailable(self.nodes[event[1]], event[2], event[3], event[4])
+
+    def _on_message(self, node: Node, generation: int, message: dict[str, Any]) -> None:
+        if node.channel is None or node.channel.generation != generation:
+            return  # a channel we already left
+        seq = message.get("seq")
+        if isinstance(seq, int):
+            if seq <= node.received:
+                return  # replayed, and already handled
+            if seq != node.received + 1:
+                # Never skip one: attach again, and the agent replays from the checkpoint.
+                log.warning("%s: messages %d..%d missing: reattaching", node.host,
+                            node.received + 1, seq - 1)
+                self._unreachable(node, "a message went missing")
+                return
+            node.received = seq
         kind = message.get("type")
-        if kind == "hello":
-            node.info = {k: message.get(k) for k in ("hostname", "python", "torch", "gpus", "pid")}
-            self._set_node(node, NodeState.CONNECTED, info=node.info)
+        if kind == P.ERROR:
+            log.warning("%s: agent error: %s", node.host, message.get("message"))
             return
-        if kind == "port":
-            self.port_reply = message
+        if kind == P.STOPPED and node.draining is not None and \
+                message.get("attempt") == node.draining:
+            node.draining = None
+            self._set_node(node, NodeState.CONNECTED, "rejoined: workers of attempt "
+                                                      f"{message.get('attempt')} stopped first")
+        if self.current is not None:
+            self.current.handle(node.index, message)
+
+    def _on_attached(self, node: Node, channel: Channel) -> None:
+        hello = channel.hello
+        if self._lingering:
+            node.channel = channel
+            self.pool.send(node, {"op": P.SHUTDOWN})
             return
-        if kind == "error":
-            log.warning("%s: agent error: %s", node.spec.host, message.get("message"))
+        if hello.get("protocol") != P.VERSION:
+            threading.Thread(target=channel.conn.close, daemon=True).start()
+            error = (f"{node.host}: the agent speaks protocol {hello.get('protocol')!r}, this "
+                     f"controller speaks {P.VERSION} (an agent of another orchestrator version)")
+            log.error(error)
+            self._set_node(node, NodeState.FAILED if node.state == NodeState.PENDING
+                           else NodeState.LOST, error, info={**node.info, "error": error})
+            self._fail_if_participant(node, FailureCause.LAUNCH_FAILED, error)
             return
-        if message.get("attempt") != self.attempt:
-            return  # a late message of an earlier attempt
-        if kind == "output":
-            self._on_output(node, message)
-        elif kind == "started":
-            self._on_started(node, message)
-        elif kind == "exited":
-            self._on_exited(node, message)
-        elif kind == "spawn_failed":
-            self._fail(Failure(
-                FailureCause.LAUNCH_FAILED if self.attempt == 1 else FailureCause.WORKER_FAILED,
-                f"rank {message.get('rank')} on {node.spec.host} could not start: "
-                f"{message.get('error')}",
-                node_index=index, node_rank=node.node_rank, host=node.spec.host,
-                rank=message.get("rank"), local_rank=message.get("local_rank")))
-        elif kind == "stopped":
-            self.stopped_nodes.add(index)
-        elif kind == "progress" and self.sink is not None:
-            self.sink.last_activity = time.monotonic()
+        if node.channel is not None:
+            self.pool.drop_channel(node)
+        node.channel = channel
+        node.last_heard = time.monotonic()
+        if channel.launched:  # a new agent: its messages are numbered from 1
+            node.received = node.acked = 0
+        node.info = {**{k: hello.get(k) for k in ("hostname", "python", "torch", "gpus", "pid")},
+                     "agent_dir_attempt": hello.get("attempt")}
+        attempt = self.current
+        in_attempt = (attempt is not None and attempt.number not in self._ended
+                      and node.index in attempt.participants)
+        agent_attempt = int(hello.get("attempt") or 0)
+        # Split-brain guard: workers of any other attempt go before the node runs anything.
+        stale = any(w.get("running") for w in hello.get("workers", [])) and not (
+            in_attempt and attempt is not None and agent_attempt == attempt.number)
+        if node.state == NodeState.UNREACHABLE:
+            away = time.monotonic() - (node.unreachable_since or time.monotonic())
+            back = node.state_before or NodeState.CONNECTED
+            if back == NodeState.RUNNING and not in_attempt:
+                back = NodeState.STOPPED
+            self._set_node(node, back, f"reattached after {away:.1f}s unreachable",
+                           info=node.info)
+        elif self.resuming and in_attempt:
+            self._set_node(node, NodeState.RUNNING, "reattached by a new controller",
+                           info=node.info)
+        elif node.state in LIVE:
+            self._set_node(node, node.state, info=node.info)
+        elif not stale:
+            self._set_node(node, NodeState.CONNECTED, "agent attached", info=node.info)
+        else:
+            self.store.set_node(self.job_id, node.index, node.state, info=node.info)
+        if stale:
+            node.draining = agent_attempt
+            self.pool.send(node, {"op": P.STOP, "attempt": agent_attempt,
+                                  "grace": self.spec.stop_grace_period})
+            log.info("%s: stopping its leftover workers of attempt %d before it may run "
+                     "again", node.host, agent_attempt)
+        elif in_attempt and attempt is not None:
+            if attempt.stopping:
+                self.pool.send(node, {"op": P.STOP, "attempt": attempt.number,
+                                      "grace": self.spec.stop_grace_period})
+            elif agent_attempt < attempt.number:
+                self._send_start(node)  # it never got the start
 
-    def _label(self, node: Node, rank: int | None) -> str:
-        return str(rank) if rank is not None else f"node{node.node_rank}"
-
-    def _on_output(self, node: Node, message: dict[str, Any]) -> None:
-        assert self.sink is not None
-        host = "local" if node.spec.is_local else node.spec.hostname
-        rank, line = message.get("rank"), str(message.get("line"))
-        if rank is None and (m := TORCHRUN_LINE_RE.match(line)):
-            rank, line = int(m.group(1)), line[m.end():]  # a c10d worker's line, via torchrun
-        self.sink.write(host, self._label(node, rank), str(message.get("stream")), line)
-
-    def _on_started(self, node: Node, message: dict[str, Any]) -> None:
-        self.started.add((node.index, int(message.get("local_rank") or 0)))
-        if message.get("rank") is not None:
-            self.store.update_rank(self.job_id, self.attempt, int(message["rank"]),
-                                   pid=message.get("pid"), state="RUNNING")
-
-    def _on_exited(self, node: Node, message: dict[str, Any]) -> None:
-        rank, code, sig = message.get("rank"), message.get("exit_code"), message.get("signal")
-        key = rank if rank is not None else -1 - node.index
-        self.rank_exits[key] = (code, sig)
-        stopping = self.stopping or self.failure is not None
-        ok = code == 0
-        state = "SUCCEEDED" if ok else ("STOPPED" if stopping else "FAILED")
-        if rank is not None:
-            self.store.update_rank(self.job_id, self.attempt, int(rank), state=state,
-                                   exit_code=code, signal=sig)
-        if ok or stopping:
+    def _on_closed(self, node: Node, generation: int) -> None:
+        if node.channel is None or node.channel.generation != generation:
             return
-        label = self._label(node, rank)
-        who = f"rank {rank}" if rank is not None else f"torchrun on node {node.node_rank}"
-        how = f"exited with code {code}" if code is not None else f"was killed by {sig}"
-        error_file = message.get("error_file")
-        detail = _error_file_message(error_file)
-        assert self.sink is not None
-        self._fail(Failure(
-            FailureCause.WORKER_FAILED,
-            f"{who} (local rank {message.get('local_rank')} on node {node.node_rank}, "
-            f"{node.spec.host}) {how}" + (f": {detail}" if detail else ""),
-            node_index=node.index, node_rank=node.node_rank, host=node.spec.host, rank=rank,
-            local_rank=message.get("local_rank"), exit_code=code, signal=sig,
-            stderr_tail=list(self.sink.stderr.get(label, [])), error_file=error_file))
-
-    def _fail(self, failure: Failure) -> None:
-        """Keep the first failure of the attempt; later ones are its consequences."""
-        if self.failure is None:
-            log.info("attempt %d failed: %s", self.attempt, failure.message)
-            self.failure = failure
-
-    def _lose(self, node: Node, message: str) -> None:
-        was_running = node.state == NodeState.RUNNING
-        self._set_node(node, NodeState.LOST, info={**node.info, "error": message})
-        if node.conn is not None:
-            threading.Thread(target=node.conn.close, daemon=True).start()
-        node.conn = None
-        if was_running and self.failure is None:
-            self._fail(Failure(FailureCause.NODE_FAIL, message, node_index=node.index,
-                               node_rank=node.node_rank, host=node.spec.host))
-
-    def _send(self, node: Node, message: dict[str, Any]) -> None:
-        if node.conn is None:
+        self.pool.drop_channel(node)
+        if self._lingering:
             return
-        try:
-            node.conn.send(message)
-        except TransportError as exc:
-            self._lose(node, str(exc))
+        if node.state in LIVE:
+            self._unreachable(node, "agent channel closed")
+        elif node.state in (NodeState.LOST, NodeState.FAILED):
+            self.pool.connect(node, launch=True, retry=True)
+
+    def _on_unavailable(self, node: Node, error: str, gone: bool,
+                        outcome: dict[str, Any] | None) -> None:
+        if self._lingering:
+            node.retry = node.retry and not gone
+            return
+        if gone:
+            node.info = {**node.info, "gone_reason": (outcome or {}).get("reason")}
+            if self.resuming and node.state != NodeState.PENDING:
+                # Its workers died with it while no controller was there: _resume decides.
+                self._set_node(node, NodeState.LOST, error, info={**node.info, "error": error})
+                return
+        if node.state == NodeState.PENDING:
+            self._set_node(node, NodeState.FAILED, error, info={"error": error})
+        elif node.state in LIVE or node.state == NodeState.UNREACHABLE:
+            if gone:
+                self._lose(node, error)
+            else:  # a resumed controller could not reach it yet
+                self._unreachable(node, error)
+        elif node.state in (NodeState.LOST, NodeState.FAILED, NodeState.DONE):
+            if not self.resuming:  # gone for good: a fresh agent may rejoin later
+                self.pool.connect(node, launch=True, retry=True)
 
     # --- health, cancel, waiting -------------------------------------------------------------
-    def _ping_agents(self) -> None:
-        """The controller's heartbeat, on its own thread so that no slow step delays it:
-        an agent that stops hearing it stops its workers."""
-        while not self.state.is_terminal():
-            # A wedged main loop must not be kept alive by this thread: then the agents'
-            # own timeout stops the workers.
-            if time.monotonic() - self._last_tick < self.spec.health.node_timeout:
-                for node in self.nodes:
-                    conn = node.conn
-                    if conn is not None:
-                        try:
-                            conn.send({"op": "ping"})
-                        except Exception:
-                            pass  # the reader thread reports the closed channel
-            time.sleep(self.spec.health.heartbeat_interval)
+    def _unreachable(self, node: Node, why: str) -> None:
+        """The channel is gone but the agent may be fine: reconnect, the attempt goes on."""
+        self.pool.drop_channel(node)
+        if node.state != NodeState.UNREACHABLE:
+            node.state_before = node.state
+            node.unreachable_since = time.monotonic()
+            self._set_node(node, NodeState.UNREACHABLE, f"{node.host}: {why}")
+        self.pool.connect(node, launch=False, retry=True)
+
+    def _lose(self, node: Node, message: str) -> None:
+        was_running = node.state == NodeState.RUNNING or (
+            node.state == NodeState.UNREACHABLE and node.state_before == NodeState.RUNNING)
+        self.pool.drop_channel(node)
+        self._set_node(node, NodeState.LOST, message, info={**node.info, "error": message})
+        # In the background: it may come back (its old workers are stopped first) and rejoin.
+        self.pool.connect(node, launch=True, retry=True)
+        if was_running:
+            self._fail_if_participant(node, FailureCause.NODE_FAIL, message)
+
+    def _fail_if_participant(self, node: Node, cause: FailureCause, message: str) -> None:
+        attempt = self.current
+        if attempt is not None and attempt.number not in self._ended and \
+                node.index in attempt.participants:
+            attempt.fail(Failure(cause, message, node_index=node.index,
+                                 node_rank=node.node_rank, host=node.host))
 
     def _check_health(self) -> None:
         now = time.monotonic()
+        health = self.spec.health
+        # Silence first makes a node UNREACHABLE (and we reconnect); node_timeout makes it LOST.
+        silence = max(min(health.node_timeout / 2, 3 * health.heartbeat_interval),
+                      health.heartbeat_interval * 1.5)
         for node in self.nodes:
-            if node.connected and now - node.last_heard > self.spec.health.node_timeout:
-                self._lose(node, f"{node.spec.host}: no heartbeat for "
-                                 f"{self.spec.health.node_timeout:g}s")
-        hang = self.spec.health.hang_timeout
-        if (hang and self.sink and self.state == JobState.RUNNING
-                and now - self.sink.last_activity > hang and self.failure is None):
-            self._fail(Failure(FailureCause.HUNG, f"no output or heartbeat from any rank for "
-                                                  f"{hang:g}s (health.hang_timeout)"))
+            quiet = now - node.last_heard
+            if node.channel is not None and node.state in LIVE and quiet > silence:
+                self._unreachable(node, f"no message for {quiet:.1f}s")
+            if node.state == NodeState.UNREACHABLE and quiet > health.node_timeout:
+                self._lose(node, f"{node.host}: no heartbeat for {health.node_timeout:g}s "
+                                 "(health.node_timeout)")
+        hang = health.hang_timeout
+        attempt = self.current
+        if (hang and attempt is not None and self.state == JobState.RUNNING
+                and attempt.failure is None and now - attempt.last_activity > hang):
+            attempt.fail(Failure(FailureCause.HUNG, f"no output or heartbeat from any rank "
+                                                    f"for {hang:g}s (health.hang_timeout)"))
+
+    def _checkpoint(self, force: bool = False) -> None:
+        """Record log sizes and handled messages together, then let the agents forget them."""
+        attempt = self.current
+        if attempt is None:
+            return
+        now = time.monotonic()
+        dirty = any(n.received > n.acked for n in self.nodes)
+        if not force and (not dirty or now - self._last_checkpoint < CHECKPOINT_EVERY):
+            return
+        state = {**attempt.snapshot(), "participants": attempt.participants,
+                 "master_port": attempt.plan.master_port}
+        self.store.checkpoint(self.job_id, attempt.number, state,
+                              {n.index: n.received for n in self.nodes})
+        self._last_checkpoint = now
+        for node in self.nodes:
+            if node.received > node.acked:
+                node.acked = node.received
+                self.pool.send(node, {"op": P.ACK, "seq": node.acked})
 
     def _check_cancel(self) -> None:
         now = time.monotonic()
@@ -591,98 +664,135 @@ class Controller:
             self._pump(min(POLL, max(0.0, deadline - time.monotonic())))
             self._check_cancel()
             self._check_health()
-
-    def _stop_workers(self) -> None:
-        """Stop every worker of the current attempt on every node and wait until they are gone."""
-        live = [n for n in self.nodes if n.connected and n.state == NodeState.RUNNING]
-        if not live or self.plan is None:
-            return
-        self.stopping = True  # exits from here on are our doing, not failures
-        grace = self.spec.stop_grace_period
-        for node in live:
-            self._send(node, {"op": "stop", "attempt": self.attempt, "grace": grace})
-        deadline = time.monotonic() + grace + STOP_MARGIN
-        while time.monotonic() < deadline:
-            waiting = [n for n in live if n.connected and n.index not in self.stopped_nodes]
-            if not waiting:
-                break
-            self._pump(POLL)
-            self._check_health()
-        for node in live:
-            if node.connected and node.index not in self.stopped_nodes:
-                self._lose(node, f"{node.spec.host}: workers did not stop in time")
-            elif node.connected:
-                self._set_node(node, NodeState.STOPPED)
+            self._checkpoint()
 
     def _shutdown(self) -> None:
-        """Tell every agent to exit and close its channel; in parallel, since closing an SSH
-        session waits for the remote exit status."""
-        open_nodes = [n for n in self.nodes if n.conn is not None]
-
-        def close(node: Node) -> None:
-            assert node.conn is not None
-            try:
-                node.conn.send({"op": "shutdown"})
-            except TransportError:
-                pass
-            node.conn.close()
-
-        if open_nodes:
-            with ThreadPoolExecutor(max_workers=min(32, len(open_nodes))) as pool:
-                list(pool.map(close, open_nodes))
-        for node in open_nodes:
-            node.conn = None
-            if node.state not in (NodeState.LOST, NodeState.FAILED):
+        """Tell every attached agent to stop its workers and exit, and wait until it has."""
+        self._checkpoint(force=True)
+        attached = [n for n in self.nodes if n.channel is not None]
+        for node in attached:
+            self.pool.send(node, {"op": P.SHUTDOWN})
+        deadline = time.monotonic() + SHUTDOWN_WAIT
+        self._lingering = True  # from here on, attaching means shutting down
+        while any(n.channel is not None for n in attached) and time.monotonic() < deadline:
+            self._pump(POLL)
+        for node in attached:
+            self.pool.drop_channel(node)
+            if node.state not in (NodeState.LOST, NodeState.FAILED, NodeState.UNREACHABLE):
                 self._set_node(node, NodeState.DONE)
-        if self.sink:
-            self.sink.close()
+        if self.current:
+            self.current.sink.close()
+
+    def _linger(self) -> None:
+        """After the end: agents we could not reach may still hold workers. Keep trying to
+        reach them (never launching one) and shut them down; they give up by themselves
+        after controller_grace, so trying longer than that is pointless."""
+        grace = self.spec.health.controller_grace
+        deadline = time.monotonic() + min(grace if grace is not None else 600.0, 600.0) + 5
+        targets = [n for n in self.nodes if n.state in (NodeState.UNREACHABLE, NodeState.LOST)]
+        for node in targets:
+            self.pool.connect(node, launch=False, retry=True)
+        while time.monotonic() < deadline and any(
+                n.connecting or n.channel is not None for n in targets):
+            self._pump(POLL)
+        for node in targets:
+            node.retry = False
+            self.pool.drop_channel(node)
 
     def request_cancel(self) -> None:
         """Cancel from a signal handler or another thread."""
         self.cancel_requested = True
-        self.events.put((-1, None, None))
+        self.pool.events.put(("wake",))
 
 
-class _LaunchFailed(Exception):
-    def __init__(self, failure: Failure):
-        super().__init__(failure.message)
-        self.failure = failure
+# --- the process ----------------------------------------------------------------------------------
 
-
-def _error_file_message(content: str | None) -> str | None:
-    """The first line of the message a worker wrote with torch's ``@record``."""
-    if not content:
-        return None
-    try:
-        data = json.loads(content)
-        message = data["message"]
-        text = message["message"] if isinstance(message, dict) else str(message)
-    except (ValueError, KeyError, TypeError):
-        return None
-    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else None
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of the detached controller process: ``python -m orchestrator.controller ID``."""
-    argv = sys.argv[1:] if argv is None else argv
-    job_id = argv[0]
-    user_path = json.loads(os.environ.pop("ORCHESTRATOR_USER_PYTHONPATH", "null"))
-    if user_path is None:  # the submitting shell had none
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = user_path
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+def _controller_main(job_id: str, resume: bool) -> int:
     store = Store()
     job = store.get_job(job_id)
-    store.update_job(job_id, controller_pid=os.getpid())
+    if job.state.is_terminal():
+        log.info("job %s already ended (%s)", job_id, job.state.value)
+        return 0
+    store.claim_controller(job_id, os.getpid(), socket.gethostname())
+    secret = job.secret
+    if not secret:  # a job recorded before secrets existed
+        secret = secrets.token_hex(16)
+        store.update_job(job_id, secret=secret)
     spec = JobSpec.model_validate_json(job.spec_json)
-    controller = Controller(store, job_id, spec, job.spec_dir)
+    controller = Controller(store, job_id, spec, job.spec_dir, secret=secret,
+                            resume=resume or job.state != JobState.PENDING)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: controller.request_cancel())
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     state = controller.run()
     return 0 if state == JobState.SUCCEEDED else 1
+
+
+MAX_RESPAWNS = 5  # within RESPAWN_WINDOW seconds: a controller that keeps dying is a bug
+RESPAWN_WINDOW = 600.0
+
+
+def _supervise(job_id: str, resume: bool) -> int:
+    """Run the controller as a child and start it again, resuming, whenever it dies before
+    the job has ended (a crash, the OOM killer, a stray kill)."""
+    store = Store()
+    store.update_job(job_id, supervisor_pid=os.getpid())
+    child: subprocess.Popen[bytes] | None = None
+
+    def forward(signum: int, _frame: Any) -> None:  # cancel reaches the controller
+        if child is not None and child.poll() is None:
+            child.send_signal(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    deaths: deque[float] = deque()
+    while True:
+        argv = [sys.executable, "-m", "orchestrator.controller", job_id]
+        child = subprocess.Popen(argv + (["--resume"] if resume else []))
+        code = child.wait()
+        state, _ = store.job_state(job_id)
+        if state.is_terminal():
+            return 0
+        now = time.monotonic()
+        deaths.append(now)
+        while deaths and now - deaths[0] > RESPAWN_WINDOW:
+            deaths.popleft()
+        how = f"code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
+        if len(deaths) > MAX_RESPAWNS:
+            log.error("controller died %d times in %gs (last: %s); giving up: run "
+                      "`orchestrator resume %s`", len(deaths), RESPAWN_WINDOW, how, job_id)
+            return 1
+        log.warning("controller exited with %s while the job was %s: resuming", how,
+                    state.value)
+        time.sleep(1.0)
+        resume = True
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``python -m orchestrator.controller JOB_ID [--resume] [--supervise]``."""
+    parser = argparse.ArgumentParser(prog="orchestrator.controller")
+    parser.add_argument("job_id")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--supervise", action="store_true")
+    args = parser.parse_args(argv)
+    user_path = json.loads(os.environ.get("ORCHESTRATOR_USER_PYTHONPATH", "null"))
+    logging.basicConfig(level=logging.INFO,
+                        format=f"%(asctime)s {'supervisor' if args.supervise else os.getpid()} "
+                               "%(levelname)s %(message)s")
+    if args.supervise:
+        return _supervise(args.job_id, args.resume)
+    # Agents and workers get the user's PYTHONPATH back (submit put ours first).
+    os.environ.pop("ORCHESTRATOR_USER_PYTHONPATH", None)
+    if user_path is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = user_path
+    try:
+        return _controller_main(args.job_id, args.resume)
+    except OrchestratorError as exc:
+        log.error("%s", exc)
+        return 2
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     OrchestratorError                 anything this package raises on purpose
     ├── SpecError                     the job spec is invalid (exit 2); names the field path
     ├── JobNotFoundError              no job with that id (exit 2)
+    ├── JobEndedError                 the job already ended: nothing to resume (exit 2)
     ├── TransportError                a node could not be reached or used; names the host
     │   ├── ConnectError              refused, unreachable, timed out
     │   ├── AuthenticationError       the node refused our credentials
@@ -43,6 +44,15 @@ class JobNotFoundError(OrchestratorError):
     def __init__(self, job_id: str):
         self.job_id = job_id
         super().__init__(f"no job {job_id!r}")
+
+
+class JobEndedError(OrchestratorError):
+    """The job is in a terminal state, so it cannot be resumed."""
+
+    def __init__(self, job_id: str, state: str):
+        self.job_id = job_id
+        self.state = state
+        super().__init__(f"job {job_id} already ended ({state}): nothing to resume")
 
 
 class TransportError(OrchestratorError):

@@ -199,6 +199,10 @@ class HealthSpec(_Model):
     heartbeat_interval: Seconds = 1.0
     node_timeout: Seconds = 5.0
     hang_timeout: Seconds | None = Field(default=None, description="no output for this long")
+    controller_grace: Seconds | None = Field(
+        default=600.0,
+        description="seconds agents keep the workers running with no controller attached "
+                    "(null: forever); then they stop them")
 
     @model_validator(mode="after")
     def _order(self) -> HealthSpec:
@@ -240,6 +244,10 @@ class JobSpec(_Model):
     stop_grace_period: Seconds = 10.0
     launch_timeout: Seconds = 60.0
     python: str = Field(default="python3", description="interpreter for the agent on SSH nodes")
+    spool_max_bytes: Annotated[StrictInt, Field(ge=0)] | None = Field(
+        default=256 * 1024 * 1024,
+        description="output an agent keeps on disk while no controller is attached (null: no "
+                    "cap); past it, lines are counted and the count is logged")
     rendezvous: RendezvousSpec = RendezvousSpec()
     restart_backoff: BackoffSpec = BackoffSpec()
     health: HealthSpec = HealthSpec()

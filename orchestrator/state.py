@@ -1,7 +1,7 @@
-"""Job and node states, the transitions allowed between them, and failure causes.
+"""Job, node, rank and attempt states, the transitions allowed between them, failure causes.
 
-Every state change of a job goes through :func:`check_transition`, so the table below is
-the whole lifecycle::
+Every state change of a job goes through :func:`check_transition`, and of a node through
+:func:`check_node_transition`, so the tables below are the whole lifecycle. A job::
 
     PENDING ──> LAUNCHING ──> RUNNING ──> SUCCEEDED
        │            │  ▲          │
@@ -33,15 +33,47 @@ class JobState(str, Enum):
 
 
 class NodeState(str, Enum):
-    """What the controller knows of one node's agent."""
+    """What the controller knows of one node's agent.
+
+    A dropped channel makes a node UNREACHABLE, not LOST: its agent keeps the workers and
+    spools their output, and the controller reconnects. Only when the agent has not been
+    heard for ``health.node_timeout`` (or is gone) is the node LOST::
+
+        PENDING ─> CONNECTED <─> RUNNING <─> STOPPED        (any of these) ─> DONE
+                       ▲  │         │  ▲        │
+                       │  └──> UNREACHABLE <────┘   (reattached: back where it was)
+                       │            │
+                       └── LOST <───┘ (also from CONNECTED, RUNNING, STOPPED)
+        PENDING / LOST ─> FAILED (could not reach or start the agent) ─> CONNECTED (retried)
+    """
 
     PENDING = "PENDING"  # not connected yet
-    CONNECTED = "CONNECTED"  # agent said hello, no workers
+    CONNECTED = "CONNECTED"  # agent said hello, no workers of the current attempt
     RUNNING = "RUNNING"  # workers of the current attempt running
     STOPPED = "STOPPED"  # workers stopped or finished
-    LOST = "LOST"  # channel dropped, agent died or heartbeats stopped
+    UNREACHABLE = "UNREACHABLE"  # channel dropped: reconnecting while the agent carries on
+    LOST = "LOST"  # agent gone or unheard for node_timeout
     FAILED = "FAILED"  # could not connect or start the agent
     DONE = "DONE"  # agent shut down cleanly
+
+
+class RankState(str, Enum):
+    """One rank of one attempt."""
+
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"  # exited non-zero or by a signal, on its own
+    STOPPED = "STOPPED"  # ended by the orchestrator (another rank failed, cancel, ...)
+
+
+class AttemptOutcome(str, Enum):
+    """How an attempt ended (``RUNNING`` while it has not)."""
+
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
 
 
 class FailureCause(str, Enum):
@@ -52,6 +84,9 @@ class FailureCause(str, Enum):
     HUNG = "HUNG"
     LAUNCH_FAILED = "LAUNCH_FAILED"
     RESTARTS_EXHAUSTED = "RESTARTS_EXHAUSTED"
+    # The controller was gone longer than the agents' controller_grace: they stopped the
+    # workers. Restarted without charging max_restarts (not the user's failure).
+    CONTROLLER_LOST = "CONTROLLER_LOST"
 
 
 _TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
@@ -79,3 +114,24 @@ def check_transition(current: JobState, new: JobState) -> None:
     """Raise :class:`InvalidTransition` unless ``current -> new`` is in the table."""
     if new not in TRANSITIONS[current]:
         raise InvalidTransition(f"job state {current.value} -> {new.value} is not allowed")
+
+
+_N = NodeState
+_LIVE = frozenset({_N.CONNECTED, _N.RUNNING, _N.STOPPED})
+NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
+    _N.PENDING: frozenset({_N.CONNECTED, _N.FAILED, _N.LOST, _N.DONE}),
+    _N.CONNECTED: frozenset({_N.RUNNING, _N.STOPPED, _N.UNREACHABLE, _N.LOST, _N.FAILED,
+                             _N.DONE}),
+    _N.RUNNING: frozenset({_N.CONNECTED, _N.STOPPED, _N.UNREACHABLE, _N.LOST, _N.DONE}),
+    _N.STOPPED: frozenset({_N.CONNECTED, _N.RUNNING, _N.UNREACHABLE, _N.LOST, _N.DONE}),
+    _N.UNREACHABLE: _LIVE | {_N.LOST, _N.DONE},
+    _N.LOST: frozenset({_N.CONNECTED, _N.FAILED, _N.DONE}),
+    _N.FAILED: frozenset({_N.CONNECTED, _N.LOST, _N.DONE}),
+    _N.DONE: frozenset({_N.CONNECTED}),  # a replaced controller finds a node it had closed
+}
+
+
+def check_node_transition(current: NodeState, new: NodeState) -> None:
+    """Raise :class:`InvalidTransition` unless ``current -> new`` is allowed (or the same)."""
+    if new != current and new not in NODE_TRANSITIONS[current]:
+        raise InvalidTransition(f"node state {current.value} -> {new.value} is not allowed")

@@ -1,13 +1,19 @@
 """The job store: one SQLite database (WAL) under ``$ORCHESTRATOR_HOME`` and the log tree.
 
 Only a job's controller writes its rows (``submit`` creates the row, ``cancel`` sets a
-request flag); every other command reads. Layout::
+request flag); every other command reads, and a reader that finds the controller dead says
+so without rewriting anything. Layout::
 
     $ORCHESTRATOR_HOME/            (default ~/.orchestrator, mode 0700)
       state.db
       jobs/<job_id>/controller.log
       jobs/<job_id>/logs/attempt-<n>/rank-<r>.log     raw lines of one rank
       jobs/<job_id>/logs/attempt-<n>/combined.log     "[host:rank] line", arrival order
+
+The controller writes logs in batches and, in one transaction with each checkpoint, records
+how far every log file and every agent's message sequence has been kept (``checkpoint``).
+Agents forget only what a checkpoint holds, so a replaced controller truncates the logs to
+the checkpoint and has the agents replay the rest: every line exactly once.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import JobNotFoundError, StoreError
-from orchestrator.state import JobState, NodeState, check_transition
+from orchestrator.state import JobState, NodeState, check_node_transition, check_transition
 
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
@@ -43,7 +49,12 @@ CREATE TABLE IF NOT EXISTS jobs (
     max_restarts INTEGER NOT NULL,
     controller_pid INTEGER,
     cancel_requested INTEGER NOT NULL DEFAULT 0,
-    failure_json TEXT
+    failure_json TEXT,
+    secret TEXT,
+    controller_host TEXT,
+    controller_since REAL,
+    supervisor_pid INTEGER,
+    free_restarts INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS nodes (
     job_id TEXT NOT NULL,
@@ -52,7 +63,15 @@ CREATE TABLE IF NOT EXISTS nodes (
     node_rank INTEGER,
     state TEXT NOT NULL,
     info_json TEXT,
+    acked_seq INTEGER NOT NULL DEFAULT 0,
     PRIMARY KEY (job_id, node_index)
+);
+CREATE TABLE IF NOT EXISTS node_events (
+    job_id TEXT NOT NULL,
+    node_index INTEGER NOT NULL,
+    at REAL NOT NULL,
+    state TEXT NOT NULL,
+    message TEXT
 );
 CREATE TABLE IF NOT EXISTS ranks (
     job_id TEXT NOT NULL,
@@ -76,9 +95,17 @@ CREATE TABLE IF NOT EXISTS attempts (
     master_port INTEGER,
     world_size INTEGER,
     failure_json TEXT,
+    checkpoint_json TEXT,
     PRIMARY KEY (job_id, attempt)
 );
 """
+# Columns added since the first release, for databases created before them.
+_ADDED_COLUMNS = {
+    "jobs": {"secret": "TEXT", "controller_host": "TEXT", "controller_since": "REAL",
+             "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0"},
+    "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0"},
+    "attempts": {"checkpoint_json": "TEXT"},
+}
 
 
 def default_home() -> Path:
@@ -105,12 +132,21 @@ class RankRecord:
 
 
 @dataclass
+class NodeEvent:
+    at: float
+    state: NodeState
+    message: str | None
+
+
+@dataclass
 class NodeRecord:
     node_index: int
     host: str
     node_rank: int | None
     state: NodeState
     info: dict[str, Any]
+    acked_seq: int = 0
+    history: list[NodeEvent] = field(default_factory=list)
 
 
 @dataclass
@@ -123,6 +159,7 @@ class AttemptRecord:
     master_port: int | None
     world_size: int | None
     failure: dict[str, Any] | None
+    checkpoint: dict[str, Any] | None = None
 
 
 @dataclass
@@ -141,6 +178,11 @@ class JobRecord:
     controller_pid: int | None
     cancel_requested: bool
     failure: dict[str, Any] | None
+    secret: str | None = None
+    controller_host: str | None = None
+    controller_since: float | None = None
+    supervisor_pid: int | None = None
+    free_restarts: int = 0
     nodes: list[NodeRecord] = field(default_factory=list)
     ranks: list[RankRecord] = field(default_factory=list)
     attempts: list[AttemptRecord] = field(default_factory=list)
@@ -152,6 +194,9 @@ class Store:
     def __init__(self, home: str | os.PathLike[str] | None = None):
         self.home = Path(home) if home is not None else default_home()
         self.jobs_dir = self.home / "jobs"
+        # The database holds each job's secret and env: nobody else may read it (nor its WAL
+        # and SHM files, which SQLite creates later with the process umask).
+        old_umask = os.umask(0o077)
         try:
             self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
             self.jobs_dir.mkdir(mode=0o700, exist_ok=True)
@@ -159,11 +204,22 @@ class Store:
                                        isolation_level=None, check_same_thread=False)
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable at checkpoints
             self._db.execute("PRAGMA busy_timeout=30000")
             self._db.executescript(_SCHEMA)
+            self._migrate()
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot use the state directory {self.home} "
                              f"($ORCHESTRATOR_HOME): {exc}") from exc
+        finally:
+            os.umask(old_umask)
+
+    def _migrate(self) -> None:
+        for table, columns in _ADDED_COLUMNS.items():
+            have = {r["name"] for r in self._db.execute(f"PRAGMA table_info({table})")}
+            for name, kind in columns.items():
+                if name not in have:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {name} {kind}")
 
     def close(self) -> None:
         self._db.close()
@@ -187,14 +243,14 @@ class Store:
 
     # --- writes (submit) -----------------------------------------------------------------
     def create_job(self, job_id: str, name: str, spec_json: str, spec_dir: str,
-                   max_restarts: int, hosts: list[str]) -> None:
+                   max_restarts: int, hosts: list[str], secret: str | None = None) -> None:
         check_job_id(job_id)
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO jobs (job_id, name, state, spec_json, spec_dir, submitted_at,"
-                " max_restarts) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                " max_restarts, secret) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (job_id, name, JobState.PENDING.value, spec_json, spec_dir, time.time(),
-                 max_restarts),
+                 max_restarts, secret),
             )
             db.executemany(
                 "INSERT INTO nodes (job_id, node_index, host, state) VALUES (?, ?, ?, ?)",
@@ -223,12 +279,40 @@ class Store:
         with self._transaction() as db:
             self._update(db, "jobs", fields, job_id=job_id)
 
-    def set_node(self, job_id: str, node_index: int, state: NodeState, **fields: Any) -> None:
+    def set_node(self, job_id: str, node_index: int, state: NodeState,
+                 message: str | None = None, **fields: Any) -> None:
+        """Change a node's state (checked against the node transition table); a change of
+        state is kept in the node's history with ``message``."""
         if "info" in fields:
             fields["info_json"] = json.dumps(fields.pop("info"))
         with self._transaction() as db:
+            row = db.execute("SELECT state FROM nodes WHERE job_id = ? AND node_index = ?",
+                             (job_id, node_index)).fetchone()
+            if row is None:
+                raise JobNotFoundError(job_id)
+            current = NodeState(row["state"])
+            check_node_transition(current, state)
             self._update(db, "nodes", {"state": state.value, **fields}, job_id=job_id,
                          node_index=node_index)
+            if current != state:
+                db.execute("INSERT INTO node_events (job_id, node_index, at, state, message)"
+                           " VALUES (?, ?, ?, ?, ?)",
+                           (job_id, node_index, time.time(), state.value, message))
+
+    def claim_controller(self, job_id: str, pid: int, host: str) -> None:
+        """Record the process that controls the job from now on."""
+        self.update_job(job_id, controller_pid=pid, controller_host=host,
+                        controller_since=time.time())
+
+    def checkpoint(self, job_id: str, attempt: int, state: dict[str, Any],
+                   acked: dict[int, int]) -> None:
+        """Record, at one moment, an attempt's bookkeeping (log sizes, exits) and how far
+        each node's messages are kept."""
+        with self._transaction() as db:
+            self._update(db, "attempts", {"checkpoint_json": json.dumps(state)},
+                         job_id=job_id, attempt=attempt)
+            db.executemany("UPDATE nodes SET acked_seq = ? WHERE job_id = ? AND node_index = ?",
+                           [(seq, job_id, i) for i, seq in acked.items()])
 
     def start_attempt(self, job_id: str, attempt: int, master_addr: str, master_port: int,
                       world_size: int, ranks: list[tuple[int, int, int]]) -> None:
@@ -281,10 +365,14 @@ class Store:
             job = self._job(row)
             job.nodes = [
                 NodeRecord(r["node_index"], r["host"], r["node_rank"], NodeState(r["state"]),
-                           json.loads(r["info_json"] or "{}"))
+                           json.loads(r["info_json"] or "{}"), r["acked_seq"])
                 for r in self._db.execute(
                     "SELECT * FROM nodes WHERE job_id = ? ORDER BY node_index", (job_id,))
             ]
+            for r in self._db.execute(
+                    "SELECT * FROM node_events WHERE job_id = ? ORDER BY at", (job_id,)):
+                job.nodes[r["node_index"]].history.append(
+                    NodeEvent(r["at"], NodeState(r["state"]), r["message"]))
             job.ranks = [
                 RankRecord(r["attempt"], r["rank"], r["node_index"], r["local_rank"], r["pid"],
                            r["state"], r["exit_code"], r["signal"])
@@ -294,7 +382,8 @@ class Store:
             job.attempts = [
                 AttemptRecord(r["attempt"], r["started_at"], r["ended_at"], r["outcome"],
                               r["master_addr"], r["master_port"], r["world_size"],
-                              json.loads(r["failure_json"]) if r["failure_json"] else None)
+                              json.loads(r["failure_json"]) if r["failure_json"] else None,
+                              json.loads(r["checkpoint_json"]) if r["checkpoint_json"] else None)
                 for r in self._db.execute(
                     "SELECT * FROM attempts WHERE job_id = ? ORDER BY attempt", (job_id,))
             ]
@@ -325,4 +414,7 @@ class Store:
             max_restarts=row["max_restarts"], controller_pid=row["controller_pid"],
             cancel_requested=bool(row["cancel_requested"]),
             failure=json.loads(row["failure_json"]) if row["failure_json"] else None,
+            secret=row["secret"], controller_host=row["controller_host"],
+            controller_since=row["controller_since"], supervisor_pid=row["supervisor_pid"],
+            free_restarts=row["free_restarts"],
         )

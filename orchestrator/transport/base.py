@@ -1,43 +1,57 @@
 """The NodeConnection protocol: how the controller reaches one node's agent.
 
-A connection starts the agent on its node and carries JSON-line messages both ways. The
-controller receives a factory and never knows whether a node is a local subprocess or an
-SSH session; tests can pass their own.
+A connection is a *channel* to a node: it starts the relay of ``agents/node_agent.py``
+(shipped with ``agents/protocol.py`` over the channel itself, so nothing is installed on the
+node) and carries JSON lines both ways. Closing a channel ends the relay, never the agent:
+the agent lives on its node until the controller tells it to shut down, or until no
+controller has attached for ``health.controller_grace``. The controller receives a factory
+and never knows whether a node is a local subprocess or an SSH session; tests pass their own.
 """
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any, Protocol
 
 import agents.node_agent
+import agents.protocol
+from agents.protocol import MAX_MESSAGE, decode, encode
 from orchestrator.errors import AgentError
 from orchestrator.spec import JobSpec, NodeSpec
 
-MAX_MESSAGE = 1024 * 1024  # an agent's line is bounded (output lines are cut at 8 KiB)
-
 AGENT_SOURCE_PATH = Path(agents.node_agent.__file__)
+PROTOCOL_SOURCE_PATH = Path(agents.protocol.__file__)
+
+# Run by ``python3 -u -c``: reads two length-prefixed sources from stdin (the protocol
+# module, then the agent), registers the first as ``agents.protocol`` and runs the second.
+# The rest of stdin is then the channel's JSON lines.
+BOOTSTRAP = (
+    "import sys,types;b=sys.stdin.buffer;r=lambda:b.read(int(b.readline()));"
+    "a=types.ModuleType('agents');a.__path__=[];p=types.ModuleType('agents.protocol');"
+    "exec(compile(r(),'agents/protocol.py','exec'),p.__dict__);a.protocol=p;"
+    "sys.modules.update({'agents':a,'agents.protocol':p});sys.argv=['orchestrator-agent'];"
+    "exec(compile(r(),'agents/node_agent.py','exec'),{'__name__':'__main__'})"
+)
 
 
 class NodeConnection(Protocol):
-    """One node's agent session."""
+    """One channel to a node's agent."""
 
     host: str
 
     def open(self) -> None:
-        """Start the agent (raises a TransportError naming the host)."""
+        """Open the channel and start the relay (raises a TransportError naming the host)."""
 
     def send(self, message: dict[str, Any]) -> None:
-        """Send one command; raises AgentError if the channel is gone."""
+        """Send one message; raises AgentError if the channel is gone."""
 
     def receive(self) -> dict[str, Any] | None:
-        """Block for the agent's next message; None once the channel is closed."""
+        """Block for the next message; None once the channel is closed."""
 
     def close(self) -> None:
-        """Close the channel (the agent then stops its workers) and release resources."""
+        """Close the channel (the agent lives on) and release its resources."""
 
 
 ConnectionFactory = Callable[[NodeSpec, JobSpec], NodeConnection]
@@ -53,28 +67,24 @@ class JsonLines:
         self._write_lock = threading.Lock()
 
     def send(self, message: dict[str, Any]) -> None:
-        data = json.dumps(message).encode() + b"\n"
+        data = encode(message)
         with self._write_lock:
             try:
                 self._writer.write(data)
                 self._writer.flush()
-            except (OSError, ValueError) as exc:
+            except (OSError, ValueError, EOFError) as exc:
                 raise AgentError(self.host, f"agent channel closed: {exc}") from exc
 
     def receive(self) -> dict[str, Any] | None:
         while True:
             try:
                 raw = self._reader.readline(MAX_MESSAGE)
-            except (OSError, ValueError):
+            except (OSError, ValueError, EOFError):
                 return None
             if not raw:
                 return None
-            try:
-                message = json.loads(raw)
-            except ValueError:
-                # Not ours (e.g. a login banner on stdout): skip it rather than fail the node.
-                continue
-            if isinstance(message, dict):
+            message = decode(raw)
+            if message is not None:  # else not ours (e.g. a login banner): skip it
                 return message
 
 
@@ -93,6 +103,10 @@ class LineConnection:
         return self._lines.receive() if self._lines else None
 
 
-def agent_source() -> bytes:
-    """The agent program, as shipped to nodes."""
-    return AGENT_SOURCE_PATH.read_bytes()
+def agent_payload() -> bytes:
+    """What BOOTSTRAP reads from stdin: the protocol module and the agent, length-prefixed."""
+    out = b""
+    for path in (PROTOCOL_SOURCE_PATH, AGENT_SOURCE_PATH):
+        source = path.read_bytes()
+        out += b"%d\n" % len(source) + source
+    return out

@@ -1,4 +1,4 @@
-"""LocalConnection: the agent as a subprocess of the controller, for ``host: local``."""
+"""LocalConnection: the channel to an agent on this machine, for ``host: local``."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import subprocess
 import sys
 
 from orchestrator.errors import AgentError
-from orchestrator.transport.base import AGENT_SOURCE_PATH, JsonLines, LineConnection
+from orchestrator.transport.base import BOOTSTRAP, JsonLines, LineConnection, agent_payload
 
 
 class LocalConnection(LineConnection):
-    """Runs the node agent on this machine. Its stderr is the controller's (controller.log)."""
+    """Runs the relay as a subprocess; its stderr is the controller's (controller.log)."""
 
     def __init__(self, host: str = "local"):
         self.host = host
@@ -20,27 +20,30 @@ class LocalConnection(LineConnection):
     def open(self) -> None:
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-u", str(AGENT_SOURCE_PATH)],
+                [sys.executable, "-u", "-c", BOOTSTRAP],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                start_new_session=True,  # a Ctrl-C at a terminal must not reach the workers
+                start_new_session=True,  # a Ctrl-C at a terminal must not reach it
             )
+            assert self._proc.stdin is not None and self._proc.stdout is not None
+            self._proc.stdin.write(agent_payload())
+            self._proc.stdin.flush()
         except OSError as exc:
-            raise AgentError(self.host, f"cannot start agent: {exc}") from exc
-        assert self._proc.stdin is not None and self._proc.stdout is not None
+            raise AgentError(self.host, f"cannot start the agent's relay: {exc}") from exc
         self._lines = JsonLines(self.host, self._proc.stdout, self._proc.stdin)
 
     def close(self) -> None:
         proc, self._lines = self._proc, None
+        self._proc = None
         if proc is None:
             return
         if proc.stdin:
             try:
-                proc.stdin.close()  # EOF: the agent stops its workers and exits
+                proc.stdin.close()  # EOF: the relay exits; the agent lives on
             except OSError:
                 pass
         try:
-            proc.wait(timeout=15)
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -1,8 +1,9 @@
 """SSHConnection: the node agent over an SSH exec channel (paramiko).
 
 The agent's source travels over the channel, ahead of the JSON lines, to a short bootstrap
-given to ``python3 -c``: nothing is uploaded or left on the node, and no environment value
-or secret ever appears on a remote command line (only the interpreter and the bootstrap).
+given to ``python3 -c`` (see ``base.BOOTSTRAP``): nothing is uploaded, and no environment
+value or secret ever appears on a remote command line (only the interpreter and the
+bootstrap). The channel runs the agent's relay; the agent itself outlives the session.
 
 Host keys are verified against known_hosts and unknown keys are refused (paramiko's
 RejectPolicy; fabric's default would add them). ``host_key_policy: accept-new`` accepts and
@@ -31,15 +32,7 @@ from orchestrator.errors import (
     TransportError,
 )
 from orchestrator.spec import JobSpec, NodeSpec
-from orchestrator.transport.base import JsonLines, LineConnection, agent_source
-
-# Reads the agent's source (length line, then bytes) from stdin and runs it; the rest of
-# stdin is then the agent's command stream.
-BOOTSTRAP = (
-    "import sys;b=sys.stdin.buffer;n=int(b.readline());src=b.read(n);"
-    "sys.argv=['orchestrator-agent'];"
-    "exec(compile(src,'orchestrator-agent','exec'),{'__name__':'__main__'})"
-)
+from orchestrator.transport.base import BOOTSTRAP, JsonLines, LineConnection, agent_payload
 
 _known_hosts_lock = threading.Lock()
 
@@ -175,8 +168,7 @@ class SSHConnection(LineConnection):
             command = f"{shlex.quote(self._spec.python)} -u -c {shlex.quote(BOOTSTRAP)}"
             channel.exec_command(command)
             stdin = channel.makefile_stdin("wb")
-            source = agent_source()
-            stdin.write(b"%d\n" % len(source) + source)
+            stdin.write(agent_payload())
             stdin.flush()
         except (paramiko.SSHException, OSError, EOFError) as exc:
             self.close()
@@ -197,8 +189,8 @@ class SSHConnection(LineConnection):
         self._channel = self._client = None
         if channel is not None:
             try:
-                channel.shutdown_write()  # EOF: the agent stops its workers and exits
-                channel.status_event.wait(15)  # set when the remote exit status arrives
+                channel.shutdown_write()  # EOF: the relay exits; the agent lives on
+                channel.status_event.wait(5)  # set when the remote exit status arrives
             except (paramiko.SSHException, OSError, EOFError):
                 pass
             channel.close()

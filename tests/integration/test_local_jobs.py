@@ -219,25 +219,6 @@ def test_killed_agent_is_a_node_failure_and_leaves_no_orphans(home, tmp_path):
     assert_no_job_processes(job_id)
 
 
-def test_killed_controller_leaves_no_orphans_and_status_says_so(home, tmp_path):
-    import os
-    import signal
-
-    spec = local_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")],
-                      env={"IGNORE_SIGTERM": "1"})
-    job_id = orchestrator.submit(spec)
-    _pids_running(job_id)
-    from orchestrator.store import Store
-
-    store = Store()
-    controller = store.get_job(job_id).controller_pid
-    store.close()
-    os.kill(controller, signal.SIGKILL)
-    assert_no_job_processes(job_id, within=10)  # agents saw EOF; workers ignoring TERM got KILL
-    result = orchestrator.status(job_id)
-    assert result["state"] == "FAILED" and "controller" in result["failure"]["message"]
-
-
 def test_worker_ignoring_sigterm_is_killed_after_grace(home, tmp_path):
     spec = local_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], nodes=1, nproc=2,
                       env={"IGNORE_SIGTERM": "1"}, stop_grace_period=1)

@@ -28,6 +28,7 @@ class FakeAgent:
         self.running: dict[int, int] = {}  # rank -> local_rank of the current attempt
         self.attempt = 0
         self.fail_open = False
+        self.protocol = 2
 
     def open(self) -> None:
         if self.fail_open:
@@ -39,10 +40,13 @@ class FakeAgent:
         self.log.append((self.host, message))
         op = message["op"]
         a = self.attempt
-        if op == "init":
-            self.inbox.put({"type": "hello", "attempt": 0, "hostname": self.host})
+        if op == "connect":
+            self.inbox.put({"type": "relay", "launched": True})
+        elif op == "attach":
+            self.inbox.put({"type": "hello", "attempt": self.attempt, "hostname": self.host,
+                            "protocol": self.protocol, "workers": []})
         elif op == "free_port":
-            self.inbox.put({"type": "port", "attempt": 0, "port": 29500, "ok": True})
+            self.inbox.put({"type": "port", "req": message["req"], "port": 29500, "ok": True})
         elif op == "start":
             self.attempt = a = message["attempt"]
             for w in message["workers"]:
@@ -55,7 +59,7 @@ class FakeAgent:
                     continue
                 code, sig = (outcome, None) if isinstance(outcome, int) else (None, outcome)
                 self.inbox.put({"type": "output", "attempt": a, "rank": w["rank"],
-                                "stream": "stderr", "line": f"boom {w['rank']}"})
+                                "stream": "stderr", "lines": [f"boom {w['rank']}"]})
                 self.inbox.put({"type": "exited", "attempt": a, "rank": w["rank"],
                                 "local_rank": w["local_rank"], "exit_code": code, "signal": sig})
         elif op == "stop":
@@ -64,6 +68,8 @@ class FakeAgent:
                                 "local_rank": local, "exit_code": None, "signal": "SIGTERM"})
             self.running = {}
             self.inbox.put({"type": "stopped", "attempt": a})
+        elif op == "shutdown":
+            self.inbox.put(None)  # the agent exits: its channel closes
 
     def receive(self) -> dict[str, Any] | None:
         return self.inbox.get()

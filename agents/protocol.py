@@ -1,0 +1,172 @@
+"""The agent protocol: names, framing, version and the request/reply helper, in one place.
+
+Stdlib only: the controller, ``preflight`` and the node agent all import this module, and
+the transports ship its source to nodes together with the agent's (see
+``orchestrator.transport.base.BOOTSTRAP``).
+
+JSON lines both ways. A connection to an agent goes through a *relay* (a short-lived
+process started over the channel: a local pipe or an SSH exec channel) that joins the
+channel to the agent's private Unix socket, so that the agent outlives every channel::
+
+    controller ── channel ── relay ── ~/private dir/agent.sock ── agent (detached) ── workers
+
+The first line on a channel is for the relay (``connect``); every line after it is the
+agent's, starting with ``attach``.
+
+Controller -> relay::
+
+    connect   {job_id, node_index, launch: null | {secret, heartbeat_interval, node_timeout,
+               controller_grace, spool_max_bytes}}
+              attach to the job's agent on this node; with ``launch``, start it when there
+              is none. The relay answers ``relay {launched}``, or ``gone`` (no agent, and
+              no launch asked) and exits.
+
+Controller -> agent (``op``)::
+
+    attach    {secret, ack}         the first line; ``ack`` is the last seq this job has kept
+    ack       {seq}                 everything up to seq is kept: the agent may forget it
+    ping      {}                    the controller's heartbeat
+    start     {attempt, workdir, master_addr, env, workers: [{rank, local_rank, argv, env}],
+               stop_grace}
+    stop      {attempt, grace}
+    free_port {req, port}           (0: pick one; otherwise check that this one is free)
+    listen    {req, port}           (preflight: hold a listening socket)
+    probe     {req, address, port}  (preflight: route and TCP reachability toward the master)
+    shutdown  {}                    stop the workers, remove the agent's state, exit
+
+Agent -> controller (``type``). *Sequenced* messages carry ``seq`` (1, 2, ...) and are kept
+by the agent until acknowledged, spooled to disk while no controller is attached, and
+replayed in order on the next ``attach``. The others are only meaningful live::
+
+    hello        {protocol, hostname, python, torch, gpus, pid, attempt, last_seq,
+                  workers: [{rank, local_rank, pid, running}], spooled_bytes}   (live)
+    heartbeat    {attempt}                                                      (live)
+    progress     {attempt}   a worker touched its ORCHESTRATOR_HEARTBEAT_FILE   (live)
+    port / listening / probe {req, ...}   replies to requests                   (live)
+    started      {seq, attempt, rank, local_rank, pid}
+    spawn_failed {seq, attempt, rank, local_rank, error}
+    output       {seq, attempt, rank, stream, lines: [...]}   many lines of one rank
+    exited       {seq, attempt, rank, local_rank, exit_code, signal, error_file, at}
+    stopped      {seq, attempt}
+    dropped      {seq, attempt, rank, stream, lines}   lines the full spool could not keep
+    error        {seq, attempt, message}
+    detached / gave_up are never sent: they are what the agent writes in its spool.
+
+An agent's ``exited`` for a rank always comes after every output line of that rank.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+VERSION = 2
+
+# Controller -> relay / agent.
+CONNECT = "connect"
+ATTACH = "attach"
+ACK = "ack"
+PING = "ping"
+START = "start"
+STOP = "stop"
+FREE_PORT = "free_port"
+LISTEN = "listen"
+PROBE = "probe"
+SHUTDOWN = "shutdown"
+
+# Relay -> controller.
+RELAY = "relay"
+GONE = "gone"
+
+# Agent -> controller.
+HELLO = "hello"
+HEARTBEAT = "heartbeat"
+PROGRESS = "progress"
+PORT = "port"
+LISTENING = "listening"
+PROBE_RESULT = "probe"
+STARTED = "started"
+SPAWN_FAILED = "spawn_failed"
+OUTPUT = "output"
+EXITED = "exited"
+STOPPED = "stopped"
+DROPPED = "dropped"
+ERROR = "error"
+
+#: Messages replayed after a dropped channel; the rest only matter while attached.
+SEQUENCED = frozenset({STARTED, SPAWN_FAILED, OUTPUT, EXITED, STOPPED, DROPPED, ERROR})
+
+MAX_MESSAGE = 4 * 1024 * 1024  # one JSON line; an output batch is cut well below this
+MAX_LINE = 8192  # bytes of one worker output line; longer lines are split
+BATCH_BYTES = 64 * 1024  # an output message holds up to this many bytes of lines
+BATCH_DELAY = 0.005  # seconds a partial batch may wait for more lines
+WINDOW_BYTES = 4 * 1024 * 1024  # unacknowledged bytes an agent may have in flight
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One message as a JSON line. Non-ASCII stays UTF-8 (fewer bytes than \\u escapes)."""
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> dict[str, Any] | None:
+    """A JSON line as a message, or None for anything that is not a JSON object (e.g. a
+    login banner printed on an SSH channel)."""
+    try:
+        message = json.loads(line)
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) else None
+
+
+def connect(job_id: str, node_index: int, launch: dict[str, Any] | None) -> dict[str, Any]:
+    return {"op": CONNECT, "job_id": job_id, "node_index": node_index, "launch": launch}
+
+
+def attach(secret: str, ack: int) -> dict[str, Any]:
+    return {"op": ATTACH, "secret": secret, "ack": ack}
+
+
+class Mailbox:
+    """Request/reply over a message stream: requests get an id (``req``), and the one reader
+    of the stream hands every message to :meth:`deliver`, which keeps replies aside for the
+    thread waiting in :meth:`ask`. Replies therefore never wait behind other messages."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._replies: dict[int, dict[str, Any]] = {}
+        self._next = 0
+        self.closed = False
+
+    def request(self, op: str, **fields: Any) -> tuple[int, dict[str, Any]]:
+        """A new request message and its id."""
+        with self._cond:
+            self._next += 1
+            return self._next, {"op": op, "req": self._next, **fields}
+
+    def deliver(self, message: dict[str, Any] | None) -> bool:
+        """Keep ``message`` if it is a reply; None (the stream ended) wakes every waiter.
+        Returns True when the message was taken."""
+        with self._cond:
+            if message is None:
+                self.closed = True
+                self._cond.notify_all()
+                return False
+            req = message.get("req")
+            if not isinstance(req, int) or isinstance(req, bool):
+                return False
+            self._replies[req] = message
+            self._cond.notify_all()
+            return True
+
+    def wait(self, req: int, timeout: float) -> dict[str, Any] | None:
+        """The reply to ``req``, or None on timeout or when the stream ended."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while req not in self._replies:
+                left = deadline - time.monotonic()
+                if self.closed or left <= 0:
+                    return None
+                self._cond.wait(left)
+            return self._replies.pop(req)

@@ -1,0 +1,258 @@
+"""The node pool: one channel per node to its agent, and the threads that keep them.
+
+Threads, one owner each: a *connector* per node while it connects or reconnects (open the
+channel, ``connect`` to the relay, ``attach`` to the agent); a *reader* per open channel
+(stamps ``last_heard`` on every message, hands replies to the channel's mailbox and
+everything else to ``events``); and one *pinger* for the whole pool. Node state and every
+decision stay with the controller's main thread, which consumes ``events``:
+
+    ("attached", index, channel)   a channel is ready: hello received
+    ("unavailable", index, error, gone, outcome)
+                                   no channel: ``gone`` when the relay found no agent
+    ("message", index, gen, msg)   a message of channel ``gen``
+    ("closed", index, gen)         channel ``gen`` ended
+    ("wake",)                      nothing: look at the cancel flag
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from agents import protocol as P
+from orchestrator.errors import AgentError, OrchestratorError, TransportError
+from orchestrator.spec import JobSpec, NodeSpec
+from orchestrator.state import NodeState
+from orchestrator.transport.base import ConnectionFactory, NodeConnection
+
+log = logging.getLogger("orchestrator.nodepool")
+
+RECONNECT_FIRST = 0.2  # seconds before the first retry; doubled up to RECONNECT_MAX
+RECONNECT_MAX = 5.0
+
+
+@dataclass
+class Channel:
+    """An open, attached channel and what the agent said on it."""
+
+    conn: NodeConnection
+    generation: int
+    hello: dict[str, Any]
+    launched: bool
+    mailbox: P.Mailbox
+
+
+@dataclass
+class Node:
+    """The controller's live view of one spec node (owned by the main thread, except
+    ``last_heard``, which the reader stamps)."""
+
+    index: int
+    spec: NodeSpec
+    state: NodeState = NodeState.PENDING
+    channel: Channel | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    node_rank: int | None = None
+    last_heard: float = 0.0
+    received: int = 0  # last sequenced message handled
+    acked: int = 0  # last sequenced message a checkpoint holds (the agent may forget it)
+    unreachable_since: float | None = None
+    state_before: NodeState | None = None  # where an UNREACHABLE node goes back to
+    draining: int | None = None  # attempt whose leftover workers we stop before a rejoin
+    connecting: bool = False
+    retry: bool = False  # the connector keeps trying until it succeeds
+    launch: bool = False  # the connector may start an agent where none answers
+
+    @property
+    def host(self) -> str:
+        return self.spec.host
+
+    @property
+    def usable(self) -> bool:
+        """Attached and healthy: may run workers."""
+        return self.channel is not None and self.state in (
+            NodeState.CONNECTED, NodeState.RUNNING, NodeState.STOPPED) and self.draining is None
+
+
+class NodePool:
+    """Channels to every node's agent for one job."""
+
+    def __init__(self, job_id: str, spec: JobSpec, secret: str, factory: ConnectionFactory):
+        self.job_id = job_id
+        self.spec = spec
+        self.secret = secret
+        self.factory = factory
+        self.nodes = [Node(i, n) for i, n in enumerate(spec.nodes)]
+        # SimpleQueue: the controller's signal handler puts into it too.
+        self.events: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._generations = itertools.count(1)
+        self.closing = False
+        self.main_tick = time.monotonic()  # the main loop's last turn (see _ping)
+
+    def launch_config(self) -> dict[str, Any]:
+        h = self.spec.health
+        return {"secret": self.secret, "heartbeat_interval": h.heartbeat_interval,
+                "node_timeout": h.node_timeout, "controller_grace": h.controller_grace,
+                "spool_max_bytes": self.spec.spool_max_bytes}
+
+    # --- connecting ------------------------------------------------------------------------
+    def connect(self, node: Node, *, launch: bool, retry: bool = False) -> None:
+        """Start connecting ``node`` in the background; the outcome arrives as an event.
+        With ``launch``, start an agent where none answers (never a second one: the relay
+        on the node decides). With ``retry``, keep trying until it works."""
+        node.retry, node.launch = retry, launch  # a running connector picks these up
+        if node.connecting:
+            return
+        node.connecting = True
+        threading.Thread(target=self._connector, args=(node,), daemon=True,
+                         name=f"connect-{node.index}").start()
+
+    def _connector(self, node: Node) -> None:
+        delay = RECONNECT_FIRST
+        try:
+            while not self.closing:
+                try:
+                    channel = self._open(node, node.launch)
+                    # The event goes first: its messages must find the channel installed.
+                    self.events.put(("attached", node.index, channel))
+                    threading.Thread(target=self._read, args=(node, channel), daemon=True,
+                                     name=f"read-{node.index}").start()
+                    return
+                except _Gone as gone:
+                    self.events.put(("unavailable", node.index, str(gone), True, gone.outcome))
+                    return
+                except OrchestratorError as exc:
+                    error = str(exc)
+                except Exception as exc:  # a bug in a transport must not kill the job
+                    error = f"{node.host}: {exc!r}"
+                if not node.retry:
+                    self.events.put(("unavailable", node.index, error, False, None))
+                    return
+                log.info("%s: not reachable yet: %s", node.host, error)
+                time.sleep(delay)
+                delay = min(RECONNECT_MAX, delay * 2)
+        finally:
+            node.connecting = False
+
+    def _open(self, node: Node, launch: bool) -> Channel:
+        spec = self.spec
+        if node.retry:  # a reconnect must not sit in one try longer than the node may be away
+            timeout = min(spec.ssh.connect_timeout, max(1.0, spec.health.node_timeout / 2))
+            spec = spec.model_copy(update={"ssh": spec.ssh.model_copy(
+                update={"connect_timeout": timeout})})
+        conn = self.factory(node.spec, spec)
+        conn.open()
+        # A handshake that hangs (a wedged sshd, a stopped agent) must not hang us.
+        timer = threading.Timer(max(spec.launch_timeout, 5.0), conn.close)
+        timer.start()
+        try:
+            conn.send(P.connect(self.job_id, node.index, self.launch_config() if launch else None))
+            reply = conn.receive()
+            if reply is None or reply.get("type") not in (P.RELAY, P.GONE):
+                conn.close()
+                tail = list(getattr(conn, "stderr_tail", []) or [])[-3:]
+                what = reply.get("message") if reply else "the agent's relay exited"
+                raise AgentError(node.host, f"{what}" + (": " + " | ".join(tail) if tail else ""))
+            if reply["type"] == P.GONE:
+                conn.close()
+                raise _Gone(node.host, reply.get("outcome"))
+            conn.send(P.attach(self.secret, node.acked))
+            hello = conn.receive()
+            if hello is None or hello.get("type") != P.HELLO:
+                conn.close()
+                raise AgentError(node.host, "the agent refused the attach (wrong job secret?)")
+        finally:
+            timer.cancel()
+        node.last_heard = time.monotonic()
+        return Channel(conn, next(self._generations), hello, bool(reply.get("launched")),
+                       P.Mailbox())
+
+    def _read(self, node: Node, channel: Channel) -> None:
+        conn, gen, mailbox, events = channel.conn, channel.generation, channel.mailbox, \
+            self.events
+        while True:
+            try:
+                message = conn.receive()
+            except Exception:
+                message = None
+            if message is None:
+                mailbox.deliver(None)
+                events.put(("closed", node.index, gen))
+                return
+            node.last_heard = time.monotonic()
+            if not mailbox.deliver(message):
+                events.put(("message", node.index, gen, message))
+
+    # --- talking -------------------------------------------------------------------------------
+    def send(self, node: Node, message: dict[str, Any]) -> bool:
+        """Send on the node's channel; False if there is none or it broke (its reader then
+        reports it closed)."""
+        channel = node.channel
+        if channel is None:
+            return False
+        try:
+            channel.conn.send(message)
+            return True
+        except TransportError:
+            return False
+
+    def request(self, node: Node, op: str, timeout: float,
+                check: Callable[[], None] | None = None, **fields: Any) -> dict[str, Any] | None:
+        """Send a request and wait for its reply (None: no reply within ``timeout``, or the
+        channel closed). ``check`` runs between short waits (e.g. the cancel check)."""
+        channel = node.channel
+        if channel is None:
+            return None
+        req, message = channel.mailbox.request(op, **fields)
+        if not self.send(node, message):
+            return None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            reply = channel.mailbox.wait(req, min(0.1, deadline - time.monotonic()))
+            if reply is not None or channel.mailbox.closed:
+                return reply
+            if check:
+                check()
+        return None
+
+    def drop_channel(self, node: Node) -> None:
+        """Close the node's channel in the background (closing SSH can take a while)."""
+        channel, node.channel = node.channel, None
+        if channel is not None:
+            threading.Thread(target=channel.conn.close, daemon=True).start()
+
+    # --- pings -------------------------------------------------------------------------------
+    def start_pinger(self) -> None:
+        threading.Thread(target=self._ping, daemon=True, name="pinger").start()
+
+    def _ping(self) -> None:
+        """The controller's heartbeat to every agent, on its own thread so no slow step
+        delays it. A wedged main loop is not kept alive by it: then the agents hear nothing,
+        detach, and keep the workers for controller_grace."""
+        health = self.spec.health
+        while not self.closing:
+            if time.monotonic() - self.main_tick < health.node_timeout:
+                for node in self.nodes:
+                    channel = node.channel
+                    if channel is not None:
+                        try:
+                            channel.conn.send({"op": P.PING})
+                        except Exception:
+                            pass  # the reader reports the closed channel
+            time.sleep(health.heartbeat_interval)
+
+    def close(self) -> None:
+        self.closing = True
+
+
+class _Gone(OrchestratorError):
+    def __init__(self, host: str, outcome: dict[str, Any] | None):
+        reason = (outcome or {}).get("reason")
+        super().__init__(f"{host}: the agent is gone" + (f" ({reason})" if reason else ""))
+        self.outcome = outcome
