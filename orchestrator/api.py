@@ -323,6 +323,7 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
         "max_restarts": job.max_restarts,
         "free_restarts": job.free_restarts,
         "controller": controller,
+        "controller_grace": json.loads(job.spec_json).get("health", {}).get("controller_grace"),
         "nodes": [
             {"node_index": n.node_index, "host": n.host, "node_rank": n.node_rank,
              "state": n.state.value, "hostname": n.info.get("hostname"),

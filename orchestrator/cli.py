@@ -214,9 +214,15 @@ def check(
         console = _console()
         console.print(table)
         typer.echo(f"master {report['master_addr']}:{report['master_port'] or '-'}")
+        typer.echo(f"controller_grace {_grace(report['controller_grace'])}: how long agents "
+                   "keep the workers running with no controller attached")
         for warning in report["warnings"]:
             typer.echo(f"warning: {warning}", err=True)
     raise typer.Exit(0 if report["ok"] else 1)
+
+
+def _grace(seconds: float | None) -> str:
+    return "forever" if seconds is None else f"{seconds:g}s"
 
 
 def _yes(value: bool | None) -> str:
@@ -253,7 +259,8 @@ def _print_status(data: dict[str, Any]) -> None:
     c = data["controller"]
     alive = {True: "alive", False: "NOT RUNNING", None: "not visible from here"}[c["alive"]]
     if data["state"] not in EXIT_FOR_STATE:
-        typer.echo(f"controller pid {c['pid']} on {c['host']} since {c['since']}: {alive}")
+        typer.echo(f"controller pid {c['pid']} on {c['host']} since {c['since']}: {alive}; "
+                   f"agents keep the workers {_grace(data['controller_grace'])} without one")
     if data["state"] == "UNKNOWN":
         typer.echo(f"the controller is gone (recorded state {data['recorded_state']}); run "
                    f"`orchestrator resume {data['job_id']}` to carry on", err=True)

@@ -10,13 +10,14 @@ to ``master_addr:master_port``. Nothing of the user's runs.
 from __future__ import annotations
 
 import os
-import queue
+import secrets
 import socket
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agents import protocol as P
 from orchestrator.errors import (
     AuthenticationError,
     HostKeyError,
@@ -59,6 +60,7 @@ class CheckReport:
     master_port: int | None
     nodes: list[NodeReport]
     warnings: list[str] = field(default_factory=list)
+    controller_grace: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -66,34 +68,46 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "master_addr": self.master_addr, "master_port": self.master_port,
+                "controller_grace": self.controller_grace,
                 "nodes": [asdict(n) for n in self.nodes], "warnings": self.warnings}
 
 
 class _Session:
-    """Request/response over one agent connection, with timeouts."""
+    """A short-lived agent for preflight (its own job id, shut down at the end), and
+    request/reply over its channel (protocol.Mailbox)."""
 
-    def __init__(self, conn: NodeConnection):
+    def __init__(self, conn: NodeConnection, node_index: int):
         self.conn = conn
-        self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.mailbox = P.Mailbox()
+        job_id = f"preflight-{secrets.token_hex(4)}"
+        secret = secrets.token_hex(16)
+        conn.send(P.connect(job_id, node_index, {"secret": secret, "controller_grace": 60}))
+        reply = conn.receive()
+        if reply is None or reply.get("type") != P.RELAY:
+            what = reply.get("message") if reply else "the agent's relay exited"
+            raise LaunchError(f"{conn.host}: {what}")
+        conn.send(P.attach(secret, 0))
+        hello = conn.receive()
+        if hello is None or hello.get("type") != P.HELLO:
+            raise LaunchError(f"{conn.host}: the agent did not say hello")
+        if hello.get("protocol") != P.VERSION:
+            raise LaunchError(f"{conn.host}: the agent speaks protocol "
+                              f"{hello.get('protocol')!r}, this orchestrator {P.VERSION}")
+        self.hello = hello
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
         while (msg := self.conn.receive()) is not None:
-            self.inbox.put(msg)
-        self.inbox.put(None)
+            self.mailbox.deliver(msg)
+        self.mailbox.deliver(None)
 
-    def ask(self, message: dict[str, Any], answer: str, timeout: float = AGENT_TIMEOUT) -> dict:
+    def ask(self, op: str, timeout: float = AGENT_TIMEOUT, **fields: Any) -> dict[str, Any]:
+        req, message = self.mailbox.request(op, **fields)
         self.conn.send(message)
-        while True:
-            try:
-                msg = self.inbox.get(timeout=timeout)
-            except queue.Empty:
-                raise LaunchError(f"{self.conn.host}: agent did not answer {message['op']}") \
-                    from None
-            if msg is None:
-                raise LaunchError(f"{self.conn.host}: agent connection closed")
-            if msg.get("type") == answer:
-                return msg
+        reply = self.mailbox.wait(req, timeout)
+        if reply is None:
+            raise LaunchError(f"{self.conn.host}: agent did not answer {op}")
+        return reply
 
 
 def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> CheckReport:
@@ -119,15 +133,14 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
             return
         report.reachable, report.auth = True, True
         report.host_key = "n/a" if node.is_local else "verified"
-        session = _Session(conn)
         try:
-            hello = session.ask({"op": "init", "job_id": "preflight", "node_index": i}, "hello")
+            session = _Session(conn, i)
         except OrchestratorError as exc:
             report.error = str(exc)
             conn.close()
             return
         for key in ("hostname", "python", "torch", "gpus"):
-            setattr(report, key, hello.get(key))
+            setattr(report, key, session.hello.get(key))
         sessions[i] = session
 
     with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes))) as pool:
@@ -141,7 +154,7 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
         listening: dict[str, Any] = {}
         if 0 in sessions:
             try:
-                listening = sessions[0].ask({"op": "listen", "port": wanted}, "listening")
+                listening = sessions[0].ask(P.LISTEN, port=wanted)
             except OrchestratorError as exc:
                 reports[0].error = str(exc)
             if listening.get("ok"):
@@ -153,8 +166,8 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
             if master_port is None:
                 return
             try:
-                answer = sessions[i].ask({"op": "probe", "address": master_addr,
-                                          "port": master_port, "timeout": 3}, "probe")
+                answer = sessions[i].ask(P.PROBE, address=master_addr, port=master_port,
+                                         timeout=3)
             except OrchestratorError as exc:
                 reports[i].error = str(exc)
                 return
@@ -169,12 +182,14 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
     finally:
         for session in sessions.values():
             try:
-                session.conn.send({"op": "shutdown"})
+                session.conn.send({"op": P.SHUTDOWN})
+                session.mailbox.wait(-1, 5.0)  # until the agent has gone (channel closed)
             except OrchestratorError:
                 pass
             session.conn.close()
 
-    report = CheckReport(master_addr, master_port, reports)
+    report = CheckReport(master_addr, master_port, reports,
+                         controller_grace=spec.health.controller_grace)
     for key in ("torch", "python"):
         versions = {r.__dict__[key] for r in reports if r.reachable and r.auth}
         if len(versions) > 1:

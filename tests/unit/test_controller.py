@@ -172,3 +172,37 @@ def test_no_restart_budget_fails_at_once(tmp_path, max_restarts):
     job = store.get_job(job_id)
     assert job.state == JobState.FAILED and job.attempt == 1
     assert job.failure["restarts_exhausted"] is False
+
+
+def test_agent_of_another_protocol_fails_the_launch_naming_the_node(tmp_path):
+    spec = parse_jobspec(SPEC)
+    store = Store(tmp_path / "home")
+    store.create_job("fake-000003", "fake", spec.model_dump_json(), str(tmp_path), 2, ["a", "b"])
+
+    def connect(node, _spec):
+        agent = FakeAgent(node.host, {}, [])
+        agent.protocol = 1 if node.host == "b" else 2
+        return agent
+
+    state = Controller(store, "fake-000003", spec, str(tmp_path), connect).run()
+    job = store.get_job("fake-000003")
+    assert state == JobState.FAILED and job.failure["cause"] == "LAUNCH_FAILED"
+    message = job.failure["message"]
+    assert message.startswith("b: ") and "protocol 1" in message and "speaks 2" in message
+    assert "\n" not in message
+
+
+def test_mailbox_matches_replies_and_wakes_on_close():
+    import threading
+
+    from agents.protocol import Mailbox
+
+    box = Mailbox()
+    req, message = box.request("free_port", port=0)
+    assert message == {"op": "free_port", "req": req, "port": 0}
+    assert box.deliver({"type": "heartbeat"}) is False  # not a reply: the caller handles it
+    threading.Timer(0.05, box.deliver, args=({"type": "port", "req": req, "ok": True},)).start()
+    assert box.wait(req, 2.0) == {"type": "port", "req": req, "ok": True}
+    req2, _ = box.request("listen")
+    threading.Timer(0.05, box.deliver, args=(None,)).start()
+    assert box.wait(req2, 5.0) is None and box.closed
