@@ -120,6 +120,51 @@ def decode(line: bytes) -> dict[str, Any] | None:
     return message if isinstance(message, dict) else None
 
 
+_OPT_INT = (int, None)
+_OPT_STR = (str, None)
+# The fields a controller relies on, per message type: an agent (or anything pretending to
+# be one) that sends something else is out of protocol, and is not trusted any further.
+_FIELDS: dict[str, dict[str, Any]] = {
+    HELLO: {"protocol": int, "pid": int, "attempt": int, "workers": list},
+    STARTED: {"attempt": int, "rank": _OPT_INT, "local_rank": int, "pid": int},
+    SPAWN_FAILED: {"attempt": int, "rank": _OPT_INT, "local_rank": int, "error": str},
+    OUTPUT: {"attempt": int, "rank": _OPT_INT, "stream": str, "lines": list},
+    EXITED: {"attempt": int, "rank": _OPT_INT, "local_rank": int, "exit_code": _OPT_INT,
+             "signal": _OPT_STR, "error_file": _OPT_STR},
+    STOPPED: {"attempt": int},
+    DROPPED: {"attempt": int, "rank": _OPT_INT, "stream": str, "lines": int},
+    ERROR: {"message": str},
+}
+
+
+def _is(value: Any, kind: Any) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    for k in kinds:
+        if k is None and value is None:
+            return True
+        if k is int and isinstance(value, int) and not isinstance(value, bool):
+            return True
+        if k in (str, list) and isinstance(value, k):
+            return True
+    return False
+
+
+def check(message: dict[str, Any]) -> str | None:
+    """What is wrong with an agent's message, or None when it has the fields its type needs
+    with the right types (``seq`` too, when present)."""
+    kind = message.get("type")
+    if not isinstance(kind, str):
+        return "no message type"
+    if "seq" in message and not _is(message["seq"], int):
+        return f"{kind}: seq is not an integer"
+    for name, expected in _FIELDS.get(kind, {}).items():
+        if not _is(message.get(name), expected):
+            return f"{kind}: bad {name} {str(message.get(name))[:40]!r}"
+    if kind == OUTPUT and not all(isinstance(line, str) for line in message["lines"]):
+        return "output: lines must be text"
+    return None
+
+
 def connect(job_id: str, node_index: int, launch: dict[str, Any] | None) -> dict[str, Any]:
     return {"op": CONNECT, "job_id": job_id, "node_index": node_index, "launch": launch}
 

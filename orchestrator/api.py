@@ -21,7 +21,7 @@ from orchestrator.errors import JobEndedError, LaunchError
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
 from orchestrator.state import FailureCause, JobState
-from orchestrator.store import JobRecord, Store, check_job_id
+from orchestrator.store import JobRecord, Store, check_job_id, pid_namespace
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -88,7 +88,8 @@ def _start_controller(store: Store, job_id: str, *, resume: bool) -> int:
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
     env["PYTHONSAFEPATH"] = "1"  # nothing from the current directory is imported
-    with open(log_path, "ab") as log:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator.controller", job_id, "--supervise",
              *(["--resume"] if resume else [])],
@@ -250,7 +251,8 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
 def _controller_view(job: JobRecord) -> dict[str, Any]:
     """The job's controller as this machine sees it. ``alive`` is None when it runs on
     another host (or in a PID namespace we cannot see into): then nobody here can tell."""
-    here = job.controller_host in (None, socket.gethostname())
+    here = job.controller_host in (None, socket.gethostname()) and \
+        job.controller_pidns in (None, pid_namespace())
     alive: bool | None
     if job.state.is_terminal():
         alive = any(_is_controller(p, job.job_id) for p in

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import signal
 import sys
 import threading
@@ -26,6 +27,9 @@ app = typer.Typer(
     help="Run PyTorch distributed jobs on many nodes: submit, watch, restart, cancel.",
 )
 EXIT_FOR_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
+# C0 and C1 control characters but tab and newline: ESC sequences from a worker (or a
+# hostile node) must not reach the terminal.
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _debug = False
 T = TypeVar("T")
 
@@ -55,6 +59,18 @@ def _call(fn: Callable[[], T]) -> T:
         if _debug:
             raise
         _fail(str(exc), 1)
+
+
+def visible(text: Any) -> str:
+    """Text from workers, agents or nodes, with control characters shown as ``\\xNN``."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
+
+
+def _cell(text: Any) -> Any:
+    """A table cell that rich shows literally: no markup, no control characters."""
+    from rich.text import Text
+
+    return Text(visible(text))
 
 
 def _print_json(data: Any) -> None:
@@ -88,13 +104,14 @@ def submit(
         typer.echo(f"submitted {job_id}", err=True)
     _cancel_on_signals(job_id)
     if follow:
+        show = visible if sys.stdout.isatty() else str
         for line in _call(lambda: _prime(api.logs(job_id, follow=True))):
-            typer.echo(line)
+            typer.echo(show(line))
     result = _call(lambda: api.wait(job_id))
     if as_json:
         _print_json(result)
     else:
-        typer.echo(_summary_line(result), err=True)
+        typer.echo(visible(_summary_line(result)), err=True)
     raise typer.Exit(EXIT_FOR_STATE.get(result["state"], 1))
 
 
@@ -136,12 +153,13 @@ def logs(
     tail: int | None = typer.Option(None, "--tail", help="Only the last N lines."),
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the job ends."),
 ) -> None:
-    """Print a job's output, each line prefixed [host:rank]."""
+    """Print a job's output, each line prefixed with its host and rank."""
     lines = _call(lambda: api.logs(job, rank=rank, node=node, attempt=attempt, tail=tail,
                                    follow=follow))
+    show = visible if sys.stdout.isatty() else str  # piped: the bytes as the worker wrote them
     try:
         for line in _call(lambda: _prime(lines)):
-            typer.echo(line)
+            typer.echo(show(line))
     except BrokenPipeError:
         sys.stderr.close()
 
@@ -187,8 +205,8 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
 
     table = Table("JOB", "NAME", "STATE", "ATTEMPT", "RESTARTS", "SUBMITTED", box=None)
     for j in jobs:
-        table.add_row(j["job_id"], j["name"], j["state"], str(j["attempt"]), str(j["restarts"]),
-                      j["submitted_at"])
+        table.add_row(*map(_cell, (j["job_id"], j["name"], j["state"], j["attempt"],
+                                   j["restarts"], j["submitted_at"])))
     _console().print(table)
 
 
@@ -207,17 +225,18 @@ def check(
         table = Table("NODE", "HOST", "REACH", "AUTH", "HOST KEY", "PYTHON", "TORCH", "GPUS",
                       "IFACE", "MASTER PORT", "ERROR", box=None)
         for n in report["nodes"]:
-            table.add_row(str(n["node_index"]), n["host"], _yes(n["reachable"]), _yes(n["auth"]),
-                          n["host_key"], n["python"] or "-", n["torch"] or "-",
-                          "-" if n["gpus"] is None else str(n["gpus"]), n["interface"] or "-",
-                          _yes(n["master_port_reachable"]), n["error"] or "")
+            table.add_row(*map(_cell, (
+                n["node_index"], n["host"], _yes(n["reachable"]), _yes(n["auth"]),
+                n["host_key"], n["python"] or "-", n["torch"] or "-",
+                "-" if n["gpus"] is None else n["gpus"], n["interface"] or "-",
+                _yes(n["master_port_reachable"]), n["error"] or "")))
         console = _console()
         console.print(table)
         typer.echo(f"master {report['master_addr']}:{report['master_port'] or '-'}")
         typer.echo(f"controller_grace {_grace(report['controller_grace'])}: how long agents "
                    "keep the workers running with no controller attached")
         for warning in report["warnings"]:
-            typer.echo(f"warning: {warning}", err=True)
+            typer.echo(f"warning: {visible(warning)}", err=True)
     raise typer.Exit(0 if report["ok"] else 1)
 
 
@@ -280,17 +299,17 @@ def _print_status(data: dict[str, Any]) -> None:
         gaps = sum(e["state"] == "UNREACHABLE" for e in n.get("history", []))
         if gaps:
             state += f" [unreachable {gaps}x]"
-        nodes.add_row(node_rank, n["host"], state, ranks)
-    console.print(nodes, markup=False)
+        nodes.add_row(*map(_cell, (node_rank, n["host"], state, ranks)))
+    console.print(nodes)
     if len(data["attempts"]) > 1 or any(a["failure"] for a in data["attempts"]):
         history = Table("ATTEMPT", "STARTED", "ENDED", "OUTCOME", "CAUSE", box=None)
         for a in data["attempts"]:
             cause = a["failure"]["message"] if a["failure"] else ""
-            history.add_row(str(a["attempt"]), a["started_at"] or "", a["ended_at"] or "",
-                            a["outcome"], cause)
+            history.add_row(*map(_cell, (a["attempt"], a["started_at"] or "",
+                                         a["ended_at"] or "", a["outcome"], cause)))
         console.print(history)
     if data["failure"]:
-        console.print(_summary_line(data), highlight=False, markup=False)
+        console.print(visible(_summary_line(data)), highlight=False, markup=False)
 
 
 def main() -> None:

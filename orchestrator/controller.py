@@ -49,7 +49,7 @@ from orchestrator.nodepool import Channel, Node, NodePool
 from orchestrator.plan import plan_attempt
 from orchestrator.spec import JobSpec
 from orchestrator.state import AttemptOutcome, FailureCause, JobState, NodeState
-from orchestrator.store import Store
+from orchestrator.store import Store, pid_namespace
 from orchestrator.transport import default_connect
 from orchestrator.transport.base import ConnectionFactory
 
@@ -467,6 +467,10 @@ class Controller:
     def _on_message(self, node: Node, generation: int, message: dict[str, Any]) -> None:
         if node.channel is None or node.channel.generation != generation:
             return  # a channel we already left
+        problem = P.check(message)
+        if problem is not None:
+            self._reject(node, problem)
+            return
         seq = message.get("seq")
         if isinstance(seq, int):
             if seq <= node.received:
@@ -490,6 +494,19 @@ class Controller:
         if self.current is not None:
             self.current.handle(node.index, message)
 
+    def _reject(self, node: Node, problem: str) -> None:
+        """An agent out of protocol is not trusted further: the node is lost (it is tried
+        again only before a later attempt), and the controller carries on."""
+        error = f"{node.host}: malformed message from the agent ({problem})"
+        log.error(error)
+        self.pool.drop_channel(node)
+        node.retry = False
+        was_running = node.state in (NodeState.RUNNING, NodeState.UNREACHABLE)
+        new = NodeState.FAILED if node.state == NodeState.PENDING else NodeState.LOST
+        self._set_node(node, new, error, info={**node.info, "error": error})
+        if was_running:
+            self._fail_if_participant(node, FailureCause.NODE_FAIL, error)
+
     def _on_attached(self, node: Node, channel: Channel) -> None:
         hello = channel.hello
         if self._lingering:
@@ -504,6 +521,11 @@ class Controller:
             self._set_node(node, NodeState.FAILED if node.state == NodeState.PENDING
                            else NodeState.LOST, error, info={**node.info, "error": error})
             self._fail_if_participant(node, FailureCause.LAUNCH_FAILED, error)
+            return
+        problem = P.check(hello)
+        if problem is not None:
+            threading.Thread(target=channel.conn.close, daemon=True).start()
+            self._reject(node, problem)
             return
         if node.channel is not None:
             self.pool.drop_channel(node)
@@ -713,7 +735,7 @@ def _controller_main(job_id: str, resume: bool) -> int:
     if job.state.is_terminal():
         log.info("job %s already ended (%s)", job_id, job.state.value)
         return 0
-    store.claim_controller(job_id, os.getpid(), socket.gethostname())
+    store.claim_controller(job_id, os.getpid(), socket.gethostname(), pid_namespace())
     secret = job.secret
     if not secret:  # a job recorded before secrets existed
         secret = secrets.token_hex(16)
@@ -776,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--supervise", action="store_true")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # logs hold whatever the workers print: the user's alone
     user_path = json.loads(os.environ.get("ORCHESTRATOR_USER_PYTHONPATH", "null"))
     logging.basicConfig(level=logging.INFO,
                         format=f"%(asctime)s {'supervisor' if args.supervise else os.getpid()} "

@@ -58,8 +58,14 @@ class LaunchPlan:
     master_port: int | None  # None: picked on node 0 at launch ("auto")
     world_size: int
     nodes: tuple[NodePlan, ...] = field(default_factory=tuple)
+    secrets: frozenset[str] = frozenset()  # env names whose values to_dict() masks
 
     def to_dict(self) -> dict[str, Any]:
+        """The plan as shown by ``submit --dry-run --json``: secret env values masked."""
+
+        def shown(env: dict[str, str]) -> dict[str, str]:
+            return {k: ("***" if k in self.secrets else v) for k, v in env.items()}
+
         return {
             "job_id": self.job_id,
             "attempt": self.attempt,
@@ -73,8 +79,8 @@ class LaunchPlan:
                     "node_rank": n.node_rank,
                     "host": n.host,
                     "workdir": n.workdir,
-                    "env": n.env,
-                    "workers": [w.to_message() for w in n.workers],
+                    "env": shown(n.env),
+                    "workers": [{**w.to_message(), "env": shown(w.env)} for w in n.workers],
                 }
                 for n in self.nodes
             ],
@@ -139,11 +145,9 @@ def plan_attempt(
             # the prefix that lets the controller file each output line under its rank.
             env = {**spec.env, "ORCHESTRATOR_JOB_ID": job_id, "ORCHESTRATOR_ATTEMPT": str(attempt),
                    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": TORCHRUN_LINE_PREFIX}
-            workers: tuple[WorkerPlan, ...] = (
-                WorkerPlan(None, 0, _torchrun_argv(spec, job_id, attempt, master_addr,
-                                                   port_text, node_address(node),
-                                                   is_host=node_rank == 0), {}),
-            )
+            argv, options = _torchrun(spec, job_id, attempt, master_addr, port_text,
+                                      node_address(node), is_host=node_rank == 0)
+            workers: tuple[WorkerPlan, ...] = (WorkerPlan(None, 0, argv, options),)
         else:
             env = {**spec.env, **common, "GROUP_RANK": str(node_rank)}
             workers = tuple(
@@ -165,32 +169,34 @@ def plan_attempt(
         nodes.append(NodePlan(index, node_rank, node.host, workdir, env, workers))
 
     return LaunchPlan(job_id, attempt, restart_count, spec.rendezvous.backend, master_addr,
-                      master_port, world_size, tuple(nodes))
+                      master_port, world_size, tuple(nodes), spec.secret_names)
 
 
-def _torchrun_argv(spec: JobSpec, job_id: str, attempt: int, master_addr: str, port: str,
-                   local_addr: str, *, is_host: bool) -> tuple[str, ...]:
+def _torchrun(spec: JobSpec, job_id: str, attempt: int, master_addr: str, port: str,
+              local_addr: str, *, is_host: bool) -> tuple[tuple[str, ...], dict[str, str]]:
+    """torchrun's command line and its options. The options travel as ``PET_*`` environment
+    variables (torchrun reads every option from ``PET_<NAME>``), never on the command line:
+    the rendezvous endpoint and run id are all it takes to reach the job's TCPStore, and
+    every local user can read command lines in ``ps``."""
     command = list(spec.command)
     python_first = os.path.basename(command[0]).startswith("python")
     launcher = [command[0], "-m", "torch.distributed.run"] if python_first else [
         spec.python, "-m", "torch.distributed.run", "--no-python"]
     script = command[1:] if python_first else command
-    rdzv_conf = "is_host=1" if is_host else "is_host=0"
-    return (
-        *launcher,
-        f"--nnodes={spec.min_nodes}:{spec.max_nodes}",
-        f"--nproc-per-node={spec.nproc_per_node}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint={_host_port(master_addr, port)}",
-        f"--rdzv-id={job_id}-{attempt}",
-        f"--rdzv-conf={rdzv_conf}",
+    options = {
+        "PET_NNODES": f"{spec.min_nodes}:{spec.max_nodes}",
+        "PET_NPROC_PER_NODE": str(spec.nproc_per_node),
+        "PET_RDZV_BACKEND": "c10d",
+        "PET_RDZV_ENDPOINT": _host_port(master_addr, port),
+        "PET_RDZV_ID": f"{job_id}-{attempt}",
+        "PET_RDZV_CONF": "is_host=1" if is_host else "is_host=0",
         # The address peers reach this node at; torch would use the hostname, which often
         # resolves to loopback, and rank 0's workers would then host the store unreachably.
-        f"--local-addr={local_addr}",
-        "--max-restarts=0",  # restarts are the orchestrator's, counted once for the whole job
-        "--tee=3",  # workers' lines through torchrun, whole and prefixed with their rank
-        *script,
-    )
+        "PET_LOCAL_ADDR": local_addr,
+        "PET_MAX_RESTARTS": "0",  # restarts are the orchestrator's, counted once per job
+        "PET_TEE": "3",  # workers' lines through torchrun, whole and prefixed with their rank
+    }
+    return (*launcher, *script), options
 
 
 def _host_port(host: str, port: str) -> str:
@@ -209,4 +215,7 @@ def describe(plan: LaunchPlan) -> str:
         for w in n.workers:
             rank = "torchrun" if w.rank is None else f"rank {w.rank}"
             lines.append(f"    {rank} (local {w.local_rank}): {shlex.join(w.argv)}")
+            if w.rank is None:
+                pet = " ".join(f"{k}={v}" for k, v in w.env.items() if k.startswith("PET_"))
+                lines.append(f"      torchrun options (environment): {pet}")
     return "\n".join(lines)

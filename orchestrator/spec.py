@@ -44,6 +44,7 @@ _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 _IPV6_RE = re.compile(r"^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*$")
+_SECRET_RE = re.compile(r"TOKEN|KEY|PASSWORD|PASSWD|SECRET|CREDENTIAL", re.IGNORECASE)
 _USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*$")
 # The interpreter name goes into a remote shell command line: no spaces, no metacharacters,
 # and no leading "-" that would read as an option.
@@ -238,6 +239,9 @@ class JobSpec(_Model):
     command: tuple[str, ...] = Field(description="argv, or a string split like a shell does")
     workdir: PathText = Field(default=".", description="relative to the spec file")
     env: dict[str, str] = Field(default_factory=dict)
+    secret_env: tuple[str, ...] = Field(
+        default=(), description="env names whose values are never shown (names containing "
+                                "TOKEN, KEY, PASSWORD or SECRET are masked anyway)")
     max_restarts: Annotated[StrictInt, Field(ge=0)] = 0
     fail_on_exit_codes: tuple[Annotated[StrictInt, Field(ge=1, le=255)], ...] = Field(
         default=(), description="exit codes that fail the job without a restart")
@@ -346,6 +350,11 @@ class JobSpec(_Model):
             raise _FieldError("nnodes", f"MAX {hi} is more than the {len(self.nodes)} node(s)",
                               self.nnodes)
         return self
+
+    @property
+    def secret_names(self) -> frozenset[str]:
+        """Names in ``env`` whose values are masked wherever the orchestrator shows them."""
+        return frozenset(k for k in self.env if k in self.secret_env or _SECRET_RE.search(k))
 
     @property
     def min_nodes(self) -> int:

@@ -54,7 +54,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     controller_host TEXT,
     controller_since REAL,
     supervisor_pid INTEGER,
-    free_restarts INTEGER NOT NULL DEFAULT 0
+    free_restarts INTEGER NOT NULL DEFAULT 0,
+    controller_pidns TEXT
 );
 CREATE TABLE IF NOT EXISTS nodes (
     job_id TEXT NOT NULL,
@@ -102,7 +103,8 @@ CREATE TABLE IF NOT EXISTS attempts (
 # Columns added since the first release, for databases created before them.
 _ADDED_COLUMNS = {
     "jobs": {"secret": "TEXT", "controller_host": "TEXT", "controller_since": "REAL",
-             "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0"},
+             "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
+             "controller_pidns": "TEXT"},
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0"},
     "attempts": {"checkpoint_json": "TEXT"},
 }
@@ -110,6 +112,27 @@ _ADDED_COLUMNS = {
 
 def default_home() -> Path:
     return Path(os.environ.get("ORCHESTRATOR_HOME") or Path.home() / ".orchestrator")
+
+
+def _make_private(home: Path) -> None:
+    """$ORCHESTRATOR_HOME holds every job's env and agent secrets: 0700, or refused."""
+    st = os.lstat(home)
+    if not os.path.isdir(home) or (os.path.islink(home) and st.st_uid != os.getuid()):
+        raise StoreError(f"{home} ($ORCHESTRATOR_HOME) is not a directory")
+    st = os.stat(home)
+    if st.st_uid != os.getuid():
+        raise StoreError(f"{home} ($ORCHESTRATOR_HOME) belongs to uid {st.st_uid}, not to you "
+                         f"(uid {os.getuid()}): use a directory of your own")
+    if st.st_mode & 0o077:
+        os.chmod(home, 0o700)  # ours, but readable by others: an older version, or by hand
+
+
+def pid_namespace() -> str | None:
+    """This process's PID namespace (pids are only comparable within one)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
 
 
 def check_job_id(job_id: str) -> str:
@@ -183,6 +206,7 @@ class JobRecord:
     controller_since: float | None = None
     supervisor_pid: int | None = None
     free_restarts: int = 0
+    controller_pidns: str | None = None
     nodes: list[NodeRecord] = field(default_factory=list)
     ranks: list[RankRecord] = field(default_factory=list)
     attempts: list[AttemptRecord] = field(default_factory=list)
@@ -199,6 +223,7 @@ class Store:
         old_umask = os.umask(0o077)
         try:
             self.home.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _make_private(self.home)
             self.jobs_dir.mkdir(mode=0o700, exist_ok=True)
             self._db = sqlite3.connect(self.home / "state.db", timeout=30,
                                        isolation_level=None, check_same_thread=False)
@@ -208,6 +233,10 @@ class Store:
             self._db.execute("PRAGMA busy_timeout=30000")
             self._db.executescript(_SCHEMA)
             self._migrate()
+            for name in ("state.db", "state.db-wal", "state.db-shm"):  # made by older versions
+                path = self.home / name
+                if path.exists() and path.stat().st_mode & 0o077:
+                    os.chmod(path, 0o600)
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot use the state directory {self.home} "
                              f"($ORCHESTRATOR_HOME): {exc}") from exc
@@ -299,10 +328,11 @@ class Store:
                            " VALUES (?, ?, ?, ?, ?)",
                            (job_id, node_index, time.time(), state.value, message))
 
-    def claim_controller(self, job_id: str, pid: int, host: str) -> None:
-        """Record the process that controls the job from now on."""
+    def claim_controller(self, job_id: str, pid: int, host: str, pidns: str | None) -> None:
+        """Record the process that controls the job from now on, and where its pid means
+        something (host and PID namespace)."""
         self.update_job(job_id, controller_pid=pid, controller_host=host,
-                        controller_since=time.time())
+                        controller_pidns=pidns, controller_since=time.time())
 
     def checkpoint(self, job_id: str, attempt: int, state: dict[str, Any],
                    acked: dict[int, int]) -> None:
@@ -416,5 +446,5 @@ class Store:
             failure=json.loads(row["failure_json"]) if row["failure_json"] else None,
             secret=row["secret"], controller_host=row["controller_host"],
             controller_since=row["controller_since"], supervisor_pid=row["supervisor_pid"],
-            free_restarts=row["free_restarts"],
+            free_restarts=row["free_restarts"], controller_pidns=row["controller_pidns"],
         )

@@ -29,6 +29,7 @@ class FakeAgent:
         self.attempt = 0
         self.fail_open = False
         self.protocol = 2
+        self.malformed = False
 
     def open(self) -> None:
         if self.fail_open:
@@ -44,11 +45,15 @@ class FakeAgent:
             self.inbox.put({"type": "relay", "launched": True})
         elif op == "attach":
             self.inbox.put({"type": "hello", "attempt": self.attempt, "hostname": self.host,
-                            "protocol": self.protocol, "workers": []})
+                            "protocol": self.protocol, "workers": [], "pid": 4242})
         elif op == "free_port":
             self.inbox.put({"type": "port", "req": message["req"], "port": 29500, "ok": True})
         elif op == "start":
             self.attempt = a = message["attempt"]
+            if self.malformed:  # fields of the wrong type, as a broken or hostile agent might
+                self.inbox.put({"type": "started", "attempt": a, "rank": "zero",
+                                "local_rank": 0, "pid": "1234; rm -rf /"})
+                return
             for w in message["workers"]:
                 self.inbox.put({"type": "started", "attempt": a, "rank": w["rank"],
                                 "local_rank": w["local_rank"], "pid": 1000 + w["rank"]})
@@ -206,3 +211,39 @@ def test_mailbox_matches_replies_and_wakes_on_close():
     req2, _ = box.request("listen")
     threading.Timer(0.05, box.deliver, args=(None,)).start()
     assert box.wait(req2, 5.0) is None and box.closed
+
+
+def test_malformed_agent_message_loses_the_node_and_never_crashes_the_controller(tmp_path):
+    spec = parse_jobspec(SPEC)
+    store = Store(tmp_path / "home")
+    store.create_job("fake-000004", "fake", spec.model_dump_json(), str(tmp_path), 2, ["a", "b"])
+
+    def connect(node, _spec):
+        agent = FakeAgent(node.host, {1: {0: None, 1: None}}, [])
+        agent.malformed = node.host == "b"
+        return agent
+
+    state = Controller(store, "fake-000004", spec, str(tmp_path), connect).run()
+    job = store.get_job("fake-000004")
+    first = job.attempts[0].failure
+    assert first["cause"] == "NODE_FAIL" and first["host"] == "b"
+    assert "malformed message from the agent" in first["message"] and "bad rank" in \
+        first["message"]
+    # The controller carried on: it tried again, and ended the job with a state, not a crash.
+    assert state in (JobState.FAILED, JobState.SUCCEEDED)
+    assert "controller error" not in (job.failure or {}).get("message", "")
+
+
+def test_protocol_check_names_the_field():
+    from agents.protocol import check
+
+    assert check({"type": "output", "attempt": 1, "rank": 0, "stream": "stdout",
+                  "lines": ["a"], "seq": 3}) is None
+    assert check({"type": "exited", "attempt": 1, "rank": None, "local_rank": 0,
+                  "exit_code": None, "signal": "SIGKILL", "seq": 4}) is None
+    assert "bad pid" in check({"type": "started", "attempt": 1, "rank": 0, "local_rank": 0,
+                               "pid": True})
+    assert "seq" in check({"type": "stopped", "attempt": 1, "seq": "7"})
+    assert "lines must be text" in check({"type": "output", "attempt": 1, "rank": 0,
+                                          "stream": "stdout", "lines": [1]})
+    assert check({"type": 5}) == "no message type"

@@ -57,11 +57,13 @@ def test_c10d_plan_runs_torchrun_once_per_node():
     assert [len(n.workers) for n in plan.nodes] == [1, 1, 1]
     argv = plan.nodes[0].workers[0].argv
     assert argv[:3] == ("python", "-m", "torch.distributed.run")
-    assert "--nnodes=2:3" in argv and "--nproc-per-node=2" in argv
-    assert "--rdzv-endpoint=n0.example:29400" in argv and "--rdzv-id=demo-abc123-2" in argv
-    assert "--rdzv-conf=is_host=1" in argv and "--local-addr=n0.example" in argv
-    assert "--local-addr=10.0.0.2" in plan.nodes[1].workers[0].argv
-    assert "--rdzv-conf=is_host=0" in plan.nodes[1].workers[0].argv
+    env = plan.nodes[0].workers[0].env
+    assert env["PET_NNODES"] == "2:3" and env["PET_NPROC_PER_NODE"] == "2"
+    assert env["PET_RDZV_ENDPOINT"] == "n0.example:29400" and env["PET_RDZV_ID"] == "demo-abc123-2"
+    assert env["PET_RDZV_CONF"] == "is_host=1" and env["PET_LOCAL_ADDR"] == "n0.example"
+    assert not any("rdzv" in a or "29400" in a for a in argv), argv  # nothing for `ps` to show
+    assert plan.nodes[1].workers[0].env["PET_LOCAL_ADDR"] == "10.0.0.2"
+    assert plan.nodes[1].workers[0].env["PET_RDZV_CONF"] == "is_host=0"
     assert argv[-3:] == ("train.py", "--lr", "0.1")
     assert "RANK" not in plan.nodes[0].env and "MASTER_ADDR" not in plan.nodes[0].env
 

@@ -1,0 +1,96 @@
+"""Trust boundaries on the local transport: secrets at rest, readers that never write (also
+from another PID namespace), untrusted text from workers, and the controller's import path."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+
+import pytest
+
+import orchestrator
+from tests.helpers import PYTHON, ROOT, WORKERS, assert_no_job_processes, wait_for, write_spec
+
+
+def spec(tmp_path, command, **extra):
+    return write_spec(tmp_path, {
+        "name": "trust", "nodes": [{"host": "local"}], "nproc_per_node": 1,
+        "command": command, "workdir": str(tmp_path), "stop_grace_period": 2, **extra})
+
+
+def run_cli(*args, cwd=ROOT, timeout=60):
+    return subprocess.run([PYTHON, "-m", "orchestrator", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd)
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_state_and_logs_are_private_even_under_a_loose_existing_home(home, tmp_path):
+    home.mkdir(mode=0o755)
+    os.chmod(home, 0o755)
+    secret = "hunter2-abcdef"
+    job_id = orchestrator.submit(spec(tmp_path, [PYTHON, str(WORKERS / "env_dump.py")],
+                                      env={"API_TOKEN": secret, "PLAIN": "shown"}))
+    assert orchestrator.wait(job_id, timeout=60)["state"] == "SUCCEEDED"
+    assert mode(home) == 0o700
+    for name in ("state.db", "state.db-wal", "state.db-shm"):
+        if (home / name).exists():
+            assert mode(home / name) == 0o600, name
+    logs = list((home / "jobs" / job_id).rglob("*.log"))
+    assert logs and all(mode(p) == 0o600 for p in logs), [(p, oct(mode(p))) for p in logs]
+    # The orchestrator's own output never shows the value: dry-run masks it.
+    dry = run_cli("submit", str(tmp_path / "job.yaml"), "--dry-run", "--json")
+    assert dry.returncode == 0 and secret not in dry.stdout
+    env = json.loads(dry.stdout)["nodes"][0]["env"]
+    assert env["API_TOKEN"] == "***" and env["PLAIN"] == "shown"
+
+
+@pytest.mark.skipif(not shutil.which("unshare"), reason="needs util-linux unshare")
+def test_readers_in_another_pid_namespace_never_touch_the_job(home, tmp_path):
+    job_id = orchestrator.submit(spec(tmp_path, [PYTHON, str(WORKERS / "steps.py")],
+                                      env={"STEPS": "60", "STEP_SLEEP": "0.05"}))
+    wait_for(lambda: orchestrator.status(job_id)["state"] == "RUNNING", 30, what="RUNNING")
+    for command in (["list", "--json"], ["status", job_id, "--json"]):
+        seen = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", PYTHON, "-m",
+                               "orchestrator", *command], capture_output=True, text=True,
+                              cwd=ROOT, timeout=60)
+        assert seen.returncode == 0, seen.stderr
+        data = json.loads(seen.stdout)
+        job = data[0] if isinstance(data, list) else data
+        assert job["state"] == "RUNNING", job  # not UNKNOWN, and certainly not FAILED
+        if "controller" in job:
+            assert job["controller"]["alive"] is None  # "not visible from here"
+    assert orchestrator.status(job_id)["recorded_state"] == "RUNNING"
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert_no_job_processes(job_id)
+
+
+def test_worker_text_is_shown_literally(home, tmp_path):
+    script = tmp_path / "evil.py"
+    script.write_text(
+        "import sys\n"
+        "print('[/bold] [enforce fail at x.cpp:12] \\x1b[31mred\\x1b]0;title\\x07', "
+        "file=sys.stderr)\nsys.exit(3)\n")
+    job_id = orchestrator.submit(spec(tmp_path, [PYTHON, str(script)]))
+    assert orchestrator.wait(job_id, timeout=60)["state"] == "FAILED"
+    shown = run_cli("status", job_id)
+    assert shown.returncode == 0 and "Traceback" not in shown.stderr, shown.stderr
+    assert "[/bold] [enforce fail at x.cpp:12]" in shown.stdout
+    assert "\x1b" not in shown.stdout and "\\x1b[31mred" in shown.stdout
+
+
+def test_nothing_beside_the_spec_is_imported_by_the_controller(home, tmp_path):
+    planted = tmp_path / "planted-ran"
+    for name in ("queue.py", "yaml.py", "json.py", "orchestrator.py"):
+        (tmp_path / name).write_text(f"open({str(planted)!r}, 'w').write({name!r})\n"
+                                     "raise SystemExit(9)\n")
+    job_id = orchestrator.submit(spec(tmp_path, [PYTHON, "-c", "print('ok')"], workdir="/"))
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert not planted.exists(), planted.read_text()
