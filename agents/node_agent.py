@@ -44,7 +44,6 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -83,30 +82,48 @@ def signal_name(number: int) -> str:
         return f"SIG{number}"
 
 
+def has_token(pid: int, token: str) -> bool:
+    """Does process ``pid`` carry this agent's token in its environment?"""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return False
+    return f"{TOKEN_VAR}={token}".encode() in environ.split(b"\0")
+
+
 def processes_with_token(token: str) -> list[int]:
     """Pids of every process whose environment carries this agent's token."""
-    needle = f"{TOKEN_VAR}={token}".encode()
-    found = []
     me = os.getpid()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:
-            continue
-        if needle in environ.split(b"\0"):
-            found.append(int(entry))
-    return found
+    return [int(e) for e in os.listdir("/proc")
+            if e.isdigit() and int(e) != me and has_token(int(e), token)]
+
+
+def pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid`` (Linux 5.3+): it names that very process, never a recycled pid."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
 
 
 def kill_token_processes(token: str) -> None:
+    """SIGKILL every process that carries the token. Each one is pinned with a pidfd and
+    its token checked again through that pin, so a pid recycled since the scan is spared."""
     for pid in processes_with_token(token):
+        fd = pidfd(pid)
         try:
-            os.kill(pid, signal.SIGKILL)
+            if not has_token(pid, token):  # the scan's process is gone; this is another
+                continue
+            if fd is not None:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            else:  # no pidfds here: the narrow window between check and kill remains
+                os.kill(pid, signal.SIGKILL)
         except OSError:
             pass
+        finally:
+            if fd is not None:
+                os.close(fd)
 
 
 def start_watchdog(token: str) -> None:
@@ -204,8 +221,9 @@ def free_port(port: int) -> tuple[int, bool]:
 def private_base() -> str:
     """This user's directory for agents: created 0700, and refused unless it is a real
     directory owned by this user that nobody else can enter (never one another user planted)."""
-    base = os.environ.get("ORCHESTRATOR_AGENT_DIR") or os.path.join(
-        tempfile.gettempdir(), f"orchestrator-{os.getuid()}")
+    # Not $TMPDIR: every controller of the job (a resumed one may have another environment)
+    # must find the same agent.
+    base = f"/tmp/orchestrator-{os.getuid()}"
     try:
         os.mkdir(base, 0o700)
     except FileExistsError:
@@ -453,7 +471,13 @@ class Outbox:
             if self._pending_attach is not None:
                 _close(self._pending_attach[0])
             self._pending_attach = (conn, ack)
+            old = self._conn
             self._cond.notify_all()
+        if old is not None and old is not conn:
+            try:  # the newer controller wins; this also frees a sender stuck writing to it
+                old.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def ack(self, seq: int) -> None:
         with self._cond:
@@ -650,6 +674,7 @@ class Worker:
         self.error_file = spec["env"].get("TORCHELASTIC_ERROR_FILE")
         self.heartbeat_file = spec["env"]["ORCHESTRATOR_HEARTBEAT_FILE"]
         self.proc = proc
+        self.pidfd = pidfd(proc.pid)  # taken before anyone can reap it
         self.done = threading.Event()
         self._readers = [
             threading.Thread(target=self._read, args=(proc.stdout, "stdout"), daemon=True),
@@ -713,10 +738,22 @@ class Worker:
             return None
 
     def signal_group(self, sig: int) -> None:
+        """Signal the worker's process group while its leader is alive: a live leader holds
+        the group id, so it cannot name anybody else's group. Without it, group members
+        left behind are found by the token sweep instead."""
         try:
+            if self.pidfd is not None:
+                signal.pidfd_send_signal(self.pidfd, 0)  # raises once the leader is gone
+            elif self.proc.returncode is not None:
+                return
             os.killpg(self.proc.pid, sig)
         except OSError:
             pass
+
+    def close(self) -> None:
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+            self.pidfd = None
 
 
 def _text(raw: bytes) -> str:
@@ -743,6 +780,8 @@ class Agent:
         self.secret = str(config["secret"])
         self.job_id = os.path.basename(directory).rsplit(".", 1)[0]
         self.node_index = int(os.path.basename(directory).rsplit(".", 1)[1])
+        self.instance = secrets.token_hex(8)  # tells a controller this is not an older agent
+        self.stop_grace = float(config.get("stop_grace") or 2.0)
         self.heartbeat_interval = float(config.get("heartbeat_interval") or 1.0)
         self.node_timeout = float(config.get("node_timeout") or 5.0)
         grace = config.get("controller_grace")
@@ -827,7 +866,8 @@ class Agent:
         return {
             "type": P.HELLO, "protocol": P.VERSION, "hostname": socket.gethostname(),
             "python": sys.version.split()[0], "torch": torch_version(), "gpus": gpu_count(),
-            "pid": os.getpid(), "attempt": self.attempt, "last_seq": self.outbox.seq,
+            "pid": os.getpid(), "instance": self.instance, "attempt": self.attempt,
+            "last_seq": self.outbox.seq,
             "workers": [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.proc.pid,
                          "running": w.proc.poll() is None} for w in list(self.workers)],
         }
@@ -883,10 +923,10 @@ class Agent:
     def finish(self, reason: str | None) -> None:
         """Stop the workers, record why (unless the controller asked), remove our state."""
         running = [w.rank for w in self.workers if w.proc.poll() is None]
-        self.stop_workers(grace=2.0)
+        self.stop_workers(grace=self.stop_grace)
         if reason is not None:
             outcome = {"reason": reason, "at": time.time(), "attempt": self.attempt,
-                       "stopped_ranks": running, "unsent_messages": self.outbox.seq}
+                       "stopped_ranks": running, "last_seq": self.outbox.seq}
             try:
                 fd = os.open(self.outcome_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC |
                              os.O_NOFOLLOW, 0o600)
@@ -1036,6 +1076,7 @@ class Agent:
             kill_token_processes(self.token)
             for w in workers:
                 w.done.wait(timeout=60.0)  # its exit is queued after its last line
+                w.close()
             deadline = time.monotonic() + 5.0
             while processes_with_token(self.token) and time.monotonic() < deadline:
                 kill_token_processes(self.token)

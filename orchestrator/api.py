@@ -59,6 +59,7 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
     preflight.quick_check(job_spec)
     store = Store(home)
     try:
+        _check_free_space(store, job_spec.logs.min_free_bytes)
         job_id = f"{job_spec.name}-{secrets.token_hex(3)}"
         # The agents' secret: a controller proves it to attach to them (also after a restart).
         store.create_job(job_id, job_spec.name, job_spec.model_dump_json(), directory,
@@ -74,6 +75,15 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
         return job_id
     finally:
         store.close()
+
+
+def _check_free_space(store: Store, min_free: int) -> None:
+    st = os.statvfs(store.home)
+    free = st.f_bavail * st.f_frsize
+    if free < min_free:
+        raise LaunchError(f"only {free} bytes free on the filesystem of {store.home} "
+                          f"($ORCHESTRATOR_HOME), less than logs.min_free_bytes ({min_free}): "
+                          "free some space, or lower logs.min_free_bytes")
 
 
 def _start_controller(store: Store, job_id: str, *, resume: bool) -> int:

@@ -9,11 +9,13 @@ with each checkpoint, so that a replaced controller carries on the same attempt.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from agents import protocol as P
 from orchestrator.plan import TORCHRUN_LINE_RE, LaunchPlan
@@ -59,49 +61,199 @@ class AttemptResult:
     failure: Failure | None = None
 
 
+class CappedLog:
+    """One log file that keeps its first half of ``cap`` bytes and, past that, the last
+    quarter to half: lines go to tail segments beside it (``<stem>.tail<k>.log``), the
+    oldest of which is dropped, and counted, when a third one starts. ``close`` puts the
+    tail back after a marker that says how much was cut. ``cap`` None: no cap."""
+
+    def __init__(self, path: Path, cap: int | None, state: dict[str, Any] | None = None):
+        self.path = path
+        self.cap = cap
+        state = state or {}
+        self.segments: list[int] = [int(k) for k in state.get("segments", [])]
+        self.segment_lines = {int(k): int(v) for k, v in state.get("segment_lines", {}).items()}
+        self.cut_lines = int(state.get("cut_lines", 0))
+        self.cut_bytes = int(state.get("cut_bytes", 0))
+        # A dropped segment's file goes only once a checkpoint has counted it as cut: a
+        # replaced controller must not count the replayed lines twice.
+        self._dropped: list[Path] = []  # not yet in any state()
+        self._deletable: list[Path] = []  # in the last state(): gone at the next flush
+        for stray in path.parent.glob(f"{path.stem}.tail*.log"):  # begun after a checkpoint
+            if stray.name not in {self._segment(k).name for k in self.segments}:
+                stray.unlink()
+        self.main = open(path, "ab")  # noqa: SIM115 (kept open while the attempt runs)
+        self.current = open(self._segment(self.segments[-1]), "ab") if self.segments else None  # noqa: SIM115
+
+    def _segment(self, k: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}.tail{k}.log")
+
+    def write(self, data: bytes) -> None:
+        """Whole lines (``data`` ends with a newline); split at line ends where a part of
+        the file fills up."""
+        if self.cap is None:
+            self.main.write(data)
+            return
+        while data:
+            if self.current is None:  # still in the head
+                room = self.cap // 2 - self.main.tell()
+                if len(data) <= room:
+                    self.main.write(data)
+                    return
+                cut = data.rfind(b"\n", 0, max(0, room)) + 1
+                self.main.write(data[:cut])
+                data = data[cut:]
+                self._next_segment()
+                continue
+            room = self.cap // 4 - self.current.tell()
+            cut = len(data) if len(data) <= room else data.rfind(b"\n", 0, max(0, room)) + 1
+            if cut == 0:
+                if self.current.tell() > 0:
+                    self._next_segment()
+                    continue
+                cut = data.find(b"\n") + 1 or len(data)  # one line longer than a segment
+            self.current.write(data[:cut])
+            self.segment_lines[self.segments[-1]] += data.count(b"\n", 0, cut)
+            data = data[cut:]
+            if data:
+                self._next_segment()
+
+    def _next_segment(self) -> None:
+        if self.current is not None:
+            self.current.close()
+        k = self.segments[-1] + 1 if self.segments else 0
+        self.segments.append(k)
+        self.segment_lines[k] = 0
+        self.current = open(self._segment(k), "ab")  # noqa: SIM115
+        while len(self.segments) > 2:
+            old = self.segments.pop(0)
+            path = self._segment(old)
+            self.cut_bytes += path.stat().st_size
+            self.cut_lines += self.segment_lines.pop(old)
+            self._dropped.append(path)
+
+    def sizes(self) -> dict[str, int]:
+        for path in self._deletable:
+            path.unlink(missing_ok=True)
+        self._deletable = []
+        self.main.flush()
+        out = {self.path.name: self.main.tell()}
+        if self.current is not None:
+            self.current.flush()
+            out[self._segment(self.segments[-1]).name] = self.current.tell()
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """For the checkpoint, taken after sizes()."""
+        self._deletable += self._dropped
+        self._dropped = []
+        return {"segments": list(self.segments), "segment_lines": dict(self.segment_lines),
+                "cut_lines": self.cut_lines, "cut_bytes": self.cut_bytes}
+
+    def close(self, note: str | None = None) -> None:
+        """Put the kept tail back after the marker; then ``note``, if any."""
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+        if self.cut_lines:
+            self.main.write(
+                f"[orchestrator] {self.cut_lines} lines ({self.cut_bytes} bytes) cut here: this "
+                f"log keeps its first and last part, {self.cap} bytes in all "
+                "(logs.max_bytes_per_rank)\n".encode())
+        for k in self.segments:
+            with open(self._segment(k), "rb") as f:
+                shutil.copyfileobj(f, self.main)
+            self._segment(k).unlink()
+        for path in self._dropped + self._deletable:
+            path.unlink(missing_ok=True)
+        self.segments = []
+        if note:
+            self.main.write(note.encode())
+        self.main.close()
+
+
 class LogSink:
     """Each rank's output, written in batches to ``rank-<label>.log`` and ``combined.log``.
 
     Writes are buffered; :meth:`flush` returns every file's size, which the controller
     records in its checkpoint. Opening with ``sizes`` cuts every file back to its recorded
-    size, so that what the agents replay after a checkpoint is written exactly once.
+    size, so that what the agents replay after a checkpoint is written exactly once. Each
+    rank's log is capped at ``cap`` bytes (CappedLog; ``combined.log`` at ``cap`` times the
+    ranks). When the filesystem has less than ``min_free`` bytes free, logging stops (the
+    state database shares that filesystem) and the lines not written are counted.
     """
 
-    def __init__(self, directory: Path, sizes: dict[str, int] | None = None):
+    def __init__(self, directory: Path, sizes: dict[str, int] | None = None, *,
+                 cap: int | None = None, ranks: int = 1, min_free: int = 0,
+                 state: dict[str, Any] | None = None):
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.directory = directory
+        self._restored = dict(sizes or {})  # files this process has not reopened keep these
         if sizes is not None:
             for path in directory.glob("*.log"):
                 with open(path, "r+b") as f:
                     f.truncate(min(sizes.get(path.name, 0), path.stat().st_size))
-        self._files: dict[str, IO[bytes]] = {}
+        self.cap = cap
+        self.combined_cap = None if cap is None else cap * max(1, ranks)
+        self.min_free = min_free
+        state = state or {}
+        self._states: dict[str, Any] = dict(state.get("files", {}))
+        self.not_written: dict[str, int] = dict(state.get("not_written", {}))
+        self._files: dict[str, CappedLog] = {}
         self.stderr: dict[str, deque[str]] = {}
+        self._since_check = 0
+        self.full = self._low_on_space()
 
-    def _file(self, name: str) -> IO[bytes]:
+    def _file(self, name: str) -> CappedLog:
         f = self._files.get(name)
         if f is None:
-            f = self._files[name] = open(self.directory / name, "ab")  # noqa: SIM115
+            cap = self.combined_cap if name == "combined.log" else self.cap
+            f = self._files[name] = CappedLog(self.directory / name, cap, self._states.get(name))
         return f
+
+    def _low_on_space(self) -> bool:
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < self.min_free
 
     def write(self, host: str, label: str, stream: str, lines: list[str]) -> None:
         if not lines:
             return
-        self._file(f"rank-{label}.log").write(("\n".join(lines) + "\n").encode())
-        prefix = f"[{host}:{label}] "
-        self._file("combined.log").write("".join([prefix + ln + "\n" for ln in lines]).encode())
         if stream == "stderr":
             self.stderr.setdefault(label, deque(maxlen=STDERR_TAIL)).extend(lines[-STDERR_TAIL:])
+        if self.full:
+            self.not_written[label] = self.not_written.get(label, 0) + len(lines)
+            return
+        body = ("\n".join(lines) + "\n").encode()
+        self._file(f"rank-{label}.log").write(body)
+        prefix = f"[{host}:{label}] "
+        self._file("combined.log").write("".join([prefix + ln + "\n" for ln in lines]).encode())
+        self._since_check += len(body)
+        if self._since_check > 4 * 1024 * 1024:  # statvfs is cheap, but not per line
+            self._since_check = 0
+            self.full = self._low_on_space()
 
     def flush(self) -> dict[str, int]:
-        sizes = {}
-        for name, f in self._files.items():
-            f.flush()
-            sizes[name] = f.tell()
+        sizes = dict(self._restored)
+        for f in self._files.values():
+            sizes.update(f.sizes())
         return sizes
 
+    def state(self) -> dict[str, Any]:
+        files = dict(self._states)
+        files.update({name: f.state() for name, f in self._files.items()})
+        return {"files": files, "not_written": self.not_written}
+
     def close(self) -> None:
-        for f in self._files.values():
-            f.close()
+        for name, f in self._files.items():
+            label = name[len("rank-"):-len(".log")] if name.startswith("rank-") else None
+            count = sum(self.not_written.values()) if label is None else \
+                self.not_written.get(label, 0)
+            note = (f"[orchestrator] {count} lines not written: less than {self.min_free} "
+                    "bytes free on this filesystem (logs.min_free_bytes)\n") if count else None
+            f.close(note)
         self._files = {}
 
 
@@ -244,6 +396,7 @@ class Attempt:
     def snapshot(self) -> dict[str, Any]:
         return {
             "logs": self.sink.flush(),
+            "log_state": self.sink.state(),
             "started": sorted(self.started),
             "exits": {str(k): list(v) for k, v in self.exits.items()},
             "stopped_nodes": sorted(self.stopped_nodes),

@@ -28,11 +28,13 @@ if it crashes.
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import logging
 import os
 import queue
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -67,6 +69,11 @@ class Cancelled(Exception):
     """Raised inside the loop when a cancel request is seen."""
 
 
+class Detached(Exception):
+    """Raised inside the loop when the controller was told to exit (SIGTERM, SIGINT) with no
+    cancel request: a host shutting down, a logout. The job stays with its agents."""
+
+
 class _LaunchFailed(Exception):
     def __init__(self, failure: Failure):
         super().__init__(failure.message)
@@ -89,6 +96,7 @@ class Controller:
                       for n in self.nodes}
         self.resuming = resume
         self.cancel_requested = False
+        self.exit_requested = False
         self.state = JobState.PENDING
         self.attempt = 0
         self.restarts = 0
@@ -104,6 +112,15 @@ class Controller:
         self.pool.start_pinger()
         try:
             final, fields = self._supervise()
+        except Detached:
+            log.warning("told to exit with no cancel request: leaving the job to its agents "
+                        "(they keep the workers for controller_grace; `orchestrator resume "
+                        "%s` carries on)", self.job_id)
+            self.pool.close()
+            if self.current:
+                self._checkpoint(force=True)
+                self.current.sink.close()
+            return self.state
         except Cancelled:
             self._stop_attempt()
             self._end_attempt(AttemptResult(AttemptOutcome.CANCELLED))
@@ -247,6 +264,7 @@ class Controller:
                and time.monotonic() < deadline):
             self._pump(POLL)
             self._check_cancel()
+            self._checkpoint()  # acks: a draining agent's window must not fill up
         healthy = [n for n in self.nodes if n.usable]
         if len(healthy) < self.spec.min_nodes:
             raise _LaunchFailed(Failure(
@@ -268,8 +286,9 @@ class Controller:
         )
         if self.current is not None:
             self.current.sink.close()
-        attempt = Attempt(plan, LogSink(self.store.log_dir(self.job_id, self.attempt)),
-                          self.hosts, self.store, self.job_id)
+        attempt = Attempt(plan, self._sink(plan.world_size), self.hosts, self.store,
+                          self.job_id)
+        self._prune_logs()
         self.current = attempt
         ranks = [(w.rank, n.node_index, w.local_rank) for n in plan.nodes for w in n.workers
                  if w.rank is not None]
@@ -284,6 +303,19 @@ class Controller:
             self._set_node(node, NodeState.RUNNING, node_rank=node_plan.node_rank)
             self._send_start(node)
         return self._watch(attempt)
+
+    def _sink(self, ranks: int, sizes: dict[str, int] | None = None,
+              state: dict[str, Any] | None = None) -> LogSink:
+        logs = self.spec.logs
+        return LogSink(self.store.log_dir(self.job_id, self.attempt), sizes,
+                       cap=logs.max_bytes_per_rank, ranks=ranks, min_free=logs.min_free_bytes,
+                       state=state)
+
+    def _prune_logs(self) -> None:
+        keep = self.spec.logs.keep_attempts
+        if keep is not None:
+            for old in range(1, self.attempt - keep + 1):
+                shutil.rmtree(self.store.log_dir(self.job_id, old), ignore_errors=True)
 
     def _send_start(self, node: Node) -> None:
         assert self.current is not None
@@ -397,7 +429,7 @@ class Controller:
                                 restart_count=open_attempt.attempt - 1,
                                 master_port=cp.get("master_port"),
                                 node_indices=list(cp["participants"]), spec_dir=self.spec_dir)
-            sink = LogSink(self.store.log_dir(self.job_id, open_attempt.attempt), cp["logs"])
+            sink = self._sink(plan.world_size, cp["logs"], cp.get("log_state"))
             self.current = Attempt(plan, sink, self.hosts, self.store, self.job_id)
             self.current.restore(cp)
         # Reattach to every agent that may be alive; launch nothing yet.
@@ -476,11 +508,22 @@ class Controller:
             if seq <= node.received:
                 return  # replayed, and already handled
             if seq != node.received + 1:
-                # Never skip one: attach again, and the agent replays from the checkpoint.
-                log.warning("%s: messages %d..%d missing: reattaching", node.host,
-                            node.received + 1, seq - 1)
-                self._unreachable(node, "a message went missing")
-                return
+                if node.gap_at != node.received:
+                    # Never skip one: attach again, and the agent replays from the checkpoint.
+                    log.warning("%s: messages %d..%d missing: reattaching", node.host,
+                                node.received + 1, seq - 1)
+                    node.gap_at = node.received
+                    if node.state in LIVE:
+                        self._unreachable(node, "a message went missing")
+                    else:
+                        self.pool.drop_channel(node)
+                        self.pool.connect(node, launch=True, retry=True)
+                    return
+                # The agent no longer has them (a checkpoint lost with the controller's
+                # host, after the agent had been told to forget): say so, and go on.
+                log.error("%s: messages %d..%d are lost for good", node.host,
+                          node.received + 1, seq - 1)
+            node.gap_at = None
             node.received = seq
         kind = message.get("type")
         if kind == P.ERROR:
@@ -491,6 +534,12 @@ class Controller:
             node.draining = None
             self._set_node(node, NodeState.CONNECTED, "rejoined: workers of attempt "
                                                       f"{message.get('attempt')} stopped first")
+            attempt = self.current
+            if (attempt is not None and attempt.number not in self._ended and not
+                    attempt.stopping and node.index in attempt.participants and
+                    message.get("attempt") != attempt.number):
+                self._set_node(node, NodeState.RUNNING)
+                self._send_start(node)  # a participant whose start waited for the drain
         if self.current is not None:
             self.current.handle(node.index, message)
 
@@ -531,45 +580,56 @@ class Controller:
             self.pool.drop_channel(node)
         node.channel = channel
         node.last_heard = time.monotonic()
-        if channel.launched:  # a new agent: its messages are numbered from 1
-            node.received = node.acked = 0
-        node.info = {**{k: hello.get(k) for k in ("hostname", "python", "torch", "gpus", "pid")},
-                     "agent_dir_attempt": hello.get("attempt")}
+        if channel.launched or hello.get("instance") != node.info.get("instance"):
+            node.received = node.acked = 0  # another agent: its messages are numbered from 1
+        node.info = {k: hello.get(k)
+                     for k in ("hostname", "python", "torch", "gpus", "pid", "instance")}
         attempt = self.current
         in_attempt = (attempt is not None and attempt.number not in self._ended
                       and node.index in attempt.participants)
         agent_attempt = int(hello.get("attempt") or 0)
-        # Split-brain guard: workers of any other attempt go before the node runs anything.
-        stale = any(w.get("running") for w in hello.get("workers", [])) and not (
-            in_attempt and attempt is not None and agent_attempt == attempt.number)
-        if node.state == NodeState.UNREACHABLE:
+        running = any(w.get("running") for w in hello.get("workers", []))
+        # Its workers belong to the attempt we run (a LOST node's never do: the attempt
+        # failed without it). Any others go before the node runs anything: split-brain guard.
+        ours = in_attempt and attempt is not None and node.state != NodeState.LOST and \
+            agent_attempt == attempt.number
+        stale = running and not ours
+        target: NodeState | None
+        message: str | None = None
+        if self.resuming and ours:
+            target, message = NodeState.RUNNING, "reattached by a new controller"
+        elif node.state == NodeState.UNREACHABLE:
             away = time.monotonic() - (node.unreachable_since or time.monotonic())
-            back = node.state_before or NodeState.CONNECTED
-            if back == NodeState.RUNNING and not in_attempt:
-                back = NodeState.STOPPED
-            self._set_node(node, back, f"reattached after {away:.1f}s unreachable",
-                           info=node.info)
-        elif self.resuming and in_attempt:
-            self._set_node(node, NodeState.RUNNING, "reattached by a new controller",
-                           info=node.info)
+            target, message = (node.state_before or NodeState.CONNECTED,
+                               f"reattached after {away:.1f}s unreachable")
+            if target == NodeState.RUNNING and not in_attempt:
+                target = NodeState.STOPPED
         elif node.state in LIVE:
-            self._set_node(node, node.state, info=node.info)
-        elif not stale:
-            self._set_node(node, NodeState.CONNECTED, "agent attached", info=node.info)
+            target = node.state
+        elif stale:
+            target = None  # CONNECTED once its old workers have stopped
         else:
+            target, message = NodeState.CONNECTED, "agent attached"
+        start = (in_attempt and attempt is not None and not stale and not attempt.stopping
+                 and agent_attempt < attempt.number and node.state != NodeState.LOST
+                 and node.state in (*LIVE, NodeState.UNREACHABLE))
+        if start:
+            target = NodeState.RUNNING  # it never got the start
+        if target is None:
             self.store.set_node(self.job_id, node.index, node.state, info=node.info)
+        else:
+            self._set_node(node, target, message, info=node.info)
         if stale:
             node.draining = agent_attempt
             self.pool.send(node, {"op": P.STOP, "attempt": agent_attempt,
                                   "grace": self.spec.stop_grace_period})
             log.info("%s: stopping its leftover workers of attempt %d before it may run "
                      "again", node.host, agent_attempt)
-        elif in_attempt and attempt is not None:
-            if attempt.stopping:
-                self.pool.send(node, {"op": P.STOP, "attempt": attempt.number,
-                                      "grace": self.spec.stop_grace_period})
-            elif agent_attempt < attempt.number:
-                self._send_start(node)  # it never got the start
+        elif start:
+            self._send_start(node)
+        elif in_attempt and attempt is not None and attempt.stopping:
+            self.pool.send(node, {"op": P.STOP, "attempt": attempt.number,
+                                  "grace": self.spec.stop_grace_period})
 
     def _on_closed(self, node: Node, generation: int) -> None:
         if node.channel is None or node.channel.generation != generation:
@@ -672,12 +732,14 @@ class Controller:
 
     def _check_cancel(self) -> None:
         now = time.monotonic()
-        if now >= self._next_cancel_check:
+        if now >= self._next_cancel_check or self.exit_requested:
             self._next_cancel_check = now + 0.25
             if self.store.job_state(self.job_id)[1]:
                 self.cancel_requested = True
         if self.cancel_requested:
             raise Cancelled()
+        if self.exit_requested:
+            raise Detached()
 
     def _sleep(self, seconds: float) -> None:
         """Wait, still answering agents and watching for cancel and lost nodes."""
@@ -710,7 +772,8 @@ class Controller:
         reach them (never launching one) and shut them down; they give up by themselves
         after controller_grace, so trying longer than that is pointless."""
         grace = self.spec.health.controller_grace
-        deadline = time.monotonic() + min(grace if grace is not None else 600.0, 600.0) + 5
+        # With no grace the agents keep the workers forever: then so must we keep trying.
+        deadline = time.monotonic() + (grace + 5 if grace is not None else float("inf"))
         targets = [n for n in self.nodes if n.state in (NodeState.UNREACHABLE, NodeState.LOST)]
         for node in targets:
             self.pool.connect(node, launch=False, retry=True)
@@ -722,15 +785,32 @@ class Controller:
             self.pool.drop_channel(node)
 
     def request_cancel(self) -> None:
-        """Cancel from a signal handler or another thread."""
+        """Cancel from another thread."""
         self.cancel_requested = True
+        self.pool.events.put(("wake",))
+
+    def request_exit(self) -> None:
+        """From a signal handler: cancel if ``cancel`` asked for it (it sets the flag in the
+        store first), else exit and leave the job running on its agents."""
+        self.exit_requested = True
         self.pool.events.put(("wake",))
 
 
 # --- the process ----------------------------------------------------------------------------------
 
+ANOTHER_CONTROLLER = 75  # exit code: the job has a live controller already
+
+
 def _controller_main(job_id: str, resume: bool) -> int:
     store = Store()
+    # One controller per job, whoever started it (the supervisor, resume, a reader): two would
+    # take the agents from each other.
+    lock = open(store.job_dir(job_id) / "controller.lock", "a")  # noqa: SIM115 (held until exit)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        log.info("job %s already has a live controller", job_id)
+        return ANOTHER_CONTROLLER
     job = store.get_job(job_id)
     if job.state.is_terminal():
         log.info("job %s already ended (%s)", job_id, job.state.value)
@@ -744,7 +824,7 @@ def _controller_main(job_id: str, resume: bool) -> int:
     controller = Controller(store, job_id, spec, job.spec_dir, secret=secret,
                             resume=resume or job.state != JobState.PENDING)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: controller.request_cancel())
+        signal.signal(sig, lambda *_: controller.request_exit())
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     state = controller.run()
     return 0 if state == JobState.SUCCEEDED else 1
@@ -760,8 +840,11 @@ def _supervise(job_id: str, resume: bool) -> int:
     store = Store()
     store.update_job(job_id, supervisor_pid=os.getpid())
     child: subprocess.Popen[bytes] | None = None
+    told_to_exit = False
 
-    def forward(signum: int, _frame: Any) -> None:  # cancel reaches the controller
+    def forward(signum: int, _frame: Any) -> None:  # the controller decides: cancel, or exit
+        nonlocal told_to_exit
+        told_to_exit = True
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
@@ -774,7 +857,7 @@ def _supervise(job_id: str, resume: bool) -> int:
         child = subprocess.Popen(argv + (["--resume"] if resume else []))
         code = child.wait()
         state, _ = store.job_state(job_id)
-        if state.is_terminal():
+        if state.is_terminal() or told_to_exit or code == ANOTHER_CONTROLLER:
             return 0
         now = time.monotonic()
         deaths.append(now)

@@ -65,6 +65,7 @@ class Node:
     unreachable_since: float | None = None
     state_before: NodeState | None = None  # where an UNREACHABLE node goes back to
     draining: int | None = None  # attempt whose leftover workers we stop before a rejoin
+    gap_at: int | None = None  # ``received`` when a missing message made us reattach
     connecting: bool = False
     retry: bool = False  # the connector keeps trying until it succeeds
     launch: bool = False  # the connector may start an agent where none answers
@@ -99,7 +100,8 @@ class NodePool:
         h = self.spec.health
         return {"secret": self.secret, "heartbeat_interval": h.heartbeat_interval,
                 "node_timeout": h.node_timeout, "controller_grace": h.controller_grace,
-                "spool_max_bytes": self.spec.spool_max_bytes}
+                "spool_max_bytes": self.spec.spool_max_bytes,
+                "stop_grace": self.spec.stop_grace_period}
 
     # --- connecting ------------------------------------------------------------------------
     def connect(self, node: Node, *, launch: bool, retry: bool = False) -> None:
@@ -114,31 +116,34 @@ class NodePool:
                          name=f"connect-{node.index}").start()
 
     def _connector(self, node: Node) -> None:
+        # ``connecting`` is cleared before the outcome is posted: the main thread may ask for
+        # a new connection as soon as it sees it, and must not find this one still "running".
         delay = RECONNECT_FIRST
-        try:
-            while not self.closing:
-                try:
-                    channel = self._open(node, node.launch)
-                    # The event goes first: its messages must find the channel installed.
-                    self.events.put(("attached", node.index, channel))
-                    threading.Thread(target=self._read, args=(node, channel), daemon=True,
-                                     name=f"read-{node.index}").start()
-                    return
-                except _Gone as gone:
-                    self.events.put(("unavailable", node.index, str(gone), True, gone.outcome))
-                    return
-                except OrchestratorError as exc:
-                    error = str(exc)
-                except Exception as exc:  # a bug in a transport must not kill the job
-                    error = f"{node.host}: {exc!r}"
-                if not node.retry:
-                    self.events.put(("unavailable", node.index, error, False, None))
-                    return
-                log.info("%s: not reachable yet: %s", node.host, error)
-                time.sleep(delay)
-                delay = min(RECONNECT_MAX, delay * 2)
-        finally:
-            node.connecting = False
+        while not self.closing:
+            try:
+                channel = self._open(node, node.launch)
+                node.connecting = False
+                # The event goes first: its messages must find the channel installed.
+                self.events.put(("attached", node.index, channel))
+                threading.Thread(target=self._read, args=(node, channel), daemon=True,
+                                 name=f"read-{node.index}").start()
+                return
+            except _Gone as gone:
+                node.connecting = False
+                self.events.put(("unavailable", node.index, str(gone), True, gone.outcome))
+                return
+            except OrchestratorError as exc:
+                error = str(exc)
+            except Exception as exc:  # a bug in a transport must not kill the job
+                error = f"{node.host}: {exc!r}"
+            if not node.retry:
+                node.connecting = False
+                self.events.put(("unavailable", node.index, error, False, None))
+                return
+            log.info("%s: not reachable yet: %s", node.host, error)
+            time.sleep(delay)
+            delay = min(RECONNECT_MAX, delay * 2)
+        node.connecting = False
 
     def _open(self, node: Node, launch: bool) -> Channel:
         spec = self.spec
@@ -214,6 +219,7 @@ class NodePool:
             return None
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            self.main_tick = time.monotonic()  # the caller is the main loop, and it is alive
             reply = channel.mailbox.wait(req, min(0.1, deadline - time.monotonic()))
             if reply is not None or channel.mailbox.closed:
                 return reply

@@ -179,6 +179,7 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
 
         with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes))) as pool:
             list(pool.map(probe, sorted(sessions)))
+        outside = _reachable_from_here(spec, master_addr, master_port)
     finally:
         for session in sessions.values():
             try:
@@ -190,6 +191,11 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
 
     report = CheckReport(master_addr, master_port, reports,
                          controller_grace=spec.health.controller_grace)
+    if outside:
+        report.warnings.append(
+            f"{master_addr}:{master_port} accepts connections from this machine, which is not "
+            "one of the job's nodes: torch's rendezvous store has no authentication, so "
+            "firewall the master port (range) to the nodes (see README, Network trust)")
     for key in ("torch", "python"):
         versions = {r.__dict__[key] for r in reports if r.reachable and r.auth}
         if len(versions) > 1:
@@ -199,6 +205,18 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
         report.warnings.append("torch not found by the agent's python on some node(s) "
                                "(the workers' python may differ)")
     return report
+
+
+def _reachable_from_here(spec: JobSpec, address: str, port: int | None) -> bool:
+    """Can this machine (when it is not a node) open the master port? Then so can others
+    outside the node list, most likely."""
+    if port is None or any(n.is_local for n in spec.nodes):
+        return False
+    try:
+        with socket.create_connection((address, port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def quick_check(spec: JobSpec) -> None:

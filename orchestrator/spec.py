@@ -213,6 +213,19 @@ class HealthSpec(_Model):
         return self
 
 
+class LogsSpec(_Model):
+    """How much of the workers' output the orchestrator keeps."""
+
+    max_bytes_per_rank: Annotated[StrictInt, Field(ge=4096)] | None = Field(
+        default=1024 ** 3, description="per rank and attempt; past it the first and the last "
+        "part are kept and the middle is cut, with a marker saying how much (null: no cap)")
+    keep_attempts: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        default=None, description="keep the logs of the last N attempts only (null: all)")
+    min_free_bytes: Annotated[StrictInt, Field(ge=0)] = Field(
+        default=1024 ** 3, description="below this much free space on the filesystem of "
+        "$ORCHESTRATOR_HOME a job is not started, and a running one stops logging")
+
+
 class BackoffSpec(_Model):
     """Wait before restart n: min(max, initial * 2**(n-1)) seconds."""
 
@@ -255,6 +268,7 @@ class JobSpec(_Model):
     rendezvous: RendezvousSpec = RendezvousSpec()
     restart_backoff: BackoffSpec = BackoffSpec()
     health: HealthSpec = HealthSpec()
+    logs: LogsSpec = LogsSpec()
     ssh: SSHOptions = SSHOptions()
 
     @field_validator("name")
@@ -280,6 +294,14 @@ class JobSpec(_Model):
             for i, item in enumerate(v):
                 if isinstance(item, str) and "\0" in item:
                     raise _FieldError(f"[{i}]", "must not contain NUL", item)
+        return v
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_env(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for i, name in enumerate(v):
+            if not _ENV_NAME_RE.match(name):
+                raise _FieldError(f"[{i}]", "not a valid variable name", name)
         return v
 
     @field_validator("python")
@@ -599,7 +621,7 @@ def _value_at(data: Any, loc: tuple[Any, ...]) -> tuple[bool, Any]:
 
 _MODELS: dict[str, type[BaseModel]] = {
     "": JobSpec, "nodes": NodeSpec, "rendezvous": RendezvousSpec, "health": HealthSpec,
-    "restart_backoff": BackoffSpec, "ssh": SSHOptions,
+    "restart_backoff": BackoffSpec, "ssh": SSHOptions, "logs": LogsSpec,
 }
 _MESSAGES = {
     "model_type": "must be a mapping",

@@ -2,9 +2,9 @@
 """A cluster of N SSH hosts on one Linux machine: network namespaces on a bridge, each with
 its own address and a real OpenSSH sshd with its own host key. Root needed.
 
-    python examples/local-cluster/cluster.py up -n 3 --dir /tmp/cluster   # prints a spec block
-    python examples/local-cluster/cluster.py down --dir /tmp/cluster
-    python examples/local-cluster/cluster.py cleanup [--all]              # leftovers of crashes
+    python examples/local-cluster/cluster.py up -n 3        # makes a private dir, prints it
+    python examples/local-cluster/cluster.py down --dir DIR  # the dir `up` printed
+    python examples/local-cluster/cluster.py cleanup [--all] # leftovers of crashes
 
 Namespaces share the filesystem and the process table with the machine (so the same python
 and torch are on every "host"), but each has its own network stack: traffic between hosts
@@ -15,10 +15,26 @@ theirs leaves the bridge. Stdlib only; the test suite imports this file.
 Every cluster is recorded in ``/run/orc-cluster/<id>.json`` (and ``<workdir>/cluster.json``)
 with the process that owns it, so that ``cleanup_stale`` can remove what a crashed run left
 behind without touching a cluster that another live process is using.
+
+The script runs as root and its sshds accept root logins, so it trusts nothing that another
+user could have put in place:
+
+- its state lives in a directory that it creates with mode 0700 (``mkdtemp`` by default); an
+  existing directory is used only if it is a real directory owned by root, with mode 0700, in
+  a path that no other user can change, holding nothing but files this script makes;
+- keys are generated afresh on every ``up``: a key file found in the directory is deleted,
+  never used;
+- files are written with ``O_NOFOLLOW | O_EXCL`` and an explicit mode, after removing whatever
+  was at that path, and modes are set through the open file, so no symlink is ever followed;
+- ``cluster.json`` and the registry files are checked before any name in them is acted on:
+  every name must be exactly one this script would have generated;
+- sshd runs with ``StrictModes yes``; its ``authorized_keys`` lives in root's registry
+  directory (``/run/orc-cluster/<id>/``), whose whole path is root's alone.
 """
 
 import argparse
 import contextlib
+import errno
 import fcntl
 import ipaddress
 import json
@@ -27,8 +43,10 @@ import re
 import secrets
 import signal
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -39,6 +57,10 @@ REGISTRY = Path("/run/orc-cluster")
 SSHD = "/usr/sbin/sshd"
 IFNAMSIZ = 15  # Linux interface names are at most 15 bytes
 SUBNET_BASE = "10.231"
+MAX_STATE_BYTES = 1 << 20  # cluster.json for 240 hosts is ~60 KB
+# The only names this script creates in a cluster directory (authorized_keys: older versions).
+_OUR_FILES = re.compile(r"cluster\.json|client_ed25519(\.pub)?|known_hosts|ssh_config"
+                        r"|authorized_keys|host\d{1,3}_ed25519(\.pub)?|sshd\d{1,3}\.(pid|log)")
 
 
 class ClusterError(RuntimeError):
@@ -76,8 +98,8 @@ class Cluster:
     address there is ``bridge_address`` (10.231.X.1); host i is 10.231.X.(10+i).
     """
 
-    def __init__(self, n: int, workdir: str | os.PathLike[str], *, prefix: str = "orc",
-                 subnet: int | None = None):
+    def __init__(self, n: int, workdir: str | os.PathLike[str] | None = None, *,
+                 prefix: str = "orc", subnet: int | None = None):
         if not 1 <= n <= 240:
             raise ValueError(f"n must be in 1..240 (hosts are .10 to .249 of a /24), got {n}")
         if not re.fullmatch(r"[a-z][a-z0-9]*", prefix):
@@ -90,7 +112,9 @@ class Cluster:
         if subnet is not None and not 0 <= subnet <= 255:
             raise ValueError(f"subnet must be in 0..255, got {subnet}")
         self.n = n
-        self.dir = Path(workdir).resolve()
+        # No workdir: a fresh private one (0700, made with O_EXCL semantics by mkdtemp).
+        self.dir = _canonical(tempfile.mkdtemp(prefix="orc-cluster-") if workdir is None
+                              else workdir)
         self.prefix = prefix
         self.subnet = subnet
         self.id = ""
@@ -100,6 +124,7 @@ class Cluster:
         self.client_key = self.dir / "client_ed25519"
         self.known_hosts = self.dir / "known_hosts"
         self.ssh_config = self.dir / "ssh_config"
+        self.authorized_keys: Path | None = None  # in the registry, once an id is chosen
         self._up = False
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -109,10 +134,24 @@ class Cluster:
         ``owner`` is the pid whose death makes the cluster stale (default: this process);
         ``None`` marks a cluster meant to outlive its creator (the ``up`` command). On any
         failure, whatever was built is torn down again before the error propagates.
+
+        The directory is created (0700) if missing; an existing one is refused unless it is
+        root's alone and holds only files of ours (see ``_prepare_dir``), and every file of
+        ours in it, keys included, is deleted and made afresh.
         """
         if self._up:
             return self
-        self.dir.mkdir(parents=True, exist_ok=True)
+        _prepare_dir(self.dir)
+        names = _our_entries(self.dir)
+        if "cluster.json" in names:
+            old = Cluster.load(self.dir)  # validated: refuses a state file it did not write
+            if old.alive():
+                raise ClusterError(f"{self.dir} holds the running cluster {old.id}: "
+                                   "take it down first (`down --dir`) or use another directory")
+            old.down()  # half-dead leftovers of an earlier `up` in this directory
+        for name in names:  # never reuse a key (or anything else) found here
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.dir / name)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
         owner_pid = os.getpid() if owner == -1 else owner
         try:
@@ -164,6 +203,11 @@ class Cluster:
             with contextlib.suppress(Exception):
                 _run("ip", "link", "del", self.bridge, check=False)
         if self.id:
+            keys = REGISTRY / self.id  # the id is 4 hex digits (checked): no path tricks
+            with contextlib.suppress(Exception):
+                (keys / "authorized_keys").unlink(missing_ok=True)
+            with contextlib.suppress(Exception):
+                keys.rmdir()
             with contextlib.suppress(Exception):
                 (REGISTRY / f"{self.id}.json").unlink(missing_ok=True)
         self._up = False
@@ -214,9 +258,15 @@ class Cluster:
 
     @classmethod
     def load(cls, workdir: str | os.PathLike[str]) -> "Cluster":
-        """The cluster recorded in ``workdir`` (by ``up``), for ``down`` or inspection."""
-        state = json.loads((Path(workdir) / "cluster.json").read_text())
-        return cls._from_state(state)
+        """The cluster recorded in ``workdir`` (by ``up``), for ``down`` or inspection.
+
+        The directory must pass the checks ``up`` makes, and ``cluster.json`` must name only
+        objects this script would have made; otherwise ClusterError, and nothing is touched.
+        """
+        d = _canonical(workdir)
+        _check_private_dir(d)
+        path = d / "cluster.json"
+        return cls._from_state(_validated_state(_read_state(path), path), workdir=d)
 
     # --- internals ---------------------------------------------------------------------------
     def _allocate(self) -> None:
@@ -224,12 +274,15 @@ class Cluster:
         namespaces = set(_run("ip", "netns", "list", check=False).stdout.split())
         for _ in range(100):
             cid = secrets.token_hex(2)
-            if (not (REGISTRY / f"{cid}.json").exists() and f"{self.prefix}{cid}" not in links
+            if (not os.path.lexists(REGISTRY / f"{cid}.json")
+                    and not os.path.lexists(REGISTRY / cid)
+                    and f"{self.prefix}{cid}" not in links
                     and not any(ns.startswith(f"{self.prefix}-{cid}-") for ns in namespaces)):
                 break
         else:
             raise ClusterError("could not find an unused cluster id")
         self.id = cid
+        self.authorized_keys = REGISTRY / cid / "authorized_keys"
         if self.subnet is None:
             self.subnet = _free_subnet()
         net = f"{SUBNET_BASE}.{self.subnet}"
@@ -242,36 +295,36 @@ class Cluster:
             for i in range(self.n)]
 
     def _keys(self) -> None:
-        if not self.client_key.exists():
-            _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "orc-cluster-client",
-                 "-f", str(self.client_key))
-        self.client_key.chmod(0o600)
-        (self.dir / "authorized_keys").write_text(
-            self.client_key.with_suffix(".pub").read_text())
+        assert self.authorized_keys is not None
+        client_pub = _keygen(self.client_key, "orc-cluster-client")
+        # sshd (StrictModes yes) wants the file and every directory above it root's and not
+        # group/world-writable: /run/orc-cluster/<id>/ is, a directory under /tmp is not.
+        _write_file(self.authorized_keys, client_pub, 0o600)
         known, config = [], []
         for i, h in enumerate(self.hosts):
-            key = self.dir / f"host{i}_ed25519"
-            if not key.exists():
-                _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", h.alias,
-                     "-f", str(key))
-            kind, blob = key.with_suffix(".pub").read_text().split()[:2]
+            kind, blob = _keygen(self.dir / f"host{i}_ed25519", h.alias).split()[:2]
             known.append(f"{h.address} {kind} {blob}")
             config.append(
                 f"Host {h.alias} {h.name}\n  HostName {h.address}\n  Port {h.ssh_port}\n"
                 f"  User root\n  IdentityFile {self.client_key}\n  IdentitiesOnly yes\n"
                 f"  UserKnownHostsFile {self.known_hosts}\n  GlobalKnownHostsFile /dev/null\n"
                 f"  StrictHostKeyChecking yes\n  BatchMode yes\n  ConnectTimeout 5\n")
-        self.known_hosts.write_text("\n".join(known) + "\n")
-        self.ssh_config.write_text("\n".join(config))
+        _write_file(self.known_hosts, "\n".join(known) + "\n", 0o644)
+        _write_file(self.ssh_config, "\n".join(config), 0o600)
 
     def _start_sshd(self, i: int) -> None:
+        _run(*self.sshd_argv(i))
+
+    def sshd_argv(self, i: int) -> list[str]:
+        """The command that starts host i's sshd (in its namespace, with our options only)."""
         h = self.hosts[i]
         options = {
             "ListenAddress": h.address, "Port": str(h.ssh_port),
             "HostKey": str(self.dir / f"host{i}_ed25519"),
             "PidFile": str(self.dir / f"sshd{i}.pid"),
-            "AuthorizedKeysFile": str(self.dir / "authorized_keys"),
-            "StrictModes": "no", "UsePAM": "no", "PermitRootLogin": "prohibit-password",
+            "AuthorizedKeysFile": str(self.authorized_keys),
+            # sshd refuses keys in files or directories that others could write.
+            "StrictModes": "yes", "UsePAM": "no", "PermitRootLogin": "prohibit-password",
             "PasswordAuthentication": "no", "KbdInteractiveAuthentication": "no",
             "AllowAgentForwarding": "no", "X11Forwarding": "no",
             # Benchmarks and tests open many sessions at once; the defaults (10:30:100, 10)
@@ -288,7 +341,7 @@ class Cluster:
                 "-E", str(self.dir / f"sshd{i}.log")]
         for k, v in options.items():
             argv += ["-o", f"{k}={v}"]
-        _run(*argv)
+        return argv
 
     def _state(self, owner_pid: int | None) -> dict[str, Any]:
         return {"id": self.id, "prefix": self.prefix, "dir": str(self.dir), "n": self.n,
@@ -301,17 +354,21 @@ class Cluster:
 
     def _save(self, owner_pid: int | None) -> None:
         text = json.dumps(self._state(owner_pid), indent=2)
-        REGISTRY.mkdir(parents=True, exist_ok=True)
-        (REGISTRY / f"{self.id}.json").write_text(text)
-        (self.dir / "cluster.json").write_text(text)
+        registry = _registry()
+        _write_file(registry / f"{self.id}.json", text, 0o600, exclusive=True)
+        os.mkdir(registry / self.id, 0o700)  # for authorized_keys; _allocate saw it free
+        _write_file(self.dir / "cluster.json", text, 0o600)
 
     @classmethod
-    def _from_state(cls, state: dict[str, Any]) -> "Cluster":
-        c = cls(len(state["hosts"]) or 1, state["dir"], prefix=state["prefix"],
-                subnet=state.get("subnet"))
+    def _from_state(cls, state: dict[str, Any],
+                    workdir: str | os.PathLike[str] | None = None) -> "Cluster":
+        """A cluster from a state that ``_validated_state`` accepted."""
+        c = cls(len(state["hosts"]), workdir or state["dir"], prefix=state["prefix"],
+                subnet=state["subnet"])
         c.id, c.bridge = state["id"], state["bridge"]
         c.hosts = [Host(**{"alias": f"node{i}", **h}) for i, h in enumerate(state["hosts"])]
-        c.bridge_address = state.get("bridge_address", "")
+        c.bridge_address = state["bridge_address"]
+        c.authorized_keys = REGISTRY / c.id / "authorized_keys"
         return c
 
 
@@ -321,25 +378,28 @@ def cleanup_stale(prefix: str = "orc", *, include_detached: bool = False) -> lis
     A cluster is stale when the process recorded as its owner is gone. Clusters made by the
     ``up`` command have no owner and are only removed with ``include_detached``. Only objects
     recorded in our registry are touched, and only processes inside our own namespaces or
-    named by our sshd pidfiles are killed.
+    named by our sshd pidfiles are killed. A registry file that fails validation (a name this
+    script would not have generated, a symlink, ...) is reported on stderr and left alone.
     """
     removed: list[str] = []
-    if not REGISTRY.is_dir():
+    if not os.path.lexists(REGISTRY):
         return removed
+    _registry()  # refuses a registry that is not root's alone
     for path in sorted(REGISTRY.glob("*.json")):
         try:
-            state = json.loads(path.read_text())
-            if state.get("prefix") != prefix:
-                continue
-            owner = state.get("owner")
-            if owner is None and not include_detached:
-                continue
-            if owner is not None and _start_time(owner["pid"]) == owner["start"] \
-                    and owner["start"] is not None:
-                continue  # its owner still runs: a live cluster, not ours to remove
-            cluster = Cluster._from_state(state)
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # not a state file we understand: leave it alone
+            state = _validated_state(_read_state(path), path)
+        except ClusterError as exc:
+            print(f"warning: skipping {path}: {exc}", file=sys.stderr)
+            continue  # not a state file we trust: leave it (and what it names) alone
+        if state["prefix"] != prefix:
+            continue
+        owner = state["owner"]
+        if owner is None and not include_detached:
+            continue
+        if owner is not None and owner["start"] is not None \
+                and _start_time(owner["pid"]) == owner["start"]:
+            continue  # its owner still runs: a live cluster, not ours to remove
+        cluster = Cluster._from_state(state)
         cluster.down()
         removed.append(state["id"])
     return removed
@@ -348,10 +408,245 @@ def cleanup_stale(prefix: str = "orc", *, include_detached: bool = False) -> lis
 # --- helpers ---------------------------------------------------------------------------------
 @contextlib.contextmanager
 def _registry_lock() -> Iterator[None]:
-    REGISTRY.mkdir(parents=True, exist_ok=True)
-    with open(REGISTRY / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    fd = os.open(_registry() / ".lock",
+                 os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ClusterError(f"{REGISTRY / '.lock'} is not a regular file")
+        fcntl.flock(fd, fcntl.LOCK_EX)
         yield
+    finally:
+        os.close(fd)
+
+
+def _registry() -> Path:
+    """``REGISTRY``, created 0700, or checked to be a real directory that only root can write
+    (and then tightened to 0700) in a path that only root can change."""
+    _check_trusted_dir(REGISTRY.parent)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(REGISTRY, 0o700)
+    try:
+        fd = os.open(REGISTRY, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ClusterError(f"registry {REGISTRY} is not a directory (a symlink?): "
+                           f"{exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise ClusterError(f"registry {REGISTRY} is owned by uid {st.st_uid} with mode "
+                               f"{stat.S_IMODE(st.st_mode):o}: it must be root's alone")
+        if st.st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        os.close(fd)
+    return REGISTRY
+
+
+# --- files: no symlink followed, nothing trusted that another user could have put there -------
+def _canonical(path: str | os.PathLike[str]) -> Path:
+    """An absolute path whose parent has its symlinks resolved but whose last component does
+    not, so that a symlink there is seen (and refused) rather than followed."""
+    p = Path(os.path.abspath(os.fspath(path)))
+    return Path(os.path.realpath(p.parent)) / p.name if p.name else p
+
+
+def _check_trusted_dir(path: Path) -> None:
+    """Refuse ``path`` unless it and every directory above it are real directories owned by
+    root (or our euid) that no one else can write to, or sticky like /tmp (where others
+    cannot rename or delete root's entries). Then only root can swap what is under it."""
+    for d in [path, *path.parents]:
+        try:
+            st = os.lstat(d)
+        except OSError as exc:
+            raise ClusterError(f"cannot check {d}: {exc.strerror}") from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise ClusterError(f"{d} is not a directory (a symlink?)")
+        if st.st_uid not in (0, os.geteuid()):
+            raise ClusterError(f"{d} belongs to uid {st.st_uid}: another user could replace "
+                               "what is under it; use a directory of root's")
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            raise ClusterError(f"{d} (mode {stat.S_IMODE(st.st_mode):o}) is writable by "
+                               "others: they could replace what is under it")
+
+
+def _check_private_dir(path: Path) -> None:
+    """Refuse ``path`` unless it is a real directory (not a symlink) owned by us (root) with
+    no group or other permissions, in a path that only root can change."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError as exc:
+        raise ClusterError(f"{path} does not exist") from exc
+    if stat.S_ISLNK(st.st_mode):
+        raise ClusterError(f"{path} is a symlink: refusing it (give the real directory)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ClusterError(f"{path} is not a directory")
+    if st.st_uid != os.geteuid():
+        raise ClusterError(f"{path} belongs to uid {st.st_uid}, not to root: this script did "
+                           "not make it; refusing it (omit --dir for a fresh one)")
+    if st.st_mode & 0o077:
+        raise ClusterError(f"{path} has mode {stat.S_IMODE(st.st_mode):o}; a cluster "
+                           "directory must be 0700 (omit --dir for a fresh one)")
+    _check_trusted_dir(path.parent)
+
+
+def _prepare_dir(path: Path) -> None:
+    """Create ``path`` (and missing parents) with mode 0700 under a trusted directory, or
+    check an existing one with ``_check_private_dir``."""
+    if os.path.lexists(path):
+        _check_private_dir(path)
+        return
+    missing = [path]
+    while not os.path.lexists(missing[-1].parent):
+        missing.append(missing[-1].parent)
+    _check_trusted_dir(missing[-1].parent)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except OSError as exc:
+            raise ClusterError(f"cannot create {d}: {exc.strerror}") from exc
+        _chmod(d, 0o700)  # the umask may have taken bits off, never added any
+    _check_private_dir(path)
+
+
+def _our_entries(path: Path) -> list[str]:
+    """The entries of a cluster directory; refuses one holding anything this script does not
+    make (e.g. --dir /root/.ssh), or one of our names that is not a regular file."""
+    names = []
+    with os.scandir(path) as it:
+        for entry in it:
+            if not _OUR_FILES.fullmatch(entry.name):
+                raise ClusterError(f"{path} holds {entry.name!r}, which this script does not "
+                                   "make: use an empty directory (or omit --dir)")
+            if not entry.is_file(follow_symlinks=False):
+                raise ClusterError(f"{path / entry.name} is not a regular file (a symlink?): "
+                                   "refusing the directory")
+            names.append(entry.name)
+    return names
+
+
+def _write_file(path: Path, text: str, mode: int, *, exclusive: bool = False) -> None:
+    """Write a new file with ``mode``: whatever was at ``path`` (a file, a symlink) is removed
+    first, not written through; ``exclusive``: refuse if anything is there."""
+    if not exclusive:
+        with contextlib.suppress(FileNotFoundError):
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                raise ClusterError(f"{path} is a directory")
+            os.unlink(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                     mode)
+    except OSError as exc:
+        raise ClusterError(f"cannot create {path}: {exc.strerror}") from exc
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(fd, mode)
+        f.write(text)
+
+
+def _chmod(path: Path, mode: int) -> None:
+    """chmod through an fd opened without following a symlink."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def _read_private(path: Path, limit: int = MAX_STATE_BYTES) -> bytes:
+    """A regular file of ours (root's, not writable by others), read without following a
+    symlink and at most ``limit`` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        why = "it is a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        raise ClusterError(f"refusing {path}: {why}") from exc
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ClusterError(f"refusing {path}: not a regular file")
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise ClusterError(f"refusing {path}: owned by uid {st.st_uid} with mode "
+                               f"{stat.S_IMODE(st.st_mode):o}, so not written by this script")
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ClusterError(f"refusing {path}: larger than {limit} bytes")
+    return data
+
+
+def _keygen(path: Path, comment: str) -> str:
+    """A fresh ed25519 key pair at ``path`` (0600) and ``path``.pub (0644); returns the public
+    key. Whatever was at those paths is deleted first: a key found on disk is never used."""
+    pub = path.with_name(path.name + ".pub")
+    for p in (path, pub):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(p)
+    _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", str(path))
+    _chmod(path, 0o600)
+    _chmod(pub, 0o644)
+    return _read_private(pub, 4096).decode()
+
+
+def _read_state(path: Path) -> Any:
+    try:
+        return json.loads(_read_private(path))
+    except ValueError as exc:
+        raise ClusterError(f"{path} is not valid JSON: {exc}") from exc
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _validated_state(state: Any, source: Path) -> dict[str, Any]:
+    """``state`` if every name, address and number in it is one this script would have written
+    (names are regenerated from prefix and id and must match exactly); else ClusterError."""
+    def bad(what: str) -> ClusterError:
+        return ClusterError(f"{source} was not written by this script ({what}); refusing to "
+                            "act on it, nothing was changed")
+
+    if not isinstance(state, dict):
+        raise bad("not a JSON object")
+    prefix, cid = state.get("prefix"), state.get("id")
+    if not (isinstance(prefix, str) and re.fullmatch(r"[a-z][a-z0-9]*", prefix)):
+        raise bad(f"prefix {prefix!r}")
+    if not (isinstance(cid, str) and re.fullmatch(r"[0-9a-f]{4}", cid)):
+        raise bad(f"id {cid!r}")
+    subnet, hosts = state.get("subnet"), state.get("hosts")
+    if not (_is_int(subnet) and 0 <= subnet <= 255):
+        raise bad(f"subnet {subnet!r}")
+    if not (isinstance(hosts, list) and 1 <= len(hosts) <= 240):
+        raise bad("hosts is not a list of 1 to 240 hosts")
+    if state.get("n") != len(hosts) or not _is_int(state.get("n")):
+        raise bad(f"n {state.get('n')!r} for {len(hosts)} hosts")
+    if len(prefix) + 4 + 1 + len(str(len(hosts) - 1)) > IFNAMSIZ:
+        raise bad(f"prefix {prefix!r} too long")
+    net = f"{SUBNET_BASE}.{subnet}"
+    for key, expected in (("bridge", f"{prefix}{cid}br"), ("bridge_address", f"{net}.1")):
+        if state.get(key) != expected:
+            raise bad(f"{key} {state.get(key)!r}, expected {expected!r}")
+    for i, h in enumerate(hosts):
+        if not isinstance(h, dict):
+            raise bad(f"host {i} is not an object")
+        expected_host: dict[str, Any] = {
+            "name": f"{prefix}-{cid}-n{i}", "address": f"{net}.{10 + i}", "ssh_port": 22,
+            "netns": f"{prefix}-{cid}-n{i}", "host_side_veth": f"{prefix}{cid}h{i}",
+            "alias": f"node{i}"}
+        if set(h) - set(expected_host) or set(expected_host) - set(h) - {"alias"}:
+            raise bad(f"host {i} has fields {sorted(h)}")
+        for key, value in h.items():
+            if value != expected_host[key] or type(value) is not type(expected_host[key]):
+                raise bad(f"host {i} {key} {value!r}, expected {expected_host[key]!r}")
+    d = state.get("dir")
+    if not (isinstance(d, str) and os.path.isabs(d) and "\0" not in d
+            and os.path.normpath(d) == d):
+        raise bad(f"dir {d!r}")
+    owner = state.get("owner")
+    if owner is not None:
+        if not (isinstance(owner, dict) and set(owner) == {"pid", "start"}):
+            raise bad(f"owner {owner!r}")
+        pid, start = owner["pid"], owner["start"]
+        if not (_is_int(pid) and pid > 0) or not (start is None or _is_int(start)):
+            raise bad(f"owner {owner!r}")
+    return state
 
 
 def _free_subnet() -> int:
@@ -362,8 +657,8 @@ def _free_subnet() -> int:
             for m in re.findall(r"\b\d{1,3}\.\d{1,3}\.\d{1,3}\.\d{1,3}(?:/\d{1,2})?\b", text)]
     recorded = set()
     for path in REGISTRY.glob("*.json") if REGISTRY.is_dir() else []:
-        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
-            recorded.add(int(json.loads(path.read_text())["subnet"]))
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ClusterError):
+            recorded.add(int(_read_state(path)["subnet"]))
     for x in range(1, 255):
         candidate = ipaddress.ip_network(f"{SUBNET_BASE}.{x}.0/24")
         if x not in recorded and not any(candidate.overlaps(net) for net in used):
@@ -456,7 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="create the hosts and start sshd (they keep running)")
     up.add_argument("-n", type=int, default=3, help="number of hosts (default 3)")
-    up.add_argument("--dir", required=True, help="where keys, ssh_config, logs and state go")
+    up.add_argument("--dir", help="where keys, ssh_config, logs and state go: a new or "
+                    "empty directory of root's with mode 0700 (default: a fresh one in $TMPDIR)")
     up.add_argument("--prefix", default="orc")
     up.add_argument("--subnet", type=int, help="use 10.231.SUBNET.0/24 (default: a free one)")
     down = sub.add_parser("down", help="tear down the cluster in --dir")
@@ -471,20 +767,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         if args.cmd == "up":
-            state = Path(args.dir) / "cluster.json"
-            if state.exists():
-                old = Cluster.load(args.dir)
+            if args.dir is not None and os.path.lexists(Path(args.dir) / "cluster.json"):
+                old = Cluster.load(args.dir)  # checked: refuses a state it did not write
                 if old.alive():
-                    print(f"already up (cluster {old.id}); `down --dir {args.dir}` first",
+                    print(f"already up (cluster {old.id}); `down --dir {old.dir}` first",
                           file=sys.stderr)
                     _print_cluster(old)
                     return 0
-                old.down()  # half-dead leftovers of an earlier `up` in this directory
+                # else up() takes the half-dead leftovers down before reusing the directory
             c = Cluster(args.n, args.dir, prefix=args.prefix, subnet=args.subnet)
             c.up(owner=None)
             _print_cluster(c)
         elif args.cmd == "down":
-            if not (Path(args.dir) / "cluster.json").exists():
+            if not os.path.lexists(Path(args.dir) / "cluster.json"):
                 print(f"error: no cluster recorded in {args.dir}", file=sys.stderr)
                 return 2
             Cluster.load(args.dir).down()
@@ -502,7 +797,9 @@ def _print_cluster(c: Cluster) -> None:
     print(f"cluster {c.id}: {c.n} hosts on bridge {c.bridge} ({c.bridge_address}/24)")
     for h in c.hosts:
         print(f"  {h.alias}  {h.address}  netns {h.netns}")
-    print(f"\nssh_config: {c.ssh_config}\ntry:  ssh -F {c.ssh_config} node0 hostname\n")
+    print(f"\nstate, keys and logs (root only): {c.dir}")
+    print(f"ssh_config: {c.ssh_config}\ntry:  ssh -F {c.ssh_config} node0 hostname")
+    print(f"down: {sys.argv[0]} down --dir {c.dir}\n")
     print(f"# paste into a job spec:\n{c.spec_block()}")
 
 

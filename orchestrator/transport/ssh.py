@@ -181,7 +181,7 @@ class SSHConnection(LineConnection):
         # The agent's stderr (tracebacks, "python3: not found") must be read, or it fills
         # the channel window; its last lines explain a failed start.
         f = channel.makefile_stderr("rb")
-        for raw in iter(f.readline, b""):
+        for raw in iter(lambda: f.readline(4096), b""):  # bounded: a node may send anything
             self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
 
     def close(self) -> None:

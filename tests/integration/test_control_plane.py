@@ -247,3 +247,21 @@ def test_spool_overflow_reports_the_lines_not_kept(home, tmp_path):
     flood = [int(ln.split()[2]) for ln in kept if ln.startswith("flood ")]
     assert flood == sorted(flood) and len(set(flood)) == len(flood)
     assert_no_job_processes(job_id)
+
+
+def test_sigterm_without_cancel_leaves_the_job_to_its_agents(home, tmp_path):
+    job_id = orchestrator.submit(spec(tmp_path, STEPS, nproc=1,
+                                      env={"STEPS": "60", "STEP_SLEEP": "0.05"}))
+    wait_for_output(job_id, "step 1 5", 1)
+    c = orchestrator.status(job_id)["controller"]
+    os.kill(c["supervisor_pid"], signal.SIGTERM)  # e.g. the submitting host shuts down
+    wait_for(lambda: orchestrator.status(job_id)["controller"]["alive"] is False, 15,
+             what="controller and supervisor gone")
+    status = orchestrator.status(job_id)
+    assert status["recorded_state"] == "RUNNING" and job_processes(job_id)
+    assert orchestrator.resume(job_id)["resumed"] is True
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "SUCCEEDED" and (result["attempt"], result["restarts"]) == (1, 0)
+    for rank in (0, 1):
+        assert steps_of(rank_log(job_id, rank), rank) == list(range(60))
+    assert_no_job_processes(job_id)

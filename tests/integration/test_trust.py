@@ -94,3 +94,32 @@ def test_nothing_beside_the_spec_is_imported_by_the_controller(home, tmp_path):
     result = orchestrator.wait(job_id, timeout=60)
     assert result["state"] == "SUCCEEDED", result["failure"]
     assert not planted.exists(), planted.read_text()
+
+
+def test_log_cap_keeps_head_and_tail_with_a_marker(home, tmp_path):
+    n = 40_000
+    job_id = orchestrator.submit(spec(tmp_path, [PYTHON, str(WORKERS / "flood.py")],
+                                      env={"FLOOD_LINES": str(n)},
+                                      logs={"max_bytes_per_rank": 65536}))
+    assert orchestrator.wait(job_id, timeout=60)["state"] == "SUCCEEDED"
+    log = home / "jobs" / job_id / "logs" / "attempt-1" / "rank-0.log"
+    lines = log.read_text().splitlines()
+    assert log.stat().st_size < 65536 + 1024
+    markers = [ln for ln in lines if ln.startswith("[orchestrator] ")]
+    assert len(markers) == 1 and "cut here" in markers[0], markers
+    kept = [ln for ln in lines if ln.startswith("flood ")]
+    assert kept[0] == "flood 0 0" and kept[-1] == f"flood 0 done {n}"
+    assert len(kept) + int(markers[0].split()[1]) == n + 1
+
+
+def test_keep_attempts_prunes_old_logs_and_a_full_disk_refuses_submit(home, tmp_path):
+    job_id = orchestrator.submit(spec(
+        tmp_path, [PYTHON, str(WORKERS / "fail_rank.py")], max_restarts=2,
+        env={"FAIL_RANK": "0", "FAIL_AFTER": "0"}, logs={"keep_attempts": 1},
+        restart_backoff={"initial": 0.1, "max": 0.1}))
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "FAILED" and result["attempt"] == 3
+    kept = sorted(p.name for p in (home / "jobs" / job_id / "logs").iterdir())
+    assert kept == ["attempt-3"]
+    with pytest.raises(orchestrator.LaunchError, match="logs.min_free_bytes"):
+        orchestrator.submit(spec(tmp_path, ["true"], logs={"min_free_bytes": 10 ** 18}))

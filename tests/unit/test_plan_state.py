@@ -87,3 +87,29 @@ def test_transitions_allowed_and_refused():
     for state in JobState:
         if not state.is_terminal():
             check_transition(state, JobState.CANCELLED)
+
+
+def test_token_sweep_revalidates_each_pid_before_killing(monkeypatch):
+    """A pid that the scan found but that no longer carries the token (the process died and
+    the pid was reused) must not be killed."""
+    import os
+    import subprocess
+    import sys
+
+    import agents.node_agent as agent
+
+    token = "t0ken-under-test"
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
+                            env={**os.environ, agent.TOKEN_VAR: token})
+    try:
+        # The scan "saw" both pids (as if the stranger had taken a dead worker's pid).
+        monkeypatch.setattr(agent, "processes_with_token", lambda _t: [stranger.pid, ours.pid])
+        agent.kill_token_processes(token)
+        assert ours.wait(timeout=10) == -9
+        assert stranger.poll() is None, "a process without the token was killed"
+    finally:
+        stranger.kill()
+        ours.kill()
+        stranger.wait()
+        ours.wait()

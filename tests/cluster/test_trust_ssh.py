@@ -1,0 +1,45 @@
+"""Trust boundaries over real SSH: torch's rendezvous store is not advertised in any command
+line, and `check` warns when the master port is open beyond the node list."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import orchestrator
+from tests.cluster.test_ssh_jobs import cluster_spec
+from tests.helpers import PYTHON, ROOT, WORKERS, assert_no_job_processes, wait_for_output
+
+
+def test_c10d_endpoint_and_run_id_never_on_a_command_line(cluster, home, tmp_path):
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], hosts=cluster.hosts[:2],
+        rendezvous={"backend": "c10d"}))
+    wait_for_output(job_id, "sleeping", 4)
+    attempt = orchestrator.status(job_id)["attempts"][-1]
+    endpoint = f"{attempt['master_addr']}:{attempt['master_port']}".encode()
+    run_id = f"{job_id}-1".encode()
+    seen = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if endpoint in cmdline or run_id in cmdline or b"rdzv" in cmdline:
+                seen.append(cmdline.replace(b"\0", b" "))
+    assert not seen, seen
+    assert orchestrator.cancel(job_id)["state"] == "CANCELLED"
+    assert_no_job_processes(job_id)
+
+
+def test_check_warns_that_the_store_port_is_open_beyond_the_nodes(cluster, home, tmp_path):
+    spec = cluster_spec(cluster, tmp_path, ["true"], hosts=cluster.hosts[:2])
+    run = subprocess.run([PYTHON, "-m", "orchestrator", "check", str(spec), "--json"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    # This test's machine (the root namespace) is not a node, and reaches the port.
+    assert any("firewall" in w and "not one of the job's nodes" in w
+               for w in report["warnings"]), report["warnings"]

@@ -1,0 +1,64 @@
+"""Log files: the cap that keeps the head and the tail, exact truncation to a checkpoint,
+and the free-space guard."""
+
+from __future__ import annotations
+
+from orchestrator.attempt import LogSink
+
+
+def lines(path):
+    return path.read_text().splitlines()
+
+
+def test_capped_log_keeps_head_and_tail_and_says_how_much_was_cut(tmp_path):
+    sink = LogSink(tmp_path, cap=4096)
+    for i in range(2000):  # 2000 lines of 8 to 10 bytes: far over the cap
+        sink.write("h", "0", "stdout", [f"line {i}"])
+    sink.close()
+    kept = lines(tmp_path / "rank-0.log")
+    marker = [ln for ln in kept if ln.startswith("[orchestrator] ")]
+    assert len(marker) == 1 and "cut here" in marker[0]
+    cut = int(marker[0].split()[1])
+    numbers = [int(ln.split()[1]) for ln in kept if ln.startswith("line ")]
+    assert numbers[0] == 0 and numbers[-1] == 1999  # the head and the very end are kept
+    assert len(numbers) + cut == 2000 and numbers == sorted(numbers)
+    head = numbers[:numbers.index(numbers[0]) + 1]
+    assert head and (tmp_path / "rank-0.log").stat().st_size <= 4096 + 200
+    assert not list(tmp_path.glob("*.tail*.log"))
+
+
+def test_uncapped_log_keeps_everything(tmp_path):
+    sink = LogSink(tmp_path, cap=None)
+    sink.write("h", "1", "stderr", [f"l{i}" for i in range(10000)])
+    sink.close()
+    assert lines(tmp_path / "rank-1.log") == [f"l{i}" for i in range(10000)]
+    assert len(lines(tmp_path / "combined.log")) == 10000
+
+
+def test_reopening_at_a_checkpoint_writes_each_line_once(tmp_path):
+    sink = LogSink(tmp_path, cap=4096)
+    for i in range(300):
+        sink.write("h", "0", "stdout", [f"line {i}"])
+    sizes, state = sink.flush(), sink.state()
+    for i in range(300, 700):  # written after the checkpoint: the agent will replay these
+        sink.write("h", "0", "stdout", [f"line {i}"])
+    sink.flush()  # the controller dies here
+    again = LogSink(tmp_path, sizes, cap=4096, state=state)
+    for i in range(300, 1000):
+        again.write("h", "0", "stdout", [f"line {i}"])
+    again.close()
+    kept = lines(tmp_path / "rank-0.log")
+    numbers = [int(ln.split()[1]) for ln in kept if ln.startswith("line ")]
+    cut = int(next(ln for ln in kept if ln.startswith("[orchestrator]")).split()[1])
+    assert len(numbers) == len(set(numbers)) and numbers == sorted(numbers)
+    assert len(numbers) + cut == 1000 and numbers[-1] == 999
+
+
+def test_low_disk_stops_logging_and_counts_what_was_not_written(tmp_path):
+    sink = LogSink(tmp_path, min_free=10 ** 18)  # more than any disk has
+    sink.write("h", "0", "stdout", ["a", "b", "c"])
+    sink.write("h", "0", "stderr", ["boom"])
+    sink.close()
+    assert sink.stderr["0"][-1] == "boom"  # the failure message still has its tail
+    assert not (tmp_path / "rank-0.log").exists() or "4 lines not written" in \
+        (tmp_path / "rank-0.log").read_text()
