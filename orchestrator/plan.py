@@ -143,7 +143,10 @@ def plan_attempt(
         if spec.rendezvous.backend == "c10d":
             # torchrun computes ranks and sizes itself; only our own ids pass through, and
             # the prefix that lets the controller file each output line under its rank.
-            env = {**spec.env, "ORCHESTRATOR_JOB_ID": job_id, "ORCHESTRATOR_ATTEMPT": str(attempt),
+            # torchrun tees worker lines to its stdout, a pipe: block-buffered, they would
+            # reach us only when it exits, unless it runs unbuffered (the user may say no).
+            env = {"PYTHONUNBUFFERED": "1", **spec.env, "ORCHESTRATOR_JOB_ID": job_id,
+                   "ORCHESTRATOR_ATTEMPT": str(attempt),
                    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": TORCHRUN_LINE_PREFIX}
             argv, options = _torchrun(spec, job_id, attempt, master_addr, port_text,
                                       node_address(node), is_host=node_rank == 0)
