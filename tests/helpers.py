@@ -41,6 +41,19 @@ def job_processes(job_id: str) -> list[int]:
     return found
 
 
+def command_lines() -> list[bytes]:
+    """Every live process's command line, as ``ps`` shows it to any local user."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found.append(f.read().replace(b"\0", b" "))
+            except OSError:
+                continue
+    return found
+
+
 def assert_no_job_processes(job_id: str, within: float = 5.0) -> None:
     """Every process of the job must be gone (within a short settling time)."""
     deadline = time.monotonic() + within

@@ -15,6 +15,7 @@ from tests.helpers import (
     ROOT,
     WORKERS,
     assert_no_job_processes,
+    command_lines,
     wait_for,
     write_spec,
 )
@@ -109,17 +110,7 @@ def test_secrets_never_on_a_command_line(cluster, home, tmp_path):
                         hosts=cluster.hosts[:2], env={"API_TOKEN": secret})
     job_id = orchestrator.submit(spec)
     wait_for(lambda: orchestrator.status(job_id)["state"] == "RUNNING", 60, what="RUNNING")
-    import os
-
-    seen = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if secret.encode() in cmdline:
-                seen.append(cmdline)
+    seen = [c for c in command_lines() if secret.encode() in c]
     orchestrator.cancel(job_id)
     assert seen == []
     assert_no_job_processes(job_id)

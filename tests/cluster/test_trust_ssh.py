@@ -4,12 +4,18 @@ line, and `check` warns when the master port is open beyond the node list."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 
 import orchestrator
 from tests.cluster.test_ssh_jobs import cluster_spec
-from tests.helpers import PYTHON, ROOT, WORKERS, assert_no_job_processes, wait_for_output
+from tests.helpers import (
+    PYTHON,
+    ROOT,
+    WORKERS,
+    assert_no_job_processes,
+    command_lines,
+    wait_for_output,
+)
 
 
 def test_c10d_endpoint_and_run_id_never_on_a_command_line(cluster, home, tmp_path):
@@ -20,15 +26,7 @@ def test_c10d_endpoint_and_run_id_never_on_a_command_line(cluster, home, tmp_pat
     attempt = orchestrator.status(job_id)["attempts"][-1]
     endpoint = f"{attempt['master_addr']}:{attempt['master_port']}".encode()
     run_id = f"{job_id}-1".encode()
-    seen = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if endpoint in cmdline or run_id in cmdline or b"rdzv" in cmdline:
-                seen.append(cmdline.replace(b"\0", b" "))
+    seen = [c for c in command_lines() if endpoint in c or run_id in c or b"rdzv" in c]
     assert not seen, seen
     assert orchestrator.cancel(job_id)["state"] == "CANCELLED"
     assert_no_job_processes(job_id)
