@@ -102,6 +102,9 @@ class Controller:
         self.restarts = 0
         self.free_restarts = 0
         self.current: Attempt | None = None
+        # The attempt before: its log stays open so that what an agent that was unreachable
+        # while it was stopped replays later (the lines that explain a failure) still lands.
+        self.previous: Attempt | None = None
         self._ended: set[int] = set()  # attempts already recorded as ended
         self._next_cancel_check = 0.0
         self._last_checkpoint = 0.0
@@ -119,7 +122,9 @@ class Controller:
             self.pool.close()
             if self.current:
                 self._checkpoint(force=True)
-                self.current.sink.close()
+            for attempt in (self.previous, self.current):
+                if attempt is not None:
+                    attempt.sink.close()
             return self.state
         except Cancelled:
             self._stop_attempt()
@@ -277,15 +282,21 @@ class Controller:
     # --- one attempt ---------------------------------------------------------------------
     def _run_attempt(self, participants: list[Node]) -> AttemptResult:
         """Start attempt n+1 on ``participants`` and watch it to its end."""
-        self.attempt += 1
         port = self._pick_port(participants[0])
+        if port is None:  # node 0 went away while asked: a node failure, for the policy
+            node = participants[0]
+            return AttemptResult(AttemptOutcome.FAILED, Failure(
+                FailureCause.NODE_FAIL, f"{node.host}: no answer while picking the master port",
+                node_index=node.index, host=node.host))
+        self.attempt += 1
         plan = plan_attempt(
             self.spec, self.job_id, attempt=self.attempt, restart_count=self.attempt - 1,
             master_port=port, node_indices=[n.index for n in participants],
             spec_dir=self.spec_dir,
         )
-        if self.current is not None:
-            self.current.sink.close()
+        if self.previous is not None:
+            self.previous.sink.close()
+        self.previous = self.current
         attempt = Attempt(plan, self._sink(plan.world_size), self.hosts, self.store,
                           self.job_id)
         self._prune_logs()
@@ -348,17 +359,16 @@ class Controller:
             if result is not None:
                 return result
 
-    def _pick_port(self, node: Node) -> int:
-        """A master port that node 0 can bind now (the spec's own, if it fixed one)."""
+    def _pick_port(self, node: Node) -> int | None:
+        """A master port that node 0 can bind now (the spec's own, if it fixed one); None
+        when node 0 did not answer."""
         wanted = self.spec.rendezvous.port
         for _ in range(5):
             reply = self.pool.request(node, P.FREE_PORT, self.spec.launch_timeout,
                                       check=self._check_cancel,
                                       port=wanted if isinstance(wanted, int) else 0)
             if reply is None:
-                raise _LaunchFailed(Failure(FailureCause.LAUNCH_FAILED,
-                                            f"{node.host}: no free port reported",
-                                            node_index=node.index, host=node.host))
+                return None
             if reply.get("ok"):
                 return int(reply["port"])
             if isinstance(wanted, int):
@@ -542,6 +552,8 @@ class Controller:
                 self._send_start(node)  # a participant whose start waited for the drain
         if self.current is not None:
             self.current.handle(node.index, message)
+        if self.previous is not None and message.get("attempt") == self.previous.number:
+            self.previous.handle(node.index, message)
 
     def _reject(self, node: Node, problem: str) -> None:
         """An agent out of protocol is not trusted further: the node is lost (it is tried
@@ -722,6 +734,8 @@ class Controller:
             return
         state = {**attempt.snapshot(), "participants": attempt.participants,
                  "master_port": attempt.plan.master_port}
+        if self.previous is not None:  # late lines of the attempt before: on disk first
+            self.previous.sink.flush()
         self.store.checkpoint(self.job_id, attempt.number, state,
                               {n.index: n.received for n in self.nodes})
         self._last_checkpoint = now
@@ -764,8 +778,9 @@ class Controller:
             self.pool.drop_channel(node)
             if node.state not in (NodeState.LOST, NodeState.FAILED, NodeState.UNREACHABLE):
                 self._set_node(node, NodeState.DONE)
-        if self.current:
-            self.current.sink.close()
+        for attempt in (self.previous, self.current):
+            if attempt is not None:
+                attempt.sink.close()
 
     def _linger(self) -> None:
         """After the end: agents we could not reach may still hold workers. Keep trying to

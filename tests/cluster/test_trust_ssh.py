@@ -41,3 +41,20 @@ def test_check_warns_that_the_store_port_is_open_beyond_the_nodes(cluster, home,
     # This test's machine (the root namespace) is not a node, and reaches the port.
     assert any("firewall" in w and "not one of the job's nodes" in w
                for w in report["warnings"]), report["warnings"]
+
+
+def test_a_node_flooding_its_channel_stderr_does_not_disturb_the_job(cluster, home, tmp_path):
+    # The relay's interpreter first floods its stderr (the SSH channel's stderr) with 20 MB
+    # and no newline: the controller drains it in bounded pieces, keeping a short tail.
+    wrapper = tmp_path / "noisy-python"
+    wrapper.write_text("#!/bin/sh\nhead -c 20000000 /dev/zero | tr '\\0' x >&2\n"
+                       f'exec {PYTHON} "$@"\n')
+    wrapper.chmod(0o755)
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, "-c", "print('fine')"], hosts=cluster.hosts[:1],
+        nproc_per_node=1, python=str(wrapper)))
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    log = (home / "jobs" / job_id / "controller.log").read_text()
+    assert "Traceback" not in log
+    assert_no_job_processes(job_id)

@@ -123,3 +123,16 @@ def test_keep_attempts_prunes_old_logs_and_a_full_disk_refuses_submit(home, tmp_
     assert kept == ["attempt-3"]
     with pytest.raises(orchestrator.LaunchError, match="logs.min_free_bytes"):
         orchestrator.submit(spec(tmp_path, ["true"], logs={"min_free_bytes": 10 ** 18}))
+
+
+def test_an_endless_line_is_cut_into_bounded_pieces_and_nothing_is_lost(home, tmp_path):
+    size = 3_000_000
+    script = tmp_path / "endless.py"
+    script.write_text(f"import sys\nsys.stderr.write('x' * {size})\nsys.stderr.flush()\n"
+                      "sys.exit(4)\n")
+    job_id = orchestrator.submit(spec(tmp_path, [PYTHON, str(script)]))
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "FAILED" and result["failure"]["exit_code"] == 4
+    pieces = (home / "jobs" / job_id / "logs" / "attempt-1" / "rank-0.log").read_text().split()
+    assert max(map(len, pieces)) <= 8192 and sum(map(len, pieces)) == size
+    assert all(len(t) <= 8192 for t in result["failure"]["stderr_tail"])

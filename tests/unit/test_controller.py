@@ -30,6 +30,7 @@ class FakeAgent:
         self.fail_open = False
         self.protocol = 2
         self.malformed = False
+        self.drop_port = False
 
     def open(self) -> None:
         if self.fail_open:
@@ -46,6 +47,8 @@ class FakeAgent:
         elif op == "attach":
             self.inbox.put({"type": "hello", "attempt": self.attempt, "hostname": self.host,
                             "protocol": self.protocol, "workers": [], "pid": 4242})
+        elif op == "free_port" and self.drop_port:
+            self.inbox.put(None)  # the channel breaks before the reply
         elif op == "free_port":
             self.inbox.put({"type": "port", "req": message["req"], "port": 29500, "ok": True})
         elif op == "start":
@@ -247,3 +250,22 @@ def test_protocol_check_names_the_field():
     assert "lines must be text" in check({"type": "output", "attempt": 1, "rank": 0,
                                           "stream": "stdout", "lines": [1]})
     assert check({"type": 5}) == "no message type"
+
+
+def test_node0_dropping_while_the_port_is_picked_costs_a_restart_not_the_job(tmp_path):
+    spec = parse_jobspec(SPEC)
+    store = Store(tmp_path / "home")
+    store.create_job("fake-000005", "fake", spec.model_dump_json(), str(tmp_path), 2, ["a", "b"])
+    dropped: list = []
+
+    def connect(node, _spec):
+        agent = FakeAgent(node.host, {}, [])
+        if node.host == "a" and not dropped:
+            agent.drop_port = True
+            dropped.append(agent)
+        return agent
+
+    state = Controller(store, "fake-000005", spec, str(tmp_path), connect).run()
+    job = store.get_job("fake-000005")
+    assert state == JobState.SUCCEEDED, job.failure
+    assert job.restarts == 1 and job.attempt == 1  # no attempt was started on the lost port
