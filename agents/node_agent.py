@@ -798,7 +798,7 @@ class Agent:
         self.last_heard = time.monotonic()
         self._stop_lock = threading.Lock()
         self.listener: socket.socket | None = None
-        self.preflight_listener: socket.socket | None = None
+        self.preflight_listeners: list[socket.socket] = []
         self._last_progress = 0.0
 
     # --- start ---------------------------------------------------------------------------
@@ -960,36 +960,61 @@ class Agent:
                          **fields})
 
     def op_free_port(self, msg: dict[str, Any]) -> None:
-        port, ok = free_port(int(msg.get("port", 0)))
+        """A port free now: ``port`` (0: any), or the first free one of ``range`` [lo, hi]."""
+        low, high = msg.get("range") or (msg.get("port", 0), msg.get("port", 0))
+        for candidate in range(int(low), int(high) + 1):
+            port, ok = free_port(candidate)
+            if ok:
+                break
         self._reply(msg, P.PORT, port=port, ok=ok)
 
     def op_listen(self, msg: dict[str, Any]) -> None:
-        """Hold a listening socket on ``port`` (0: any) so peers can test that they reach it."""
-        if self.preflight_listener is not None:
-            self.preflight_listener.close()
-        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", int(msg.get("port", 0))))
-            s.listen(64)
-        except OSError as exc:
+        """Hold listening sockets on ``port`` (0: any), or on every free port of ``ports``,
+        so that peers can test that they reach them (preflight)."""
+        for s in self.preflight_listeners:
             s.close()
-            self._reply(msg, P.LISTENING, port=msg.get("port"), ok=False, error=str(exc))
-            return
-        self.preflight_listener = s
-        self._reply(msg, P.LISTENING, port=s.getsockname()[1], ok=True)
+        self.preflight_listeners = []
+        wanted = msg.get("ports") or [msg.get("port", 0)]
+        busy, error = [], None
+        for port in wanted:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", int(port)))
+                s.listen(64)
+            except OSError as exc:
+                s.close()
+                busy.append(port)
+                error = str(exc)
+                continue
+            self.preflight_listeners.append(s)
+        ports = [s.getsockname()[1] for s in self.preflight_listeners]
+        self._reply(msg, P.LISTENING, port=ports[0] if ports else msg.get("port"),
+                    ports=ports, busy=busy, ok=bool(ports), error=error)
 
     def op_probe(self, msg: dict[str, Any]) -> None:
-        """Report the interface toward ``address`` and whether ``address:port`` accepts TCP."""
-        address, port = str(msg["address"]), int(msg["port"])
-        reachable, error = False, None
-        try:
-            with socket.create_connection((address, port), timeout=float(msg.get("timeout", 3))):
-                reachable = True
-        except OSError as exc:
-            error = str(exc)
-        self._reply(msg, P.PROBE_RESULT, interface=interface_for(address), reachable=reachable,
-                    error=error)
+        """Report the interface toward ``address`` and whether ``address:port`` (or each of
+        ``ports``) accepts TCP."""
+        address = str(msg["address"])
+        ports = [int(p) for p in (msg.get("ports") or [msg["port"]])]
+        timeout = float(msg.get("timeout", 3))
+        errors: dict[int, str] = {}
+
+        def one(port: int) -> None:
+            try:
+                with socket.create_connection((address, port), timeout=timeout):
+                    pass
+            except OSError as exc:
+                errors[port] = str(exc)
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in ports]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self._reply(msg, P.PROBE_RESULT, interface=interface_for(address),
+                    reachable=not errors, unreachable=sorted(errors),
+                    error=next(iter(errors.values()), None))
 
     def op_start(self, msg: dict[str, Any]) -> None:
         attempt = int(msg["attempt"])

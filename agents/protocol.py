@@ -29,7 +29,8 @@ Controller -> agent (``op``)::
     start     {attempt, workdir, master_addr, env, workers: [{rank, local_rank, argv, env}],
                stop_grace}
     stop      {attempt, grace}
-    free_port {req, port}           (0: pick one; otherwise check that this one is free)
+    free_port {req, port, range}    (0: pick one; a port: check it; range [lo, hi]: the
+                                     first free one of it)
     listen    {req, port}           (preflight: hold a listening socket)
     probe     {req, address, port}  (preflight: route and TCP reachability toward the master)
     shutdown  {}                    stop the workers, remove the agent's state, exit

@@ -26,16 +26,21 @@ from orchestrator.store import JobRecord, Store, check_job_id, pid_namespace
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
-def _load(spec: str | os.PathLike[str] | JobSpec, spec_dir: str | None) -> tuple[JobSpec, str]:
+def _load(spec: str | os.PathLike[str] | JobSpec, spec_dir: str | None,
+          env: dict[str, str] | None = None,
+          overrides: list[str] | None = None) -> tuple[JobSpec, str]:
     if isinstance(spec, JobSpec):
+        if env or overrides:
+            raise ValueError("env and overrides apply to a spec file, not to a JobSpec")
         return spec, os.path.abspath(spec_dir or ".")
     path = Path(spec)
-    return load_jobspec(path), str(path.resolve().parent)
+    return load_jobspec(path, env=env, overrides=overrides), str(path.resolve().parent)
 
 
-def dry_run(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = None) -> LaunchPlan:
+def dry_run(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = None,
+            env: dict[str, str] | None = None, overrides: list[str] | None = None) -> LaunchPlan:
     """The plan of a job's first attempt, without connecting to anything."""
-    job_spec, directory = _load(spec, spec_dir)
+    job_spec, directory = _load(spec, spec_dir, env, overrides)
     return plan_attempt(job_spec, f"{job_spec.name}-dryrun", spec_dir=directory)
 
 
@@ -47,15 +52,18 @@ def check(spec: str | os.PathLike[str] | JobSpec) -> dict[str, Any]:
 
 
 def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = None,
-           home: str | os.PathLike[str] | None = None) -> str:
+           home: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
+           overrides: list[str] | None = None) -> str:
     """Validate a spec, record the job, start its detached controller; return the job id.
 
     ``spec`` is a path to a YAML spec or a loaded :class:`JobSpec` (then relative workdirs
     resolve against ``spec_dir``, default the current directory). An SSH node that does not
     answer on its port, or whose host key is unknown, fails here (LaunchError, naming it)
-    before anything is recorded or started.
+    before anything is recorded or started. ``env`` adds variables and ``overrides``
+    (``field.path=value``) change fields of a spec file for this job only; both are
+    validated like the file.
     """
-    job_spec, directory = _load(spec, spec_dir)
+    job_spec, directory = _load(spec, spec_dir, env, overrides)
     preflight.quick_check(job_spec)
     store = Store(home)
     try:

@@ -84,16 +84,24 @@ def submit(
     follow: bool = typer.Option(False, "--follow", "-f", help="Stream logs, then exit with it."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan; start nothing."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    env: list[str] | None = typer.Option(None, "--env",
+                                         help="KEY=VALUE added to env (repeatable)."),
+    set_: list[str] | None = typer.Option(None, "--set",
+                                          help="field.path=value override (repeatable)."),
 ) -> None:
     """Validate SPEC and start the job; print its id."""
+    extra_env, sets = _pairs(env or []), list(set_ or [])
+    loaded = _call(lambda: api.load_jobspec(spec, env=extra_env, overrides=sets))
+    for warning in loaded.warnings:
+        typer.echo(f"warning: {warning}", err=True)
     if dry_run:
-        plan = _call(lambda: api.dry_run(spec))
+        plan = _call(lambda: api.dry_run(spec, env=extra_env, overrides=sets))
         if as_json:
             _print_json(plan.to_dict())
         else:
             typer.echo(describe(plan))
         return
-    job_id = _call(lambda: api.submit(spec))
+    job_id = _call(lambda: api.submit(spec, env=extra_env, overrides=sets))
     if not (wait or follow):
         if as_json:
             _print_json({"job_id": job_id})
@@ -113,6 +121,16 @@ def submit(
     else:
         typer.echo(visible(_summary_line(result)), err=True)
     raise typer.Exit(EXIT_FOR_STATE.get(result["state"], 1))
+
+
+def _pairs(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            _fail(f"--env expects KEY=VALUE, got {item!r}", 2)
+        out[key] = value
+    return out
 
 
 def _cancel_on_signals(job_id: str) -> None:
@@ -216,6 +234,8 @@ def check(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
 ) -> None:
     """Validate SPEC and reach every node: auth, host key, versions, GPUs, route to master."""
+    for warning in _call(lambda: api.load_jobspec(spec)).warnings:
+        typer.echo(f"warning: {warning}", err=True)
     report = _call(lambda: api.check(spec))
     if as_json:
         _print_json(report)

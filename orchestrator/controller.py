@@ -74,6 +74,10 @@ class Detached(Exception):
     cancel request: a host shutting down, a logout. The job stays with its agents."""
 
 
+class _TimedOut(Exception):
+    """max_duration is over."""
+
+
 class _LaunchFailed(Exception):
     def __init__(self, failure: Failure):
         super().__init__(failure.message)
@@ -107,6 +111,7 @@ class Controller:
         self.previous: Attempt | None = None
         self._ended: set[int] = set()  # attempts already recorded as ended
         self._next_cancel_check = 0.0
+        self._deadline: float | None = None  # wall clock: max_duration after the start
         self._last_checkpoint = 0.0
         self._lingering = False
 
@@ -130,6 +135,12 @@ class Controller:
             self._stop_attempt()
             self._end_attempt(AttemptResult(AttemptOutcome.CANCELLED))
             final, fields = JobState.CANCELLED, {}
+        except _TimedOut:
+            failure = Failure(FailureCause.TIMEOUT, f"max_duration ({self.spec.max_duration:g}s) "
+                                                    "reached: every worker was stopped")
+            self._stop_attempt()
+            self._end_attempt(AttemptResult(AttemptOutcome.FAILED, failure))
+            final, fields = JobState.FAILED, {"failure": failure.to_dict()}
         except _LaunchFailed as exc:
             self._stop_attempt()
             self._end_attempt(AttemptResult(AttemptOutcome.FAILED, exc.failure))
@@ -155,7 +166,10 @@ class Controller:
         if self.resuming:
             result = self._resume()
         else:
-            self._set_state(JobState.LAUNCHING, started_at=time.time())
+            started = time.time()
+            if self.spec.max_duration:
+                self._deadline = started + self.spec.max_duration
+            self._set_state(JobState.LAUNCHING, started_at=started)
             self._connect_all()
             result = None
         while True:
@@ -363,6 +377,18 @@ class Controller:
         """A master port that node 0 can bind now (the spec's own, if it fixed one); None
         when node 0 did not answer."""
         wanted = self.spec.rendezvous.port
+        span = self.spec.rendezvous.port_range
+        if span is not None and span[0] != span[1]:
+            reply = self.pool.request(node, P.FREE_PORT, self.spec.launch_timeout,
+                                      check=self._check_cancel, range=list(span))
+            if reply is None:
+                return None
+            if not reply.get("ok"):
+                raise _LaunchFailed(Failure(
+                    FailureCause.LAUNCH_FAILED, f"no free port in rendezvous.port {wanted} on "
+                                                f"{node.host}", node_index=node.index,
+                    host=node.host))
+            return int(reply["port"])
         for _ in range(5):
             reply = self.pool.request(node, P.FREE_PORT, self.spec.launch_timeout,
                                       check=self._check_cancel,
@@ -429,6 +455,8 @@ class Controller:
             node.received = node.acked = record.acked_seq
         log.info("resuming job %s in state %s, attempt %d", self.job_id, job.state.value,
                  job.attempt)
+        if self.spec.max_duration:
+            self._deadline = (job.started_at or time.time()) + self.spec.max_duration
         if job.state == JobState.PENDING:
             self._set_state(JobState.LAUNCHING, started_at=time.time())
         open_attempt = job.attempts[-1] if job.attempts and job.attempts[-1].ended_at is None \
@@ -754,6 +782,8 @@ class Controller:
             raise Cancelled()
         if self.exit_requested:
             raise Detached()
+        if self._deadline is not None and time.time() > self._deadline:
+            raise _TimedOut()
 
     def _sleep(self, seconds: float) -> None:
         """Wait, still answering agents and watching for cancel and lost nodes."""

@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from orchestrator import placeholders
 from orchestrator.spec import JobSpec, NodeSpec
 
 ROLE_NAME = "default"
@@ -120,7 +121,7 @@ def plan_attempt(
     nproc = spec.nproc_per_node
     nnodes = len(node_indices)
     world_size = nnodes * nproc
-    port_text = str(master_port) if master_port is not None else "auto"
+    port_text = str(master_port) if master_port is not None else str(spec.rendezvous.port)
 
     common = {
         "MASTER_ADDR": master_addr,
@@ -137,33 +138,31 @@ def plan_attempt(
         "ORCHESTRATOR_JOB_ID": job_id,
         "ORCHESTRATOR_ATTEMPT": str(attempt),
     }
+    per_rank_env = {k for k, v in spec.env.items()
+                    if placeholders.names_in(v) & placeholders.PER_RANK}
     nodes = []
     for node_rank, index in enumerate(node_indices):
         node = spec.nodes[index]
+        values: dict[str, object] = {"node_rank": node_rank, "nnodes": nnodes, "job_id": job_id,
+                                     "attempt": attempt, "world_size": world_size}
+        user_env = {k: placeholders.expand(v, values) for k, v in spec.env.items()
+                    if k not in per_rank_env}
         if spec.rendezvous.backend == "c10d":
             # torchrun computes ranks and sizes itself; only our own ids pass through, and
             # the prefix that lets the controller file each output line under its rank.
             # torchrun tees worker lines to its stdout, a pipe: block-buffered, they would
             # reach us only when it exits, unless it runs unbuffered (the user may say no).
-            env = {"PYTHONUNBUFFERED": "1", **spec.env, "ORCHESTRATOR_JOB_ID": job_id,
+            env = {"PYTHONUNBUFFERED": "1", **user_env, "ORCHESTRATOR_JOB_ID": job_id,
                    "ORCHESTRATOR_ATTEMPT": str(attempt),
                    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": TORCHRUN_LINE_PREFIX}
-            argv, options = _torchrun(spec, job_id, attempt, master_addr, port_text,
+            command = tuple(placeholders.expand(a, values) for a in spec.command)
+            argv, options = _torchrun(spec, command, job_id, attempt, master_addr, port_text,
                                       node_address(node), is_host=node_rank == 0)
             workers: tuple[WorkerPlan, ...] = (WorkerPlan(None, 0, argv, options),)
         else:
-            env = {**spec.env, **common, "GROUP_RANK": str(node_rank)}
+            env = {**user_env, **common, "GROUP_RANK": str(node_rank)}
             workers = tuple(
-                WorkerPlan(
-                    rank=node_rank * nproc + local,
-                    local_rank=local,
-                    argv=spec.command,
-                    env={
-                        "RANK": str(node_rank * nproc + local),
-                        "LOCAL_RANK": str(local),
-                        "ROLE_RANK": str(node_rank * nproc + local),
-                    },
-                )
+                _worker(spec, node_rank * nproc + local, local, values, per_rank_env)
                 for local in range(nproc)
             )
         workdir = spec.workdir
@@ -175,13 +174,23 @@ def plan_attempt(
                       master_port, world_size, tuple(nodes), spec.secret_names)
 
 
-def _torchrun(spec: JobSpec, job_id: str, attempt: int, master_addr: str, port: str,
-              local_addr: str, *, is_host: bool) -> tuple[tuple[str, ...], dict[str, str]]:
+def _worker(spec: JobSpec, rank: int, local: int, node_values: dict[str, object],
+            per_rank_env: set[str]) -> WorkerPlan:
+    values = {**node_values, "rank": rank, "local_rank": local}
+    env = {k: placeholders.expand(spec.env[k], values) for k in per_rank_env}
+    env.update({"RANK": str(rank), "LOCAL_RANK": str(local), "ROLE_RANK": str(rank)})
+    return WorkerPlan(rank=rank, local_rank=local,
+                      argv=tuple(placeholders.expand(a, values) for a in spec.command), env=env)
+
+
+def _torchrun(spec: JobSpec, command_in: tuple[str, ...], job_id: str, attempt: int,
+              master_addr: str, port: str, local_addr: str, *,
+              is_host: bool) -> tuple[tuple[str, ...], dict[str, str]]:
     """torchrun's command line and its options. The options travel as ``PET_*`` environment
     variables (torchrun reads every option from ``PET_<NAME>``), never on the command line:
     the rendezvous endpoint and run id are all it takes to reach the job's TCPStore, and
     every local user can read command lines in ``ps``."""
-    command = list(spec.command)
+    command = list(command_in)
     python_first = os.path.basename(command[0]).startswith("python")
     launcher = [command[0], "-m", "torch.distributed.run"] if python_first else [
         spec.python, "-m", "torch.distributed.run", "--no-python"]

@@ -47,6 +47,7 @@ class NodeReport:
     gpus: int | None = None
     interface: str | None = None
     master_port_reachable: bool | None = None
+    unreachable_ports: list[int] = field(default_factory=list)
     error: str | None = None
 
     @property
@@ -61,6 +62,7 @@ class CheckReport:
     nodes: list[NodeReport]
     warnings: list[str] = field(default_factory=list)
     controller_grace: float | None = None
+    ports: list[int] = field(default_factory=list)  # every master port that was tested
 
     @property
     def ok(self) -> bool:
@@ -68,7 +70,7 @@ class CheckReport:
 
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "master_addr": self.master_addr, "master_port": self.master_port,
-                "controller_grace": self.controller_grace,
+                "controller_grace": self.controller_grace, "ports": self.ports,
                 "nodes": [asdict(n) for n in self.nodes], "warnings": self.warnings}
 
 
@@ -148,33 +150,40 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
 
     master = spec.nodes[0]
     master_addr = spec.rendezvous.master_addr or node_address(master)
-    wanted = spec.rendezvous.port if isinstance(spec.rendezvous.port, int) else 0
+    span = spec.rendezvous.port_range
+    wanted = list(range(span[0], span[1] + 1)) if span else [0]
     master_port: int | None = None
+    ports: list[int] = []
+    busy: list[int] = []
     try:
         listening: dict[str, Any] = {}
         if 0 in sessions:
             try:
-                listening = sessions[0].ask(P.LISTEN, port=wanted)
+                listening = sessions[0].ask(P.LISTEN, ports=wanted)
             except OrchestratorError as exc:
                 reports[0].error = str(exc)
-            if listening.get("ok"):
-                master_port = int(listening["port"])
+            ports, busy = list(listening.get("ports") or []), list(listening.get("busy") or [])
+            if ports:
+                master_port = ports[0]
             elif listening:
-                reports[0].error = f"cannot listen on port {wanted}: {listening.get('error')}"
+                reports[0].error = (f"no free port in rendezvous.port {spec.rendezvous.port}: "
+                                    f"{listening.get('error')}")
 
         def probe(i: int) -> None:
-            if master_port is None:
+            if not ports:
                 return
             try:
-                answer = sessions[i].ask(P.PROBE, address=master_addr, port=master_port,
-                                         timeout=3)
+                answer = sessions[i].ask(P.PROBE, address=master_addr, ports=ports,
+                                         timeout=3 if len(ports) == 1 else 1.5)
             except OrchestratorError as exc:
                 reports[i].error = str(exc)
                 return
             reports[i].interface = answer.get("interface")
             reports[i].master_port_reachable = bool(answer.get("reachable"))
+            reports[i].unreachable_ports = list(answer.get("unreachable") or [])
             if not answer.get("reachable"):
-                reports[i].error = (f"cannot reach {master_addr}:{master_port}: "
+                shown = ", ".join(map(str, reports[i].unreachable_ports[:10]))
+                reports[i].error = (f"cannot reach {master_addr} on port(s) {shown}: "
                                     f"{answer.get('error')}")
 
         with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes))) as pool:
@@ -190,7 +199,10 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
             session.conn.close()
 
     report = CheckReport(master_addr, master_port, reports,
-                         controller_grace=spec.health.controller_grace)
+                         controller_grace=spec.health.controller_grace, ports=ports)
+    if busy and ports:
+        report.warnings.append(f"port(s) in use on node 0, not tested: "
+                               f"{', '.join(map(str, busy[:20]))}")
     if outside:
         report.warnings.append(
             f"{master_addr}:{master_port} accepts connections from this machine, which is not "

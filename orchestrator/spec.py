@@ -20,6 +20,7 @@ import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictInt,
@@ -28,6 +29,7 @@ from pydantic import (
     model_validator,
 )
 
+from orchestrator import placeholders
 from orchestrator.errors import SpecError
 
 MAX_SPEC_BYTES = 1024 * 1024
@@ -39,6 +41,12 @@ RESERVED_ENV: frozenset[str] = frozenset({
     "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT",
 })
 RESERVED_ENV_PREFIXES: tuple[str, ...] = ("TORCHELASTIC_", "ORCHESTRATOR_")
+# Old NCCL knobs that the recipes still recommend, and the names torch reads today.
+DEPRECATED_ENV = {
+    "NCCL_ASYNC_ERROR_HANDLING": "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "NCCL_BLOCKING_WAIT": "TORCH_NCCL_BLOCKING_WAIT",
+    "NCCL_DESYNC_DEBUG": "TORCH_NCCL_DESYNC_DEBUG",
+}
 
 _NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")
 _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -182,16 +190,47 @@ class RendezvousSpec(_Model):
     """How workers find each other: torchrun's static rendezvous, or torch's c10d."""
 
     backend: Literal["static", "c10d"] = "static"
-    port: Literal["auto"] | Port = Field(default="auto", description='"auto" picks a free port')
+    port: Literal["auto"] | Port | str = Field(
+        default="auto", description='"auto" picks a free port; "29500-29550" a free one of '
+                                    "that range (a firewall's open range)")
     master_addr: Address | None = None
 
     @field_validator("port", mode="before")
     @classmethod
     def _port(cls, v: Any) -> Any:
-        # One message for both arms of the union, instead of pydantic's "should be 'auto'".
+        # One message for every arm of the union, instead of pydantic's "should be 'auto'".
         if v == "auto" or (type(v) is int and 1 <= v <= 65535):
             return v
-        raise ValueError('must be "auto" or a port number 1..65535')
+        if isinstance(v, str) and _port_range(v) is not None:
+            return v.replace(" ", "")
+        raise ValueError('must be "auto", a port number 1..65535, or a range "LOW-HIGH"')
+
+    @property
+    def port_range(self) -> tuple[int, int] | None:
+        """(low, high) when the port is a range; a fixed port is a range of one."""
+        if isinstance(self.port, int):
+            return self.port, self.port
+        return _port_range(self.port) if self.port != "auto" else None
+
+
+def _port_range(text: str) -> tuple[int, int] | None:
+    m = re.fullmatch(r"\s*(\d{1,5})\s*-\s*(\d{1,5})\s*", text)
+    if not m:
+        return None
+    low, high = int(m[1]), int(m[2])
+    return (low, high) if 1 <= low <= high <= 65535 else None
+
+
+def _duration(v: Any) -> Any:
+    """Seconds, or "HH:MM:SS" (Slurm's --time), or None."""
+    if isinstance(v, str):
+        m = re.fullmatch(r"\s*(\d+):([0-5]\d):([0-5]\d)\s*", v)
+        if not m:
+            raise ValueError('must be seconds or "HH:MM:SS"')
+        v = int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3])
+        if v == 0:
+            raise ValueError("must be longer than 0")
+    return v
 
 
 class HealthSpec(_Model):
@@ -256,6 +295,11 @@ class JobSpec(_Model):
         default=(), description="env names whose values are never shown (names containing "
                                 "TOKEN, KEY, PASSWORD or SECRET are masked anyway)")
     max_restarts: Annotated[StrictInt, Field(ge=0)] = 0
+    max_duration: Annotated[float, Field(gt=0, allow_inf_nan=False),
+                            BeforeValidator(_duration)] | None = Field(
+        default=None, description='wall-clock limit of the whole job: seconds or "HH:MM:SS"; '
+                                  "then every worker is stopped and the job FAILS (TIMEOUT), "
+                                  "never restarted")
     fail_on_exit_codes: tuple[Annotated[StrictInt, Field(ge=1, le=255)], ...] = Field(
         default=(), description="exit codes that fail the job without a restart")
     stop_grace_period: Seconds = 10.0
@@ -365,6 +409,7 @@ class JobSpec(_Model):
                     raise _FieldError(f"nodes[{i}].address", "a local node in a job with SSH "
                                       "nodes needs the address the others reach it at (or "
                                       "set rendezvous.master_addr)")
+        self._check_placeholders()
         lo, hi = self.min_nodes, self.max_nodes
         if lo > hi:
             raise _FieldError("nnodes", "MIN is larger than MAX", self.nnodes)
@@ -372,6 +417,30 @@ class JobSpec(_Model):
             raise _FieldError("nnodes", f"MAX {hi} is more than the {len(self.nodes)} node(s)",
                               self.nnodes)
         return self
+
+    def _check_placeholders(self) -> None:
+        where = [(f"command[{i}]", item) for i, item in enumerate(self.command)]
+        where += [(f"env.{k}", v) for k, v in self.env.items()]
+        for field, text in where:
+            try:
+                names = placeholders.names_in(text)
+            except ValueError as exc:
+                raise _FieldError(field, str(exc), text) from None
+            early = names & placeholders.PER_RANK
+            if early and self.rendezvous.backend == "c10d":
+                raise _FieldError(field, f"${{{sorted(early)[0]}}} is not known before torch's "
+                                  "c10d rendezvous; read it from the environment (RANK, "
+                                  "LOCAL_RANK, WORLD_SIZE)", text)
+
+    @property
+    def warnings(self) -> list[str]:
+        """Things that work but are probably not what the user meant."""
+        out = []
+        for old, new in DEPRECATED_ENV.items():
+            if old in self.env and new not in self.env:
+                out.append(f"env.{old} is deprecated: current torch reads {new} (the old name "
+                           "is passed through unchanged)")
+        return out
 
     @property
     def secret_names(self) -> frozenset[str]:
@@ -519,11 +588,20 @@ def _read_text(path: Path, field: str, what: str) -> str:
                         ) from None
 
 
-def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".") -> JobSpec:
-    """Validate a spec given as YAML text; ``hostfile`` is read relative to ``base_dir``."""
+def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".",
+                  env: dict[str, str] | None = None, overrides: list[str] | None = None
+                  ) -> JobSpec:
+    """Validate a spec given as YAML text; ``hostfile`` is read relative to ``base_dir``.
+    ``env`` adds to the spec's env; ``overrides`` are ``field.path=value`` (a YAML value),
+    as ``submit --env`` and ``--set`` give them; both are validated like the file."""
     if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise SpecError("", f"the spec is larger than {MAX_SPEC_BYTES} bytes")
     data = _load_yaml(text)
+    for item in overrides or ():
+        _apply_override(data, item)
+    if env:
+        current = data.get("env") if isinstance(data.get("env"), dict) else {}
+        data["env"] = {**current, **env}
     if not isinstance(data.get("hostfile"), str):
         return validate_jobspec(data)
     if "nodes" in data:
@@ -541,10 +619,52 @@ def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".") -> JobSp
                         has_value=exc.has_value) from None
 
 
-def load_jobspec(path: str | os.PathLike[str]) -> JobSpec:
-    """Read, parse and validate a YAML job spec file (at most 1 MiB of UTF-8)."""
+def load_jobspec(path: str | os.PathLike[str], *, env: dict[str, str] | None = None,
+                 overrides: list[str] | None = None) -> JobSpec:
+    """Read, parse and validate a YAML job spec file (at most 1 MiB of UTF-8), with optional
+    ``env`` additions and ``field.path=value`` overrides (see parse_jobspec)."""
     path = Path(path)
-    return parse_jobspec(_read_text(path, "", "spec file"), base_dir=path.resolve().parent)
+    return parse_jobspec(_read_text(path, "", "spec file"), base_dir=path.resolve().parent,
+                         env=env, overrides=overrides)
+
+
+_PATH_PART = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``field.path[i].sub=value`` to the parsed document."""
+    path, sep, raw = item.partition("=")
+    if not sep or not path:
+        raise SpecError("", f"--set expects field=value, got {item!r}")
+    steps: list[str | int] = []
+    for part in path.split("."):
+        m = _PATH_PART.fullmatch(part)
+        if not m:
+            raise SpecError(path, "not a field path (e.g. health.hang_timeout or nodes[1].host)")
+        steps.append(m[1])
+        steps += [int(i) for i in re.findall(r"\[(\d+)\]", m[2])]
+    try:
+        value = _load_yaml(f"v: {raw}")["v"] if raw.strip() else ""
+    except SpecError as exc:
+        raise SpecError(path, f"--set value is not valid YAML: {exc.message}") from None
+    target: Any = data
+    for here, step in zip(steps, steps[1:], strict=False):
+        try:
+            target = target[here]
+        except (KeyError, IndexError, TypeError):
+            if isinstance(here, str) and isinstance(target, dict) and isinstance(step, str):
+                target = target.setdefault(here, {})  # a new section: health.x=1
+                continue
+            raise SpecError(path, f"no such field to set ({here!r})") from None
+    last = steps[-1]
+    if isinstance(last, int):
+        if not isinstance(target, list) or last >= len(target):
+            raise SpecError(path, "no such list item to set")
+        target[last] = value
+    elif isinstance(target, dict):
+        target[last] = value
+    else:
+        raise SpecError(path, "not a mapping")
 
 
 def validate_jobspec(data: dict[str, Any]) -> JobSpec:

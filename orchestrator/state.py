@@ -87,6 +87,7 @@ class FailureCause(str, Enum):
     # The controller was gone longer than the agents' controller_grace: they stopped the
     # workers. Restarted without charging max_restarts (not the user's failure).
     CONTROLLER_LOST = "CONTROLLER_LOST"
+    TIMEOUT = "TIMEOUT"  # max_duration reached: never restarted
 
 
 _TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})

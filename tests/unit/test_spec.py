@@ -62,9 +62,19 @@ BAD = [
     ("port too big", "nodes: [{host: a, port: 70000}]\n" + CMD, "nodes[0].port", "less than or equal to 65535"),
     ("port string", "nodes: [{host: a, port: '22'}]\n" + CMD, "nodes[0].port", "whole number"),
     ("port in host string", "nodes: [{host: 'a:99999'}]\n" + CMD, "nodes[0].host", "invalid port"),
-    ("rendezvous port string", BASE + "rendezvous: {port: x}\n", "rendezvous.port", '"auto" or a port'),
-    ("rendezvous port zero", BASE + "rendezvous: {port: 0}\n", "rendezvous.port", '"auto" or a port'),
-    ("rendezvous port big", BASE + "rendezvous: {port: 70000}\n", "rendezvous.port", '"auto" or a port'),
+    ("rendezvous port string", BASE + "rendezvous: {port: x}\n", "rendezvous.port", 'a port number 1..65535, or a range'),
+    ("rendezvous port zero", BASE + "rendezvous: {port: 0}\n", "rendezvous.port", 'a port number 1..65535, or a range'),
+    ("rendezvous port range reversed", BASE + "rendezvous: {port: 29550-29500}\n", "rendezvous.port", "or a range"),
+    ("rendezvous port range too high", BASE + "rendezvous: {port: 65000-70000}\n", "rendezvous.port", "or a range"),
+    ("unknown placeholder", "nodes: [{host: local}]\ncommand: [x, '${rnak}']\n", "command[1]", "unknown placeholder ${rnak}"),
+    ("unclosed placeholder", "nodes: [{host: local}]\ncommand: [x, '${rank']\n", "command[1]", "unclosed placeholder"),
+    ("placeholder in env", BASE + "env: {A: '${host}'}\n", "env.A", "unknown placeholder ${host}"),
+    ("per-rank placeholder with c10d", "nodes: [{host: local}]\ncommand: [x, '${local_rank}']\nrendezvous: {backend: c10d}\n", "command[1]", "not known before torch's"),
+    ("duration bad clock", BASE + "max_duration: '1:99:00'\n", "max_duration", "HH:MM:SS"),
+    ("duration zero", BASE + "max_duration: 0\n", "max_duration", "greater than 0"),
+    ("duration zero clock", BASE + "max_duration: '00:00:00'\n", "max_duration", "longer than 0"),
+    ("secret_env bad name", BASE + "secret_env: ['A B']\n", "secret_env[0]", "not a valid variable name"),
+    ("rendezvous port big", BASE + "rendezvous: {port: 70000}\n", "rendezvous.port", 'a port number 1..65535, or a range'),
     ("rendezvous not a mapping", BASE + "rendezvous: static\n", "rendezvous", "must be a mapping"),
     ("master_addr shell", BASE + "rendezvous: {master_addr: 'a;b'}\n", "rendezvous.master_addr", "not a valid host"),
     ("env bad name", BASE + "env: {'1X': a}\n", "env.1X", "not a valid variable name"),
@@ -317,3 +327,49 @@ def test_schema_file_is_in_sync() -> None:
 @pytest.mark.parametrize("path", sorted(SCHEMA_PATH.parent.glob("*.yaml")), ids=lambda p: p.name)
 def test_reference_specs_load(path: Path) -> None:
     load_jobspec(path)
+
+
+def test_set_and_env_overrides_are_validated_like_the_file():
+    text = "nodes: [{host: local}, {host: local}]\ncommand: [x]\n"
+    spec = parse_jobspec(text, overrides=["health.hang_timeout=30", "nodes[1].address=10.0.0.9",
+                                          "max_duration=01:00:00", "command=[y, '--a=${rank}']"],
+                         env={"EXTRA": "1"})
+    assert spec.health.hang_timeout == 30 and spec.nodes[1].address == "10.0.0.9"
+    assert spec.max_duration == 3600 and spec.command == ("y", "--a=${rank}")
+    assert spec.env == {"EXTRA": "1"}
+    for bad, field, words in [
+        (["max_restarts=-1"], "max_restarts", "greater than or equal to 0"),
+        (["nodes[5].host=a"], "nodes[5].host", "no such field to set"),
+        (["helth.x=1"], "helth", "did you mean 'health'"),
+        (["no-equals"], "", "field=value"),
+        (["a..b=1"], "a..b", "not a field path"),
+    ]:
+        with pytest.raises(SpecError) as info:
+            parse_jobspec(text, overrides=bad)
+        assert info.value.field == field and words in str(info.value), (bad, str(info.value))
+    with pytest.raises(SpecError) as info:
+        parse_jobspec(text, env={"RANK": "3"})
+    assert info.value.field == "env.RANK"
+
+
+def test_placeholders_expand_per_worker_and_dollar_dollar_is_a_dollar():
+    from orchestrator.placeholders import expand, names_in
+
+    assert names_in("a ${rank} $$ ${job_id} $x") == {"rank", "job_id"}
+    assert expand("r${rank} $$HOME $x", {"rank": 3}) == "r3 $HOME $x"
+    spec = parse_jobspec("nodes: [{host: local}, {host: local}]\nnproc_per_node: 2\n"
+                         "command: [p, '--local_rank=${local_rank}', '${node_rank}/${nnodes}']\n"
+                         "env: {OUT: '/o/${rank}-${attempt}', FIXED: 'a$$b'}\n")
+    from orchestrator.plan import plan_attempt
+
+    plan = plan_attempt(spec, "j-1", attempt=2)
+    w = plan.nodes[1].workers[1]
+    assert w.argv == ("p", "--local_rank=1", "1/2") and w.env["OUT"] == "/o/3-2"
+    assert plan.nodes[1].env["FIXED"] == "a$b" and "OUT" not in plan.nodes[1].env
+
+
+def test_deprecated_nccl_variable_warns_with_the_new_name():
+    spec = parse_jobspec("nodes: [{host: local}]\ncommand: [x]\n"
+                         "env: {NCCL_ASYNC_ERROR_HANDLING: 1}\n")
+    assert spec.env["NCCL_ASYNC_ERROR_HANDLING"] == "1"  # passed through unchanged
+    assert any("TORCH_NCCL_ASYNC_ERROR_HANDLING" in w for w in spec.warnings)
