@@ -261,8 +261,9 @@ class Attempt:
     """Attempt ``plan.attempt``: its ranks' states, exits and first failure."""
 
     def __init__(self, plan: LaunchPlan, sink: LogSink, hosts: dict[int, str],
-                 store: Any, job_id: str):
+                 store: Any, job_id: str, nprocs: dict[int, int] | None = None):
         self.plan = plan
+        self.nprocs = nprocs or {}  # workers per node, as planned (gpu|auto differ per node)
         self.number = plan.attempt
         self.sink = sink
         self.hosts = hosts  # node index -> the host shown in log prefixes

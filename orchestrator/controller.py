@@ -302,17 +302,18 @@ class Controller:
             return AttemptResult(AttemptOutcome.FAILED, Failure(
                 FailureCause.NODE_FAIL, f"{node.host}: no answer while picking the master port",
                 node_index=node.index, host=node.host))
+        nprocs = self._nprocs(participants)
         self.attempt += 1
         plan = plan_attempt(
             self.spec, self.job_id, attempt=self.attempt, restart_count=self.attempt - 1,
             master_port=port, node_indices=[n.index for n in participants],
-            spec_dir=self.spec_dir,
+            spec_dir=self.spec_dir, nprocs=nprocs,
         )
         if self.previous is not None:
             self.previous.sink.close()
         self.previous = self.current
         attempt = Attempt(plan, self._sink(plan.world_size), self.hosts, self.store,
-                          self.job_id)
+                          self.job_id, nprocs)
         self._prune_logs()
         self.current = attempt
         ranks = [(w.rank, n.node_index, w.local_rank) for n in plan.nodes for w in n.workers
@@ -328,6 +329,21 @@ class Controller:
             self._set_node(node, NodeState.RUNNING, node_rank=node_plan.node_rank)
             self._send_start(node)
         return self._watch(attempt)
+
+    def _nprocs(self, participants: list[Node]) -> dict[int, int]:
+        """Workers per node for ``nproc_per_node: gpu|auto``, from what each agent reported."""
+        mode = self.spec.nproc_per_node
+        if isinstance(mode, int):
+            return {n.index: mode for n in participants}
+        counts = {}
+        for node in participants:
+            gpus = int(node.info.get("gpus") or 0)
+            if mode == "gpu" and gpus == 0:
+                raise _LaunchFailed(Failure(
+                    FailureCause.LAUNCH_FAILED, f"nproc_per_node: gpu, but {node.host} has no "
+                    "GPU (use a number, or auto)", node_index=node.index, host=node.host))
+            counts[node.index] = gpus or 1
+        return counts
 
     def _sink(self, ranks: int, sizes: dict[str, int] | None = None,
               state: dict[str, Any] | None = None) -> LogSink:
@@ -466,9 +482,12 @@ class Controller:
             plan = plan_attempt(self.spec, self.job_id, attempt=open_attempt.attempt,
                                 restart_count=open_attempt.attempt - 1,
                                 master_port=cp.get("master_port"),
-                                node_indices=list(cp["participants"]), spec_dir=self.spec_dir)
+                                node_indices=list(cp["participants"]), spec_dir=self.spec_dir,
+                                nprocs=(plan_nprocs := {int(k): v for k, v in
+                                                        cp.get("nprocs", {}).items()}))
             sink = self._sink(plan.world_size, cp["logs"], cp.get("log_state"))
-            self.current = Attempt(plan, sink, self.hosts, self.store, self.job_id)
+            self.current = Attempt(plan, sink, self.hosts, self.store, self.job_id,
+                                   plan_nprocs)
             self.current.restore(cp)
         # Reattach to every agent that may be alive; launch nothing yet.
         for node in self.nodes:
@@ -761,7 +780,8 @@ class Controller:
         if not force and (not dirty or now - self._last_checkpoint < CHECKPOINT_EVERY):
             return
         state = {**attempt.snapshot(), "participants": attempt.participants,
-                 "master_port": attempt.plan.master_port}
+                 "master_port": attempt.plan.master_port,
+                 "nprocs": attempt.nprocs}
         if self.previous is not None:  # late lines of the attempt before: on disk first
             self.previous.sink.flush()
         self.store.checkpoint(self.job_id, attempt.number, state,

@@ -104,11 +104,14 @@ def plan_attempt(
     master_port: int | None = None,
     node_indices: list[int] | None = None,
     spec_dir: str = ".",
+    nprocs: dict[int, int] | None = None,
 ) -> LaunchPlan:
     """Plan one attempt on the nodes ``node_indices`` (default: the first ``max_nodes``).
 
     Node ranks follow the order of ``node_indices``; the first node hosts the master (static)
-    or the rendezvous store (c10d).
+    or the rendezvous store (c10d). ``nprocs`` gives each node's worker count when
+    ``nproc_per_node`` is ``gpu`` or ``auto`` (from what its agent reported; a dry run
+    assumes 1); nodes may then differ, and ranks follow the counts.
     """
     if node_indices is None:
         node_indices = list(range(spec.max_nodes))
@@ -118,16 +121,16 @@ def plan_attempt(
         master_port = spec.rendezvous.port
     master = spec.nodes[node_indices[0]]
     master_addr = spec.rendezvous.master_addr or node_address(master)
-    nproc = spec.nproc_per_node
+    counts = {i: (spec.nproc_per_node if isinstance(spec.nproc_per_node, int)
+                  else (nprocs or {}).get(i, 1)) for i in node_indices}
     nnodes = len(node_indices)
-    world_size = nnodes * nproc
+    world_size = sum(counts.values())
     port_text = str(master_port) if master_port is not None else str(spec.rendezvous.port)
 
     common = {
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": port_text,
         "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(nproc),
         "GROUP_WORLD_SIZE": str(nnodes),
         "ROLE_WORLD_SIZE": str(world_size),
         "ROLE_NAME": ROLE_NAME,
@@ -141,8 +144,10 @@ def plan_attempt(
     per_rank_env = {k for k, v in spec.env.items()
                     if placeholders.names_in(v) & placeholders.PER_RANK}
     nodes = []
+    first_rank = 0
     for node_rank, index in enumerate(node_indices):
         node = spec.nodes[index]
+        nproc = counts[index]
         values: dict[str, object] = {"node_rank": node_rank, "nnodes": nnodes, "job_id": job_id,
                                      "attempt": attempt, "world_size": world_size}
         user_env = {k: placeholders.expand(v, values) for k, v in spec.env.items()
@@ -157,14 +162,16 @@ def plan_attempt(
                    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": TORCHRUN_LINE_PREFIX}
             command = tuple(placeholders.expand(a, values) for a in spec.command)
             argv, options = _torchrun(spec, command, job_id, attempt, master_addr, port_text,
-                                      node_address(node), is_host=node_rank == 0)
+                                      node_address(node), nproc, is_host=node_rank == 0)
             workers: tuple[WorkerPlan, ...] = (WorkerPlan(None, 0, argv, options),)
         else:
-            env = {**user_env, **common, "GROUP_RANK": str(node_rank)}
+            env = {**user_env, **common, "GROUP_RANK": str(node_rank),
+                   "LOCAL_WORLD_SIZE": str(nproc)}
             workers = tuple(
-                _worker(spec, node_rank * nproc + local, local, values, per_rank_env)
+                _worker(spec, first_rank + local, local, values, per_rank_env)
                 for local in range(nproc)
             )
+        first_rank += nproc
         workdir = spec.workdir
         if node.is_local:
             workdir = os.path.normpath(os.path.join(spec_dir, os.path.expanduser(workdir)))
@@ -184,7 +191,7 @@ def _worker(spec: JobSpec, rank: int, local: int, node_values: dict[str, object]
 
 
 def _torchrun(spec: JobSpec, command_in: tuple[str, ...], job_id: str, attempt: int,
-              master_addr: str, port: str, local_addr: str, *,
+              master_addr: str, port: str, local_addr: str, nproc: int, *,
               is_host: bool) -> tuple[tuple[str, ...], dict[str, str]]:
     """torchrun's command line and its options. The options travel as ``PET_*`` environment
     variables (torchrun reads every option from ``PET_<NAME>``), never on the command line:
@@ -197,7 +204,7 @@ def _torchrun(spec: JobSpec, command_in: tuple[str, ...], job_id: str, attempt: 
     script = command[1:] if python_first else command
     options = {
         "PET_NNODES": f"{spec.min_nodes}:{spec.max_nodes}",
-        "PET_NPROC_PER_NODE": str(spec.nproc_per_node),
+        "PET_NPROC_PER_NODE": str(nproc),
         "PET_RDZV_BACKEND": "c10d",
         "PET_RDZV_ENDPOINT": _host_port(master_addr, port),
         "PET_RDZV_ID": f"{job_id}-{attempt}",

@@ -143,6 +143,8 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
             return
         for key in ("hostname", "python", "torch", "gpus"):
             setattr(report, key, session.hello.get(key))
+        if spec.nproc_per_node == "gpu" and not report.gpus:
+            report.error = f"nproc_per_node: gpu, but {node.host} has no GPU"
         sessions[i] = session
 
     with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes))) as pool:

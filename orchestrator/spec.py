@@ -285,7 +285,9 @@ class JobSpec(_Model):
     nodes: tuple[NodeSpec, ...] = ()
     hostfile: PathText | None = Field(
         default=None, description="DeepSpeed-style 'hostname slots=N' file, instead of nodes")
-    nproc_per_node: Annotated[StrictInt, Field(ge=1)] = 1
+    nproc_per_node: Annotated[StrictInt, Field(ge=1)] | Literal["gpu", "auto"] = Field(
+        default=1, description='workers per node; "gpu": one per GPU the node has (refused on '
+                               'a node without); "auto": one per GPU, or 1 without GPUs')
     nnodes: str | StrictInt | None = Field(
         default=None, description='"MIN:MAX", "N" or N; default: every node')
     command: tuple[str, ...] = Field(description="argv, or a string split like a shell does")
@@ -339,6 +341,13 @@ class JobSpec(_Model):
                 if isinstance(item, str) and "\0" in item:
                     raise _FieldError(f"[{i}]", "must not contain NUL", item)
         return v
+
+    @field_validator("nproc_per_node", mode="before")
+    @classmethod
+    def _nproc(cls, v: Any) -> Any:
+        if v in ("gpu", "auto") or (type(v) is int and v >= 1):
+            return v
+        raise ValueError('must be a whole number of at least 1, "gpu" or "auto"')
 
     @field_validator("secret_env")
     @classmethod

@@ -86,3 +86,17 @@ def test_a_fully_occupied_port_range_is_a_launch_failure_naming_it(home, tmp_pat
     assert result["state"] == "FAILED" and failure["cause"] == "LAUNCH_FAILED"
     assert "29731-29732" in failure["message"] and failure["host"] == "local"
     assert result["restarts"] == 0
+
+
+def test_nproc_gpu_is_refused_on_a_node_without_gpus_and_auto_gives_one(home, tmp_path):
+    gpu = orchestrator.submit(spec(tmp_path, ["true"], nproc_per_node="gpu", max_restarts=2))
+    result = orchestrator.wait(gpu, timeout=60)
+    failure = result["failure"]
+    assert result["state"] == "FAILED" and failure["cause"] == "LAUNCH_FAILED"
+    assert failure["message"] == "nproc_per_node: gpu, but local has no GPU (use a number, or auto)"
+    assert result["attempts"] == [] and result["restarts"] == 0  # no worker ever started
+    auto = orchestrator.submit(spec(tmp_path, [PYTHON, str(WORKERS / "env_dump.py")],
+                                    nproc_per_node="auto"))
+    result = orchestrator.wait(auto, timeout=60)
+    assert result["state"] == "SUCCEEDED" and len(result["ranks"]) == 2  # 1 per CPU node
+    assert_no_job_processes(auto)

@@ -113,3 +113,17 @@ def test_token_sweep_revalidates_each_pid_before_killing(monkeypatch):
         ours.kill()
         stranger.wait()
         ours.wait()
+
+
+def test_gpu_counts_differ_per_node_and_ranks_follow_them():
+    spec = parse_jobspec("nodes: [{host: local}, {host: local}, {host: local}]\n"
+                         "nproc_per_node: gpu\ncommand: [train]\n")
+    plan = plan_attempt(spec, "j-1", node_indices=[0, 2], nprocs={0: 3, 2: 1})
+    assert plan.world_size == 4
+    assert [[w.rank for w in n.workers] for n in plan.nodes] == [[0, 1, 2], [3]]
+    assert [n.env["LOCAL_WORLD_SIZE"] for n in plan.nodes] == ["3", "1"]
+    assert {n.env["WORLD_SIZE"] for n in plan.nodes} == {"4"}
+    c10d = parse_jobspec("nodes: [{host: local}, {host: local}]\nnproc_per_node: auto\n"
+                         "command: [python, t.py]\nrendezvous: {backend: c10d}\n")
+    plan = plan_attempt(c10d, "j-1", nprocs={0: 2, 1: 8})
+    assert [n.workers[0].env["PET_NPROC_PER_NODE"] for n in plan.nodes] == ["2", "8"]

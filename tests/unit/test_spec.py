@@ -50,7 +50,7 @@ BAD = [
     ("nproc true", BASE + "nproc_per_node: true\n", "nproc_per_node", "whole number"),
     ("nproc fraction", BASE + "nproc_per_node: 2.5\n", "nproc_per_node", "whole number"),
     ("nproc string", BASE + "nproc_per_node: two\n", "nproc_per_node", "whole number"),
-    ("nproc zero", BASE + "nproc_per_node: 0\n", "nproc_per_node", "greater than or equal to 1"),
+    ("nproc zero", BASE + "nproc_per_node: 0\n", "nproc_per_node", "at least 1, \"gpu\" or \"auto\""),
     ("max_restarts negative", BASE + "max_restarts: -1\n", "max_restarts", "greater than or equal to 0"),
     ("nnodes min>max", "nodes: [{host: a}, {host: b}]\nnnodes: '3:2'\n" + CMD, "nnodes", "MIN is larger"),
     ("nnodes max>hosts", BASE + "nnodes: '1:3'\n", "nnodes", "MAX 3 is more than the 1 node"),
