@@ -17,6 +17,7 @@ which changes gloo's summation order for four or more ranks.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import hashlib
 import os
 import sys
@@ -56,10 +57,20 @@ def make_data(samples: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw bytes of a tensor's elements in row-major order, the same as numpy's
+    ``tobytes()``, but without numpy: torch does not depend on it. ``dense`` is a contiguous CPU
+    tensor, so ``data_ptr()`` (which counts a view's storage offset) starts exactly
+    ``numel * element_size`` bytes of its elements; the local name keeps that memory alive."""
+    dense = t.detach().cpu().contiguous()
+    size = dense.numel() * dense.element_size()
+    return ctypes.string_at(dense.data_ptr(), size) if size else b""
+
+
 def weights_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.state_dict().values():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        h.update(tensor_bytes(p))
     return h.hexdigest()[:16]
 
 
