@@ -29,9 +29,11 @@ past the spool's cap the agent counts the lines it could not keep and says so.
 
 from __future__ import annotations
 
+import base64
 import collections
 import ctypes
 import fcntl
+import hashlib
 import hmac
 import json
 import os
@@ -652,6 +654,39 @@ class Outbox:
             self._cond.notify_all()
 
 
+def _cache() -> str:
+    return os.path.expanduser("~/.cache/orchestrator")
+
+
+def _blob(sha: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise ValueError(f"bad blob name {sha!r}")
+    return os.path.join(_cache(), "blobs", sha[:2], sha)
+
+
+def _prune_trees(base: str, keep: int, current: str) -> None:
+    """Keep the ``keep`` most recently used trees (and ``current``); blobs that no kept
+    tree uses go too."""
+    trees = sorted((os.path.join(base, d) for d in os.listdir(base)
+                    if re.fullmatch(r"[0-9a-f]{24}", d)), key=os.path.getmtime, reverse=True)
+    kept = set(trees[:keep]) | {current}
+    for tree in trees:
+        if tree not in kept:
+            shutil.rmtree(tree, ignore_errors=True)
+    used: set[str] = set()
+    for tree in kept:
+        try:
+            with open(os.path.join(tree, ".orchestrator-manifest.json")) as f:
+                used.update(sha for _, sha, _ in json.load(f))
+        except (OSError, ValueError):
+            return  # cannot tell what is used: keep every blob
+    blobs = os.path.join(_cache(), "blobs")
+    for sub in os.listdir(blobs) if os.path.isdir(blobs) else ():
+        for name in os.listdir(os.path.join(blobs, sub)):
+            if re.fullmatch(r"[0-9a-f]{64}", name) and name not in used:
+                os.unlink(os.path.join(blobs, sub, name))
+
+
 def _close(conn: socket.socket) -> None:
     try:
         conn.shutdown(socket.SHUT_RDWR)
@@ -1015,6 +1050,95 @@ class Agent:
         self._reply(msg, P.PROBE_RESULT, interface=interface_for(address),
                     reachable=not errors, unreachable=sorted(errors),
                     error=next(iter(errors.values()), None))
+
+    # --- code and setup on the node (see orchestrator/sync.py) -----------------------------
+    def op_sync_missing(self, msg: dict[str, Any]) -> None:
+        """Which of these blobs (sha256) this node's cache lacks."""
+        missing = [sha for sha in msg.get("blobs", []) if not os.path.exists(_blob(str(sha)))]
+        self._reply(msg, P.SYNC_MISSING, missing=missing)
+
+    def op_sync_put(self, msg: dict[str, Any]) -> None:
+        """One chunk of a blob; the last one checks the whole blob's sha256."""
+        sha, offset = str(msg["sha"]), int(msg["offset"])
+        final = _blob(sha)
+        part = f"{final}.part-{os.getpid()}"  # nodes may share a home (NFS): our own file
+        os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+        with open(part, "r+b" if offset else "wb") as f:
+            f.seek(offset)
+            f.write(base64.b64decode(msg["data"]))
+        if msg.get("last"):
+            digest = hashlib.sha256()
+            with open(part, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+            if digest.hexdigest() != sha:
+                os.unlink(part)
+                self._reply(msg, P.SYNC_PUT, ok=False, error=f"blob {sha[:12]} arrived corrupt")
+                return
+            os.replace(part, final)
+        self._reply(msg, P.SYNC_PUT, ok=True)
+
+    def op_sync_build(self, msg: dict[str, Any]) -> None:
+        """Build tree ``tree`` from cached blobs (once), prune old trees, reply its path."""
+        tree, files, keep = str(msg["tree"]), msg["files"], int(msg.get("keep", 5))
+        base = os.path.join(_cache(), "sync")
+        path = os.path.join(base, tree)
+        if not os.path.isdir(path):
+            building = f"{path}.building-{os.getpid()}"
+            shutil.rmtree(building, ignore_errors=True)
+            for rel, sha, executable in files:
+                dest = os.path.join(building, rel)
+                if os.path.isabs(rel) or ".." in rel.split("/"):
+                    raise ValueError(f"bad path in manifest: {rel!r}")
+                os.makedirs(os.path.dirname(dest), mode=0o755, exist_ok=True)
+                shutil.copyfile(_blob(sha), dest)  # a copy: a job editing it must not touch
+                os.chmod(dest, 0o755 if executable else 0o644)  # the cache
+            os.makedirs(building, exist_ok=True)
+            with open(os.path.join(building, ".orchestrator-manifest.json"), "w") as f:
+                json.dump(files, f)
+            try:
+                os.rename(building, path)
+            except OSError:  # another agent sharing this home built it meanwhile
+                shutil.rmtree(building, ignore_errors=True)
+        os.utime(path)
+        _prune_trees(base, keep, path)
+        self._reply(msg, P.SYNC_BUILT, path=path)
+
+    def op_setup(self, msg: dict[str, Any]) -> None:
+        """Run the job's setup script once per (script, tree): on this node it is skipped
+        when that key succeeded before. Output streams as ``setup_output`` while it runs."""
+        threading.Thread(target=self._setup, args=(msg,), daemon=True).start()
+
+    def _setup(self, msg: dict[str, Any]) -> None:
+        key = str(msg["key"])
+        marks = os.path.join(_cache(), "setup")
+        os.makedirs(marks, mode=0o700, exist_ok=True)
+        done = os.path.join(marks, f"{key}.ok")
+        with _lock(os.path.join(marks, f"{key}.lock")):  # one run per key on this machine
+            if os.path.exists(done):
+                self._reply(msg, P.SETUP_DONE, exit_code=0, cached=True, tail=[])
+                return
+            env = dict(os.environ)
+            env.update(msg.get("env") or {})
+            tail: collections.deque[str] = collections.deque(maxlen=20)
+            try:
+                proc = subprocess.Popen(["/bin/sh", "-c", str(msg["script"])],
+                                        cwd=os.path.expanduser(msg.get("workdir") or "."),
+                                        env=env, stdin=subprocess.DEVNULL,
+                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        start_new_session=True, preexec_fn=_set_pdeathsig)
+            except OSError as exc:
+                self._reply(msg, P.SETUP_DONE, exit_code=127, cached=False, tail=[str(exc)])
+                return
+            assert proc.stdout is not None
+            for raw in iter(lambda: proc.stdout.readline(P.MAX_LINE), b""):
+                line = _text(raw.rstrip(b"\n"))
+                tail.append(line)
+                self.outbox.put({"type": P.SETUP_OUTPUT, "attempt": 0, "lines": [line]})
+            code = proc.wait()
+            if code == 0:
+                open(done, "w").close()
+            self._reply(msg, P.SETUP_DONE, exit_code=code, cached=False, tail=list(tail))
 
     def op_start(self, msg: dict[str, Any]) -> None:
         attempt = int(msg["attempt"])

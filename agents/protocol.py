@@ -34,6 +34,10 @@ Controller -> agent (``op``)::
     listen    {req, port}           (preflight: hold a listening socket)
     probe     {req, address, port}  (preflight: route and TCP reachability toward the master)
     shutdown  {}                    stop the workers, remove the agent's state, exit
+    sync_missing {req, blobs}       which of these sha256 blobs the node's cache lacks
+    sync_put  {req, sha, offset, data (base64), last}   one chunk of a blob
+    sync_build {req, tree, files: [[path, sha, executable]], keep}   build the tree, prune
+    setup     {req, key, script, workdir, env}   run once per key (cached when it succeeds)
 
 Agent -> controller (``type``). *Sequenced* messages carry ``seq`` (1, 2, ...) and are kept
 by the agent until acknowledged, spooled to disk while no controller is attached, and
@@ -43,7 +47,9 @@ replayed in order on the next ``attach``. The others are only meaningful live::
                   workers: [{rank, local_rank, pid, running}], spooled_bytes}   (live)
     heartbeat    {attempt}                                                      (live)
     progress     {attempt}   a worker touched its ORCHESTRATOR_HEARTBEAT_FILE   (live)
-    port / listening / probe {req, ...}   replies to requests                   (live)
+    port / listening / probe / sync_missing / sync_put / sync_built / setup_done
+                 {req, ...}   replies to requests                                    (live)
+    setup_output {lines}      the setup script's output while it runs                (live)
     started      {seq, attempt, rank, local_rank, pid}
     spawn_failed {seq, attempt, rank, local_rank, error}
     output       {seq, attempt, rank, stream, lines: [...]}   many lines of one rank
@@ -76,6 +82,10 @@ FREE_PORT = "free_port"
 LISTEN = "listen"
 PROBE = "probe"
 SHUTDOWN = "shutdown"
+SYNC_MISSING = "sync_missing"
+SYNC_PUT = "sync_put"
+SYNC_BUILD = "sync_build"
+SETUP = "setup"
 
 # Relay -> controller.
 RELAY = "relay"
@@ -88,6 +98,9 @@ PROGRESS = "progress"
 PORT = "port"
 LISTENING = "listening"
 PROBE_RESULT = "probe"
+SYNC_BUILT = "sync_built"
+SETUP_OUTPUT = "setup_output"
+SETUP_DONE = "setup_done"
 STARTED = "started"
 SPAWN_FAILED = "spawn_failed"
 OUTPUT = "output"
@@ -135,6 +148,7 @@ _FIELDS: dict[str, dict[str, Any]] = {
     STOPPED: {"attempt": int},
     DROPPED: {"attempt": int, "rank": _OPT_INT, "stream": str, "lines": int},
     ERROR: {"message": str},
+    SETUP_OUTPUT: {"lines": list},
 }
 
 
@@ -161,7 +175,7 @@ def check(message: dict[str, Any]) -> str | None:
     for name, expected in _FIELDS.get(kind, {}).items():
         if not _is(message.get(name), expected):
             return f"{kind}: bad {name} {str(message.get(name))[:40]!r}"
-    if kind == OUTPUT and not all(isinstance(line, str) for line in message["lines"]):
+    if kind in (OUTPUT, SETUP_OUTPUT) and not all(isinstance(ln, str) for ln in message["lines"]):
         return "output: lines must be text"
     return None
 
@@ -206,12 +220,13 @@ class Mailbox:
             self._cond.notify_all()
             return True
 
-    def wait(self, req: int, timeout: float) -> dict[str, Any] | None:
-        """The reply to ``req``, or None on timeout or when the stream ended."""
-        deadline = time.monotonic() + timeout
+    def wait(self, req: int, timeout: float | None) -> dict[str, Any] | None:
+        """The reply to ``req``, or None on timeout (None: no timeout) or when the stream
+        ended."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             while req not in self._replies:
-                left = deadline - time.monotonic()
+                left = 60.0 if deadline is None else deadline - time.monotonic()
                 if self.closed or left <= 0:
                     return None
                 self._cond.wait(left)

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orchestrator import preflight
+from orchestrator import preflight, sync
 from orchestrator.errors import JobEndedError, LaunchError
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
@@ -65,6 +65,9 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
     """
     job_spec, directory = _load(spec, spec_dir, env, overrides)
     preflight.quick_check(job_spec)
+    if job_spec.sync is not None:  # a bad symlink or an unreadable file: said now, not later
+        sync.build_manifest(os.path.join(directory, os.path.expanduser(job_spec.sync.path)),
+                            job_spec.sync.exclude)
     store = Store(home)
     try:
         _check_free_space(store, job_spec.logs.min_free_bytes)
@@ -221,29 +224,32 @@ def cancel(job_id: str, *, wait_seconds: float = 60.0,
 def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
          attempt: int | None = None, tail: int | None = None, follow: bool = False,
          home: str | os.PathLike[str] | None = None, poll: float = 0.2) -> Iterator[str]:
-    """Yield log lines ``[host:rank] text`` of a job: every attempt, or one.
+    """Yield log lines ``[host:rank] text`` of a job: the setup (``[host:setup]``) and
+    every attempt, or one attempt.
 
     ``follow`` keeps yielding new lines, moving on to new attempts, until the job ends.
     """
     store = Store(home)
     try:
         job = store.get_job(check_job_id(job_id))
-        attempts = [attempt] if attempt is not None else list(range(1, job.attempt + 1))
+
+        def combined(n: int) -> Path:  # attempt 0: the setup phase
+            if n == 0:
+                return store.job_dir(job_id) / "logs" / "setup" / "combined.log"
+            return store.log_dir(job_id, n) / "combined.log"
+
+        first = attempt if attempt is not None else (0 if rank is None else 1)
+        last = attempt if attempt is not None else max(job.attempt, first)
         keep = _line_filter(job, rank, node)
-        cursor = _Cursor(store.log_dir(job_id, attempts[-1] if attempts else 1) / "combined.log")
-        lines: Iterator[str] = (
-            line
-            for a in attempts
-            for line in (cursor if a == attempts[-1] else
-                         _Cursor(store.log_dir(job_id, a) / "combined.log")).read()
-            if keep(line)
-        )
+        cursors = {n: _Cursor(combined(n)) for n in range(first, last + 1)}
+        lines: Iterator[str] = (line for n in range(first, last + 1)
+                                for line in cursors[n].read() if keep(line))
         if tail is not None:
             lines = iter(deque(lines, maxlen=max(0, tail)))
         yield from lines
         if not follow:
             return
-        current = attempts[-1] if attempts else 1
+        current, cursor = last, cursors[last]
         next_liveness_check = time.monotonic() + 2.0
         while True:
             job = store.get_job(job_id)
@@ -255,7 +261,7 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
             yield from new
             if attempt is None and job.attempt > current:
                 current += 1
-                cursor = _Cursor(store.log_dir(job_id, current) / "combined.log")
+                cursor = _Cursor(combined(current))
                 continue
             if job.state.is_terminal() and not new:
                 return
@@ -348,6 +354,7 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
             {"node_index": n.node_index, "host": n.host, "node_rank": n.node_rank,
              "state": n.state.value, "hostname": n.info.get("hostname"),
              "agent_pid": n.info.get("pid"), "error": n.info.get("error"),
+             "sync": n.info.get("sync"),
              "history": [{"at": _iso(e.at), "state": e.state.value, "message": e.message}
                          for e in n.history]}
             for n in job.nodes

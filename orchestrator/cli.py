@@ -111,6 +111,8 @@ def submit(
     if not as_json:
         typer.echo(f"submitted {job_id}", err=True)
     _cancel_on_signals(job_id)
+    if loaded.sync is not None and sys.stderr.isatty() and not as_json:
+        _show_sync_progress(job_id)
     if follow:
         show = visible if sys.stdout.isatty() else str
         for line in _call(lambda: _prime(api.logs(job_id, follow=True))):
@@ -121,6 +123,37 @@ def submit(
     else:
         typer.echo(visible(_summary_line(result)), err=True)
     raise typer.Exit(EXIT_FOR_STATE.get(result["state"], 1))
+
+
+def _show_sync_progress(job_id: str) -> None:
+    """One bar per SSH node while the controller ships the synced tree (bytes and files),
+    read from the job's status; gone once every node has its tree, or the job moved on."""
+    import time
+
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn
+
+    with Progress(TextColumn("sync {task.description}"), BarColumn(), DownloadColumn(),
+                  TextColumn("{task.fields[files]}"), console=Console(stderr=True),
+                  transient=True) as bars:
+        tasks: dict[int, Any] = {}
+        while True:
+            data = api.status(job_id)
+            syncs = {n["node_index"]: (n["host"], n["sync"]) for n in data["nodes"]
+                     if n.get("sync")}
+            for index, (host, info) in syncs.items():
+                files = f"{info['blobs_sent']} file(s) sent of {info['files']}"
+                if index not in tasks:
+                    tasks[index] = bars.add_task(visible(host), total=info["to_send"] or 1,
+                                                 files=files)
+                bars.update(tasks[index], completed=info["bytes_sent"] if info["to_send"]
+                            else 1, files=files)
+            remote = [n for n in data["nodes"] if "@" in n["host"] or n["host"] != "local"]
+            done = syncs and all(info["done"] for _, info in syncs.values()) and \
+                len(syncs) >= len(remote)
+            if done or data["state"] not in ("PENDING", "LAUNCHING"):
+                return
+            time.sleep(0.2)
 
 
 def _pairs(items: list[str]) -> dict[str, str]:

@@ -28,7 +28,9 @@ if it crashes.
 from __future__ import annotations
 
 import argparse
+import base64
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -45,8 +47,9 @@ from collections import deque
 from typing import Any
 
 from agents import protocol as P
+from orchestrator import sync
 from orchestrator.attempt import Attempt, AttemptResult, Failure, LogSink
-from orchestrator.errors import OrchestratorError
+from orchestrator.errors import LaunchError, OrchestratorError
 from orchestrator.nodepool import Channel, Node, NodePool
 from orchestrator.plan import plan_attempt
 from orchestrator.spec import JobSpec
@@ -114,6 +117,11 @@ class Controller:
         self._deadline: float | None = None  # wall clock: max_duration after the start
         self._last_checkpoint = 0.0
         self._lingering = False
+        self._manifest: sync.Manifest | None = None  # built once, by the first node's sync
+        self._manifest_lock = threading.Lock()
+        self._needs_prep = bool(spec.setup) or (spec.sync is not None and any(
+            not n.is_local for n in spec.nodes))
+        self._setup_sink: LogSink | None = None
 
     # --- the restart policy: one loop ---------------------------------------------------
     def run(self) -> JobState:
@@ -277,9 +285,14 @@ class Controller:
     def _participants(self) -> list[Node]:
         """The first ``max_nodes`` healthy nodes; waits up to launch_timeout for lost nodes
         to rejoin while fewer than ``min_nodes`` are healthy."""
+        while any(n.preparing for n in self.nodes):  # sync and setup take what they take
+            self._pump(POLL)
+            self._check_cancel()
+            self._check_health()
         deadline = time.monotonic() + self.spec.launch_timeout
         while (sum(n.usable for n in self.nodes) < self.spec.min_nodes
-               and any(n.connecting or n.draining is not None for n in self.nodes)
+               and any(n.connecting or n.draining is not None or n.preparing
+                       for n in self.nodes)
                and time.monotonic() < deadline):
             self._pump(POLL)
             self._check_cancel()
@@ -308,6 +321,7 @@ class Controller:
             self.spec, self.job_id, attempt=self.attempt, restart_count=self.attempt - 1,
             master_port=port, node_indices=[n.index for n in participants],
             spec_dir=self.spec_dir, nprocs=nprocs,
+            sync_tree=self._tree().tree if self.spec.sync is not None else None,
         )
         if self.previous is not None:
             self.previous.sink.close()
@@ -483,6 +497,7 @@ class Controller:
                                 restart_count=open_attempt.attempt - 1,
                                 master_port=cp.get("master_port"),
                                 node_indices=list(cp["participants"]), spec_dir=self.spec_dir,
+                                sync_tree=cp.get("sync_tree"),
                                 nprocs=(plan_nprocs := {int(k): v for k, v in
                                                         cp.get("nprocs", {}).items()}))
             sink = self._sink(plan.world_size, cp["logs"], cp.get("log_state"))
@@ -552,6 +567,12 @@ class Controller:
             self._on_closed(self.nodes[event[1]], event[2])
         elif kind == "unavailable":
             self._on_unavailable(self.nodes[event[1]], event[2], event[3], event[4])
+        elif kind == "prepared":
+            self._on_prepared(self.nodes[event[1]], event[2])
+        elif kind == "progress":
+            node = self.nodes[event[1]]
+            node.info = {**node.info, "sync": event[2]}
+            self.store.set_node(self.job_id, node.index, node.state, info=node.info)
 
     def _on_message(self, node: Node, generation: int, message: dict[str, Any]) -> None:
         if node.channel is None or node.channel.generation != generation:
@@ -585,6 +606,15 @@ class Controller:
         kind = message.get("type")
         if kind == P.ERROR:
             log.warning("%s: agent error: %s", node.host, message.get("message"))
+            return
+        if kind == P.SETUP_OUTPUT:
+            if self._setup_sink is None:
+                self._setup_sink = LogSink(self.store.job_dir(self.job_id) / "logs" / "setup",
+                                           cap=self.spec.logs.max_bytes_per_rank,
+                                           min_free=self.spec.logs.min_free_bytes)
+            self._setup_sink.write(self.hosts[node.index], "setup", "stdout",
+                                   [str(ln) for ln in message["lines"]])
+            self._setup_sink.flush()
             return
         if kind == P.STOPPED and node.draining is not None and \
                 message.get("attempt") == node.draining:
@@ -689,6 +719,123 @@ class Controller:
         elif in_attempt and attempt is not None and attempt.stopping:
             self.pool.send(node, {"op": P.STOP, "attempt": attempt.number,
                                   "grace": self.spec.stop_grace_period})
+        if ours or not self._needs_prep:
+            node.prepared = True  # its workers run already, or there is nothing to prepare
+        elif not node.preparing:
+            node.prepared = False  # a new agent, maybe a new machine: sync and set up first
+            node.preparing = True
+            threading.Thread(target=self._prepare, args=(node, channel), daemon=True,
+                             name=f"prepare-{node.index}").start()
+
+    # --- code and setup on the nodes (a thread per node; results come back as events) ------
+    def _prepare(self, node: Node, channel: Channel) -> None:
+        """Ship the synced tree and run the setup commands on one node."""
+        try:
+            tree = None
+            if self.spec.sync is not None:
+                tree = self._tree().tree
+                if not node.spec.is_local:
+                    self._push(node, channel)
+            if self.spec.setup:
+                key = hashlib.sha256(f"{self.spec.setup_script}\0{tree}".encode()).hexdigest()
+                env = {k: v for k, v in self.spec.env.items() if "$" not in v}
+                req, message = channel.mailbox.request(
+                    P.SETUP, key=key[:32], script=self.spec.setup_script, env=env,
+                    workdir=plan_attempt(self.spec, self.job_id, node_indices=[node.index],
+                                         spec_dir=self.spec_dir, sync_tree=tree
+                                         ).nodes[0].workdir)
+                channel.conn.send(message)
+                reply = channel.mailbox.wait(req, None)  # setups take what they take
+                if reply is None:  # the channel dropped: prepared again once reattached
+                    self.pool.events.put(("prepared", node.index, None))
+                    return
+                if reply.get("exit_code") != 0:
+                    tail = [str(t) for t in reply.get("tail") or []]
+                    self.pool.events.put(("prepared", node.index, Failure(
+                        FailureCause.SETUP_FAILED,
+                        f"setup failed on {node.host} with exit code {reply.get('exit_code')}",
+                        node_index=node.index, host=node.host,
+                        exit_code=reply.get("exit_code"), stderr_tail=tail)))
+                    return
+            self.pool.events.put(("prepared", node.index, "ok"))
+        except OrchestratorError as exc:
+            self.pool.events.put(("prepared", node.index, Failure(
+                FailureCause.LAUNCH_FAILED, str(exc), node_index=node.index, host=node.host)))
+        except Exception as exc:  # the channel broke under us, or a bug: say which node
+            self.pool.events.put(("prepared", node.index, None if channel.mailbox.closed
+                                  else Failure(FailureCause.LAUNCH_FAILED,
+                                               f"{node.host}: preparing failed: {exc!r}",
+                                               node_index=node.index, host=node.host)))
+
+    def _tree(self) -> sync.Manifest:
+        with self._manifest_lock:
+            if self._manifest is None:
+                assert self.spec.sync is not None
+                root = os.path.join(self.spec_dir, os.path.expanduser(self.spec.sync.path))
+                self._manifest = sync.build_manifest(root, self.spec.sync.exclude)
+            return self._manifest
+
+    def _push(self, node: Node, channel: Channel) -> None:
+        """Send the blobs the node lacks (pipelined chunks), then have it build the tree."""
+        manifest = self._tree()
+        assert self.spec.sync is not None
+
+        def ask(op: str, **fields: Any) -> dict[str, Any]:
+            req, message = channel.mailbox.request(op, **fields)
+            channel.conn.send(message)
+            reply = channel.mailbox.wait(req, 120.0)
+            if reply is None:
+                raise ConnectionError(f"{node.host}: no answer to {op}")
+            return reply
+
+        by_sha = {e.sha256: e for e in manifest.entries}
+        missing = ask(P.SYNC_MISSING, blobs=sorted(by_sha))["missing"]
+        progress = {"tree": manifest.tree, "files": len(manifest.entries),
+                    "bytes": manifest.total_bytes, "blobs_sent": 0, "bytes_sent": 0,
+                    "to_send": sum(by_sha[s].size for s in missing), "done": False}
+        self.pool.events.put(("progress", node.index, dict(progress)))
+        last_report = time.monotonic()
+        for sha in missing:
+            entry = by_sha[sha]
+            pending: list[int] = []
+            with open(manifest.root / entry.path, "rb") as f:
+                offset = 0
+                while True:
+                    data = f.read(sync.CHUNK)
+                    last = offset + len(data) >= entry.size
+                    req, message = channel.mailbox.request(
+                        P.SYNC_PUT, sha=sha, offset=offset, last=last,
+                        data=base64.b64encode(data).decode())
+                    channel.conn.send(message)
+                    pending.append(req)
+                    offset += len(data)
+                    progress["bytes_sent"] += len(data)
+                    if len(pending) >= 8 or last:  # a few chunks in flight, not a whole file
+                        for r in pending:
+                            reply = channel.mailbox.wait(r, 120.0)
+                            if reply is None:
+                                raise ConnectionError(f"{node.host}: sync interrupted")
+                            if not reply.get("ok"):
+                                raise LaunchError(f"{node.host}: sync: {reply.get('error')}")
+                        pending = []
+                    if last:
+                        break
+            progress["blobs_sent"] += 1
+            if time.monotonic() - last_report > 0.2:
+                last_report = time.monotonic()
+                self.pool.events.put(("progress", node.index, dict(progress)))
+        ask(P.SYNC_BUILD, tree=manifest.tree, files=manifest.to_message(),
+            keep=self.spec.sync.keep)
+        progress["done"] = True
+        self.pool.events.put(("progress", node.index, dict(progress)))
+
+    def _on_prepared(self, node: Node, outcome: Any) -> None:
+        node.preparing = False
+        if outcome == "ok":
+            node.prepared = True
+            log.info("%s: prepared (sync, setup)", node.host)
+        elif isinstance(outcome, Failure):
+            raise _LaunchFailed(outcome)  # setup is the job's own: it would fail again
 
     def _on_closed(self, node: Node, generation: int) -> None:
         if node.channel is None or node.channel.generation != generation:
@@ -781,7 +928,8 @@ class Controller:
             return
         state = {**attempt.snapshot(), "participants": attempt.participants,
                  "master_port": attempt.plan.master_port,
-                 "nprocs": attempt.nprocs}
+                 "nprocs": attempt.nprocs,
+                 "sync_tree": self._manifest.tree if self._manifest else None}
         if self.previous is not None:  # late lines of the attempt before: on disk first
             self.previous.sink.flush()
         self.store.checkpoint(self.job_id, attempt.number, state,
@@ -831,6 +979,8 @@ class Controller:
         for attempt in (self.previous, self.current):
             if attempt is not None:
                 attempt.sink.close()
+        if self._setup_sink is not None:
+            self._setup_sink.close()
 
     def _linger(self) -> None:
         """After the end: agents we could not reach may still hold workers. Keep trying to

@@ -66,6 +66,8 @@ class Node:
     state_before: NodeState | None = None  # where an UNREACHABLE node goes back to
     draining: int | None = None  # attempt whose leftover workers we stop before a rejoin
     gap_at: int | None = None  # ``received`` when a missing message made us reattach
+    prepared: bool = False  # synced and set up for this job (when the spec asks for it)
+    preparing: bool = False
     connecting: bool = False
     retry: bool = False  # the connector keeps trying until it succeeds
     launch: bool = False  # the connector may start an agent where none answers
@@ -78,7 +80,8 @@ class Node:
     def usable(self) -> bool:
         """Attached and healthy: may run workers."""
         return self.channel is not None and self.state in (
-            NodeState.CONNECTED, NodeState.RUNNING, NodeState.STOPPED) and self.draining is None
+            NodeState.CONNECTED, NodeState.RUNNING, NodeState.STOPPED) and \
+            self.draining is None and self.prepared
 
 
 class NodePool:

@@ -14,6 +14,7 @@ from typing import Any
 
 from orchestrator import placeholders
 from orchestrator.spec import JobSpec, NodeSpec
+from orchestrator.sync import remote_tree_dir
 
 ROLE_NAME = "default"
 # torchrun (c10d mode) starts each tee'd worker line with this; ${rank} is the global rank.
@@ -105,6 +106,7 @@ def plan_attempt(
     node_indices: list[int] | None = None,
     spec_dir: str = ".",
     nprocs: dict[int, int] | None = None,
+    sync_tree: str | None = None,
 ) -> LaunchPlan:
     """Plan one attempt on the nodes ``node_indices`` (default: the first ``max_nodes``).
 
@@ -175,10 +177,22 @@ def plan_attempt(
         workdir = spec.workdir
         if node.is_local:
             workdir = os.path.normpath(os.path.join(spec_dir, os.path.expanduser(workdir)))
+        elif spec.sync is not None:  # the synced copy, at the workdir's place inside it
+            workdir = synced_workdir(spec, spec_dir, sync_tree or "<tree>")
         nodes.append(NodePlan(index, node_rank, node.host, workdir, env, workers))
 
     return LaunchPlan(job_id, attempt, restart_count, spec.rendezvous.backend, master_addr,
                       master_port, world_size, tuple(nodes), spec.secret_names)
+
+
+def synced_workdir(spec: JobSpec, spec_dir: str, tree: str) -> str:
+    """An SSH node's workdir with ``sync``: the copy, plus the workdir's place in the tree."""
+    assert spec.sync is not None
+    root = os.path.normpath(os.path.join(spec_dir, os.path.expanduser(spec.sync.path)))
+    inside = os.path.relpath(os.path.normpath(os.path.join(spec_dir, spec.workdir)), root)
+    if inside == "." or inside.startswith(".."):
+        return remote_tree_dir(tree)
+    return f"{remote_tree_dir(tree)}/{inside}"
 
 
 def _worker(spec: JobSpec, rank: int, local: int, node_values: dict[str, object],

@@ -252,6 +252,15 @@ class HealthSpec(_Model):
         return self
 
 
+class SyncSpec(_Model):
+    """A local directory shipped to every SSH node (see orchestrator/sync.py)."""
+
+    path: PathText = Field(description="relative to the spec file")
+    exclude: tuple[str, ...] = Field(default=(), description=".gitignore-style globs")
+    keep: Annotated[StrictInt, Field(ge=1)] = Field(
+        default=5, description="synced trees kept on each node (older ones are pruned)")
+
+
 class LogsSpec(_Model):
     """How much of the workers' output the orchestrator keeps."""
 
@@ -292,6 +301,12 @@ class JobSpec(_Model):
         default=None, description='"MIN:MAX", "N" or N; default: every node')
     command: tuple[str, ...] = Field(description="argv, or a string split like a shell does")
     workdir: PathText = Field(default=".", description="relative to the spec file")
+    sync: SyncSpec | None = Field(
+        default=None, description="a directory shipped to SSH nodes, by content; their "
+        "workers run in the copy (a path, or {path, exclude, keep})")
+    setup: tuple[str, ...] = Field(
+        default=(), description="commands run on each node, in its workdir, before the "
+        "first attempt; again only when they or the synced tree change")
     env: dict[str, str] = Field(default_factory=dict)
     secret_env: tuple[str, ...] = Field(
         default=(), description="env names whose values are never shown (names containing "
@@ -341,6 +356,23 @@ class JobSpec(_Model):
                 if isinstance(item, str) and "\0" in item:
                     raise _FieldError(f"[{i}]", "must not contain NUL", item)
         return v
+
+    @field_validator("sync", mode="before")
+    @classmethod
+    def _sync(cls, v: Any) -> Any:
+        return {"path": v} if isinstance(v, str) else v
+
+    @field_validator("setup", mode="before")
+    @classmethod
+    def _setup(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return (v,) if v.strip() else ()
+        return v
+
+    @property
+    def setup_script(self) -> str:
+        """The setup commands as one shell script that stops at the first failure."""
+        return "set -e\n" + "\n".join(self.setup) if self.setup else ""
 
     @field_validator("nproc_per_node", mode="before")
     @classmethod
@@ -750,7 +782,7 @@ def _value_at(data: Any, loc: tuple[Any, ...]) -> tuple[bool, Any]:
 
 _MODELS: dict[str, type[BaseModel]] = {
     "": JobSpec, "nodes": NodeSpec, "rendezvous": RendezvousSpec, "health": HealthSpec,
-    "restart_backoff": BackoffSpec, "ssh": SSHOptions, "logs": LogsSpec,
+    "restart_backoff": BackoffSpec, "ssh": SSHOptions, "logs": LogsSpec, "sync": SyncSpec,
 }
 _MESSAGES = {
     "model_type": "must be a mapping",

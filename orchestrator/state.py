@@ -88,6 +88,7 @@ class FailureCause(str, Enum):
     # workers. Restarted without charging max_restarts (not the user's failure).
     CONTROLLER_LOST = "CONTROLLER_LOST"
     TIMEOUT = "TIMEOUT"  # max_duration reached: never restarted
+    SETUP_FAILED = "SETUP_FAILED"  # a node's setup commands failed: no restart charged
 
 
 _TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})

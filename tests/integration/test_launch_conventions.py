@@ -100,3 +100,31 @@ def test_nproc_gpu_is_refused_on_a_node_without_gpus_and_auto_gives_one(home, tm
     result = orchestrator.wait(auto, timeout=60)
     assert result["state"] == "SUCCEEDED" and len(result["ranks"]) == 2  # 1 per CPU node
     assert_no_job_processes(auto)
+
+
+def test_setup_runs_before_workers_is_cached_and_a_failure_costs_no_restart(home, tmp_path):
+    runs = tmp_path / "setup-runs"
+    setup = ["echo setting up in $(pwd)", f"echo run >> {runs}"]
+    job = spec(tmp_path, [PYTHON, "-c", "print('worker ran')"], setup=setup, max_restarts=2)
+    first = orchestrator.submit(job)
+    assert orchestrator.wait(first, timeout=60)["state"] == "SUCCEEDED"
+    lines = list(orchestrator.logs(first))
+    assert lines[0] == f"[local:setup] setting up in {tmp_path}", lines[:3]
+    # Both local "nodes" are this machine: one run, the other found it done.
+    assert runs.read_text().count("run") == 1
+    second = orchestrator.submit(job)  # the same setup again: nothing runs
+    assert orchestrator.wait(second, timeout=60)["state"] == "SUCCEEDED"
+    assert runs.read_text().count("run") == 1
+    changed = orchestrator.submit(spec(tmp_path, ["true"], setup=[*setup, "true"]))
+    assert orchestrator.wait(changed, timeout=60)["state"] == "SUCCEEDED"
+    assert runs.read_text().count("run") == 2
+    failing = orchestrator.submit(spec(tmp_path, [PYTHON, "-c", "print('never')"],
+                                       max_restarts=2,
+                                       setup=["echo about to fail >&2", "exit 7"]))
+    result = orchestrator.wait(failing, timeout=60)
+    failure = result["failure"]
+    assert result["state"] == "FAILED" and failure["cause"] == "SETUP_FAILED"
+    assert failure["exit_code"] == 7 and failure["host"] == "local"
+    assert "about to fail" in failure["stderr_tail"] and result["restarts"] == 0
+    assert result["attempts"] == []  # no worker ever started
+    assert_no_job_processes(failing)

@@ -1,0 +1,88 @@
+"""sync: and setup: over real SSH: a project shipped by content into each node's cache, a
+changed file arriving on the next submit, an unchanged tree costing no file contents."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import orchestrator
+from tests.cluster.test_ssh_jobs import cluster_spec
+from tests.helpers import PYTHON, assert_no_job_processes
+
+SCRIPT = """import os
+print("cwd", os.getcwd())
+print("data", open("data.txt").read().strip())
+print("ignored file shipped:", os.path.exists("secret.env"))
+"""
+
+
+def project(tmp_path, data: str):
+    proj = tmp_path / "proj"
+    proj.mkdir(exist_ok=True)
+    (proj / "train.py").write_text(SCRIPT)
+    (proj / "data.txt").write_text(data)
+    (proj / "secret.env").write_text("TOKEN=x")
+    (proj / ".gitignore").write_text("secret.env\n")
+    return proj
+
+
+def run(cluster, tmp_path, **extra):
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, "train.py"], hosts=cluster.hosts[:2], nproc_per_node=1,
+        sync="proj", workdir="proj", **extra))
+    result = orchestrator.wait(job_id, timeout=120)
+    lines = list(orchestrator.logs(job_id))
+    assert result["state"] == "SUCCEEDED", (result["failure"], lines[-10:])
+    assert_no_job_processes(job_id)
+    return result, lines
+
+
+def test_sync_ships_changes_and_an_unchanged_tree_costs_nothing(cluster, home, tmp_path):
+    proj = project(tmp_path, "first")
+    # Unique to this run: setups are cached per node by (commands, tree), across jobs.
+    result, lines = run(cluster, tmp_path, setup=[f"echo setup {tmp_path.name} ran in $(pwd)"])
+    cwds = {m[1] for ln in lines if (m := re.search(r"\] cwd (\S+)", ln))}
+    assert len(cwds) == 1 and cwds.pop().startswith("/root/.cache/orchestrator/sync/")
+    assert sum("data first" in ln for ln in lines) == 2
+    assert sum("ignored file shipped: False" in ln for ln in lines) == 2
+    setup = [ln for ln in lines
+             if f":setup] setup {tmp_path.name} ran in /root/.cache/orchestrator/sync/" in ln]
+    assert setup, lines[:5]  # run in the synced copy, and streamed
+    sent = [n["sync"] for n in result["nodes"]]
+    assert all(s["done"] and s["files"] == 3 for s in sent), sent  # with .gitignore
+
+    (proj / "data.txt").write_text("second")
+    result, lines = run(cluster, tmp_path)
+    assert sum("data second" in ln for ln in lines) == 2
+    sent = [n["sync"] for n in result["nodes"]]
+    # Only data.txt's new content travelled (the nodes share a disk here, so one of them
+    # may find it already cached).
+    assert sum(s["bytes_sent"] for s in sent) == len("second"), sent
+
+    result, _ = run(cluster, tmp_path)  # nothing changed: no file contents at all
+    assert [n["sync"]["bytes_sent"] for n in result["nodes"]] == [0, 0]
+
+
+def test_a_symlink_leaving_the_tree_is_refused_before_anything_starts(cluster, home, tmp_path):
+    proj = project(tmp_path, "x")
+    (proj / "escape").symlink_to("/etc/hostname")
+    with pytest.raises(orchestrator.LaunchError, match="points outside the synced tree"):
+        orchestrator.submit(cluster_spec(cluster, tmp_path, [PYTHON, "train.py"],
+                                         hosts=cluster.hosts[:1], sync="proj", workdir="proj"))
+    assert orchestrator.list_jobs() == []
+
+
+def test_a_failing_setup_fails_the_job_without_a_restart(cluster, home, tmp_path):
+    project(tmp_path, "x")
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, "train.py"], hosts=cluster.hosts[:2], nproc_per_node=1,
+        sync="proj", workdir="proj", max_restarts=3,
+        setup=["echo no such requirement >&2", "exit 3"]))
+    result = orchestrator.wait(job_id, timeout=120)
+    failure = result["failure"]
+    assert result["state"] == "FAILED" and failure["cause"] == "SETUP_FAILED", failure
+    assert failure["exit_code"] == 3 and "no such requirement" in failure["stderr_tail"]
+    assert failure["host"].startswith("root@10.231.") and result["restarts"] == 0
+    assert_no_job_processes(job_id)

@@ -1,0 +1,69 @@
+"""The sync manifest: what is shipped, how the tree is named, what is refused."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from orchestrator.errors import LaunchError
+from orchestrator.sync import build_manifest
+
+
+def tree(tmp_path, files: dict[str, str]):
+    for rel, text in files.items():
+        path = tmp_path / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def test_gitignore_exclude_and_git_dir_are_left_out(tmp_path):
+    root = tree(tmp_path, {
+        "train.py": "x", "data/a.txt": "a", "data/b.log": "b", "build/out.o": "o",
+        ".git/HEAD": "ref", "keep.log": "k", "sub/deep/c.log": "c", "notes.md": "n",
+        ".gitignore": "*.log\n!keep.log\nbuild/\n/notes.md\n"})
+    paths = [e.path for e in build_manifest(root, ("data/a.txt",)).entries]
+    assert paths == [".gitignore", "keep.log", "train.py"]
+
+
+def test_tree_name_follows_content_and_modes_only(tmp_path):
+    root = tree(tmp_path, {"a.py": "1", "b/c.py": "2"})
+    first = build_manifest(root).tree
+    assert build_manifest(root).tree == first  # nothing changed
+    (root / "a.py").write_text("1")
+    os.utime(root / "a.py", (1, 1))
+    assert build_manifest(root).tree == first  # times do not count
+    (root / "a.py").chmod(0o755)
+    assert build_manifest(root).tree != first  # the executable bit does
+    (root / "a.py").chmod(0o644)
+    (root / "b/c.py").write_text("3")
+    assert build_manifest(root).tree != first
+
+
+def test_symlinks_inside_are_shipped_as_files_and_outside_refused(tmp_path):
+    root = tree(tmp_path / "proj", {"real.txt": "r"})
+    (root / "link.txt").symlink_to(root / "real.txt")
+    entries = {e.path: e for e in build_manifest(root).entries}
+    assert entries["link.txt"].sha256 == entries["real.txt"].sha256
+    outside = tmp_path / "secret"
+    outside.write_text("s")
+    (root / "escape").symlink_to(outside)
+    with pytest.raises(LaunchError, match="points outside the synced tree"):
+        build_manifest(root)
+
+
+def test_an_unreadable_file_is_refused_naming_it(tmp_path):
+    root = tree(tmp_path, {"ok.py": "1"})
+    fifo_or_dir = root / "locked"
+    fifo_or_dir.mkdir()
+    (fifo_or_dir / "f").write_text("x")
+    (fifo_or_dir / "f").chmod(0)
+    if os.geteuid() == 0:  # root reads anything: use a path that cannot be read at all
+        (fifo_or_dir / "f").unlink()
+        (fifo_or_dir / "f").symlink_to(root / "missing")
+        with pytest.raises(LaunchError, match="points outside|cannot read"):
+            build_manifest(root)
+    else:
+        with pytest.raises(LaunchError, match="cannot read .*locked/f"):
+            build_manifest(root)
