@@ -4,6 +4,7 @@ changed file arriving on the next submit, an unchanged tree costing no file cont
 from __future__ import annotations
 
 import re
+import secrets
 
 import pytest
 
@@ -40,26 +41,30 @@ def run(cluster, tmp_path, **extra):
 
 
 def test_sync_ships_changes_and_an_unchanged_tree_costs_nothing(cluster, home, tmp_path):
-    proj = project(tmp_path, "first")
-    # Unique to this run: setups are cached per node by (commands, tree), across jobs.
-    result, lines = run(cluster, tmp_path, setup=[f"echo setup {tmp_path.name} ran in $(pwd)"])
+    # Contents unique to this run: nodes keep blobs and setup markers across jobs.
+    token = secrets.token_hex(4)
+    proj = project(tmp_path, f"first-{token}")
+    result, lines = run(cluster, tmp_path, setup=[f"echo setup {token} ran in $(pwd)"])
     cwds = {m[1] for ln in lines if (m := re.search(r"\] cwd (\S+)", ln))}
     assert len(cwds) == 1 and cwds.pop().startswith("/root/.cache/orchestrator/sync/")
-    assert sum("data first" in ln for ln in lines) == 2
+    assert sum(f"data first-{token}" in ln for ln in lines) == 2
     assert sum("ignored file shipped: False" in ln for ln in lines) == 2
     setup = [ln for ln in lines
-             if f":setup] setup {tmp_path.name} ran in /root/.cache/orchestrator/sync/" in ln]
+             if f":setup] setup {token} ran in /root/.cache/orchestrator/sync/" in ln]
     assert setup, lines[:5]  # run in the synced copy, and streamed
     sent = [n["sync"] for n in result["nodes"]]
     assert all(s["done"] and s["files"] == 3 for s in sent), sent  # with .gitignore
+    from orchestrator.cli import _show_sync_progress
 
-    (proj / "data.txt").write_text("second")
+    _show_sync_progress(result["job_id"])  # the bars' code path (drawn only on a terminal)
+
+    (proj / "data.txt").write_text(f"second-{token}")
     result, lines = run(cluster, tmp_path)
-    assert sum("data second" in ln for ln in lines) == 2
+    assert sum(f"data second-{token}" in ln for ln in lines) == 2
     sent = [n["sync"] for n in result["nodes"]]
     # Only data.txt's new content travelled (the nodes share a disk here, so one of them
     # may find it already cached).
-    assert sum(s["bytes_sent"] for s in sent) == len("second"), sent
+    assert sum(s["bytes_sent"] for s in sent) == len(f"second-{token}"), sent
 
     result, _ = run(cluster, tmp_path)  # nothing changed: no file contents at all
     assert [n["sync"]["bytes_sent"] for n in result["nodes"]] == [0, 0]

@@ -103,7 +103,7 @@ def test_nproc_gpu_is_refused_on_a_node_without_gpus_and_auto_gives_one(home, tm
 
 
 def test_setup_runs_before_workers_is_cached_and_a_failure_costs_no_restart(home, tmp_path):
-    runs = tmp_path / "setup-runs"
+    runs = tmp_path / "setup-runs"  # (the path differs per test run: setups are cached)
     setup = ["echo setting up in $(pwd)", f"echo run >> {runs}"]
     job = spec(tmp_path, [PYTHON, "-c", "print('worker ran')"], setup=setup, max_restarts=2)
     first = orchestrator.submit(job)
