@@ -347,10 +347,11 @@ class Controller:
     def _nprocs(self, participants: list[Node]) -> dict[int, int]:
         """Workers per node for ``nproc_per_node: gpu|auto``, from what each agent reported."""
         mode = self.spec.nproc_per_node
-        if isinstance(mode, int):
-            return {n.index: mode for n in participants}
         counts = {}
         for node in participants:
+            if node.spec.slots or isinstance(mode, int):
+                counts[node.index] = node.spec.slots or int(mode)
+                continue
             gpus = int(node.info.get("gpus") or 0)
             if mode == "gpu" and gpus == 0:
                 raise _LaunchFailed(Failure(

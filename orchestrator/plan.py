@@ -123,8 +123,9 @@ def plan_attempt(
         master_port = spec.rendezvous.port
     master = spec.nodes[node_indices[0]]
     master_addr = spec.rendezvous.master_addr or node_address(master)
-    counts = {i: (spec.nproc_per_node if isinstance(spec.nproc_per_node, int)
-                  else (nprocs or {}).get(i, 1)) for i in node_indices}
+    counts = {i: (spec.nodes[i].slots or (nprocs or {}).get(i) or
+                  (spec.nproc_per_node if isinstance(spec.nproc_per_node, int) else 1))
+              for i in node_indices}
     nnodes = len(node_indices)
     world_size = sum(counts.values())
     port_text = str(master_port) if master_port is not None else str(spec.rendezvous.port)

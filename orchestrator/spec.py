@@ -141,6 +141,9 @@ class NodeSpec(_Model):
     identity_file: PathText | None = None
     address: Address | None = Field(
         default=None, description="address other nodes reach this node at; default: hostname")
+    slots: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        default=None, description="workers on this node, instead of nproc_per_node (a "
+                                  "hostfile's slots=N when its hosts differ)")
 
     @field_validator("host")
     @classmethod
@@ -745,13 +748,19 @@ def _expand_hostfile(data: dict[str, Any], base_dir: Path) -> tuple[dict[str, An
         slots.append(int(m[1]) if m else None)
     if not nodes:
         raise SpecError("hostfile", f"{path} lists no hosts", given, has_value=True)
-    if len(set(slots)) > 1:
+    if None in slots and len(set(slots)) > 1:
         shown = ", ".join(sorted({"none" if s is None else str(s) for s in slots}))
-        raise SpecError("hostfile", f"every host needs the same slots=N (found {shown})", given,
+        raise SpecError("hostfile", f"give every host slots=N, or none (found {shown})", given,
                         has_value=True)
     out = {k: v for k, v in data.items() if k != "hostfile"}
     out["nodes"] = nodes
-    if slots[0] is not None:
+    if len(set(slots)) > 1:  # hosts differ: each node runs its own slots
+        if data.get("nproc_per_node") is not None:
+            raise SpecError("nproc_per_node", "contradicts the hostfile, whose hosts have "
+                            "different slots", data["nproc_per_node"], has_value=True)
+        for node, count in zip(nodes, slots, strict=True):
+            node["slots"] = count  # type: ignore[assignment]
+    elif slots[0] is not None:
         nproc = data.get("nproc_per_node")
         if nproc is None:
             out["nproc_per_node"] = slots[0]

@@ -63,3 +63,43 @@ def test_max_duration_over_ssh_leaves_nothing(cluster, home, tmp_path):
     assert result["state"] == "FAILED" and result["failure"]["cause"] == "TIMEOUT"
     assert result["restarts"] == 0
     assert_no_job_processes(job_id)
+
+
+def test_nproc_gpu_is_refused_on_cpu_nodes_and_env_set_work_over_ssh(cluster, home, tmp_path):
+    path = cluster_spec(cluster, tmp_path, [PYTHON, str(WORKERS / "env_dump.py")],
+                        hosts=cluster.hosts[:2], nproc_per_node="gpu")
+    job_id = orchestrator.submit(path)
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "FAILED" and result["failure"]["cause"] == "LAUNCH_FAILED"
+    assert "nproc_per_node: gpu, but root@" in result["failure"]["message"]
+    assert "has no GPU" in result["failure"]["message"] and result["attempts"] == []
+    run = subprocess.run([PYTHON, "-m", "orchestrator", "submit", str(path), "--wait",
+                          "--set", "nproc_per_node=1", "--env", "EXTRA=over-ssh"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    job_id = orchestrator.list_jobs()[-1]["job_id"]
+    envs = [json.loads(ln.split("ENV ", 1)[1]) for ln in orchestrator.logs(job_id)
+            if "] ENV " in ln]
+    assert len(envs) == 2 and {e["EXTRA"] for e in envs} == {"over-ssh"}
+    assert_no_job_processes(job_id)
+
+
+def test_the_synced_project_example_runs_on_ssh_nodes(cluster, home, tmp_path):
+    import shutil
+
+    project = tmp_path / "synced-project"
+    shutil.copytree(ROOT / "examples" / "synced-project", project)
+    spec = (project / "job.yaml").read_text().replace(
+        "nodes: [{host: local}, {host: local}]",
+        "nodes: [" + ", ".join(f"{{host: root@{h.address}}}" for h in cluster.hosts[:2]) + "]\n"
+        f"ssh: {{identity_file: {cluster.client_key}, known_hosts: {cluster.known_hosts}}}\n"
+        f"python: {PYTHON}")
+    (project / "job.yaml").write_text(spec.replace("[python3, train.py]",
+                                                   f"[{PYTHON}, train.py]"))
+    job_id = orchestrator.submit(project / "job.yaml")
+    result = orchestrator.wait(job_id, timeout=180)
+    lines = list(orchestrator.logs(job_id))
+    assert result["state"] == "SUCCEEDED", (result["failure"], lines[-10:])
+    sums = [ln for ln in lines if "scaled sum 20" in ln]
+    assert len(sums) == 4 and all("/root/.cache/orchestrator/sync/" in ln for ln in sums)
+    assert_no_job_processes(job_id)

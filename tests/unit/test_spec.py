@@ -173,7 +173,7 @@ BAD_FILES = [
     # (case id, spec file content, hostfile "hosts" beside it, the field path, a message fragment)
     ("over 1 MiB", (BASE + "#" * (1024 * 1024)).encode(), "", "", "larger than 1048576 bytes"),
     ("not UTF-8", BASE.encode() + b"# caf\xe9\n", "", "", "not UTF-8 (line 3, byte 56)"),
-    ("hostfile unequal slots", b"hostfile: hosts\ncommand: [x]\n", "n1 slots=4\nn2 slots=2\n", "hostfile", "same slots=N (found 2, 4)"),
+    ("hostfile unequal slots and nproc", b"hostfile: hosts\nnproc_per_node: 2\ncommand: [x]\n", "n1 slots=4\nn2 slots=2\n", "nproc_per_node", "different slots"),
     ("hostfile missing", b"hostfile: nope\ncommand: [x]\n", "", "hostfile", "cannot read hostfile"),
     ("hostfile not UTF-8", b"hostfile: hosts\ncommand: [x]\n", "n\udce9 slots=1\n", "hostfile", "not UTF-8"),
     ("nproc contradicts slots", b"hostfile: hosts\nnproc_per_node: 3\ncommand: [x]\n", "n1 slots=4\n", "nproc_per_node", "contradicts slots=4"),
@@ -201,7 +201,7 @@ def test_missing_spec_file(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("hostfile,fragment", [
-    ("n1 slots=4\nn2\n", "same slots=N (found 4, none)"),
+    ("n1 slots=4\nn2\n", "slots=N, or none (found 4, none)"),
     ("n1 gpus=4\n", "line 1: expected 'hostname slots=N'"),
     ("n1 slots=0\n", "line 1: expected 'hostname slots=N'"),
     ("# only a comment\n\n", "lists no hosts"),
@@ -373,3 +373,15 @@ def test_deprecated_nccl_variable_warns_with_the_new_name():
                          "env: {NCCL_ASYNC_ERROR_HANDLING: 1}\n")
     assert spec.env["NCCL_ASYNC_ERROR_HANDLING"] == "1"  # passed through unchanged
     assert any("TORCH_NCCL_ASYNC_ERROR_HANDLING" in w for w in spec.warnings)
+
+
+def test_hostfile_with_different_slots_gives_each_node_its_own(tmp_path: Path) -> None:
+    (tmp_path / "hosts").write_text("n1 slots=4\nn2 slots=2\n")
+    (tmp_path / "job.yaml").write_text("hostfile: hosts\ncommand: [x]\n")
+    spec = load_jobspec(tmp_path / "job.yaml")
+    assert [n.slots for n in spec.nodes] == [4, 2]
+    from orchestrator.plan import plan_attempt
+
+    plan = plan_attempt(spec, "j-1")
+    assert plan.world_size == 6 and [len(n.workers) for n in plan.nodes] == [4, 2]
+    assert [w.rank for w in plan.nodes[1].workers] == [4, 5]
