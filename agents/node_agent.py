@@ -664,12 +664,17 @@ def _blob(sha: str) -> str:
     return os.path.join(_cache(), "blobs", sha[:2], sha)
 
 
+PRUNE_AFTER = 3600.0  # seconds unused before a tree or blob may go: other jobs share the cache
+
+
 def _prune_trees(base: str, keep: int, current: str) -> None:
-    """Keep the ``keep`` most recently used trees (and ``current``); blobs that no kept
-    tree uses go too."""
+    """Keep the ``keep`` most recently used trees (and ``current``), and anything used in the
+    last hour: a running agent touches its tree, and another job may be between uploading
+    blobs and building its tree. Blobs that no kept tree uses go too, after the same hour."""
+    old = time.time() - PRUNE_AFTER
     trees = sorted((os.path.join(base, d) for d in os.listdir(base)
                     if re.fullmatch(r"[0-9a-f]{24}", d)), key=os.path.getmtime, reverse=True)
-    kept = set(trees[:keep]) | {current}
+    kept = set(trees[:keep]) | {current} | {t for t in trees if os.path.getmtime(t) > old}
     for tree in trees:
         if tree not in kept:
             shutil.rmtree(tree, ignore_errors=True)
@@ -683,8 +688,10 @@ def _prune_trees(base: str, keep: int, current: str) -> None:
     blobs = os.path.join(_cache(), "blobs")
     for sub in os.listdir(blobs) if os.path.isdir(blobs) else ():
         for name in os.listdir(os.path.join(blobs, sub)):
-            if re.fullmatch(r"[0-9a-f]{64}", name) and name not in used:
-                os.unlink(os.path.join(blobs, sub, name))
+            path = os.path.join(blobs, sub, name)
+            if re.fullmatch(r"[0-9a-f]{64}", name) and name not in used and \
+                    os.path.getmtime(path) < old:
+                os.unlink(path)
 
 
 def _close(conn: socket.socket) -> None:
@@ -835,6 +842,8 @@ class Agent:
         self.listener: socket.socket | None = None
         self.preflight_listeners: list[socket.socket] = []
         self._last_progress = 0.0
+        self.workdir: str | None = None  # the running attempt's (a synced tree is kept fresh)
+        self._touched = 0.0
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
@@ -935,11 +944,20 @@ class Agent:
             try:
                 handler(msg)
             except Exception as exc:  # report, never die: the controller decides
-                self.outbox.put({"type": P.ERROR, "attempt": self.attempt,
-                                 "message": f"{op}: {exc!r}"})
+                if isinstance(msg.get("req"), int):  # a request: its asker must hear now
+                    self._reply(msg, P.FAILED, error=f"{op}: {exc!r}")
+                else:
+                    self.outbox.put({"type": P.ERROR, "attempt": self.attempt,
+                                     "message": f"{op}: {exc!r}"})
 
     def _tick(self, now: float) -> bool:
         """Heartbeat, progress, silence and grace checks. True: the agent gave up."""
+        if self.workdir and self.workers and now - self._touched > 60:
+            self._touched = now
+            try:  # a tree in use must not look unused to another job's pruning
+                os.utime(self.workdir)
+            except OSError:
+                pass
         conn = self.outbox.current()
         if conn is not None:
             if now - self.last_heard > self.node_timeout:
@@ -1147,6 +1165,7 @@ class Agent:
         self.stop_workers(grace=float(msg.get("stop_grace", 5.0)))
         self.attempt = attempt
         workdir = os.path.expanduser(msg.get("workdir") or ".")
+        self.workdir = workdir
         base_env = dict(os.environ)
         base_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, unless set here
         base_env.update(msg.get("env", {}))

@@ -50,6 +50,7 @@ replayed in order on the next ``attach``. The others are only meaningful live::
     port / listening / probe / sync_missing / sync_put / sync_built / setup_done
                  {req, ...}   replies to requests                                    (live)
     setup_output {lines}      the setup script's output while it runs                (live)
+    failed       {req, error} the reply to a request that could not be carried out  (live)
     started      {seq, attempt, rank, local_rank, pid}
     spawn_failed {seq, attempt, rank, local_rank, error}
     output       {seq, attempt, rank, stream, lines: [...]}   many lines of one rank
@@ -101,6 +102,7 @@ PROBE_RESULT = "probe"
 SYNC_BUILT = "sync_built"
 SETUP_OUTPUT = "setup_output"
 SETUP_DONE = "setup_done"
+FAILED = "failed"  # the reply to a request whose op raised: {req, error}
 STARTED = "started"
 SPAWN_FAILED = "spawn_failed"
 OUTPUT = "output"

@@ -750,6 +750,8 @@ class Controller:
                 if reply is None:  # the channel dropped: prepared again once reattached
                     self.pool.events.put(("prepared", node.index, None))
                     return
+                if reply.get("type") == P.FAILED:
+                    raise LaunchError(f"{node.host}: setup: {reply.get('error')}")
                 if reply.get("exit_code") != 0:
                     tail = [str(t) for t in reply.get("tail") or []]
                     self.pool.events.put(("prepared", node.index, Failure(
@@ -787,6 +789,8 @@ class Controller:
             reply = channel.mailbox.wait(req, 120.0)
             if reply is None:
                 raise ConnectionError(f"{node.host}: no answer to {op}")
+            if reply.get("type") == P.FAILED:
+                raise LaunchError(f"{node.host}: sync: {reply.get('error')}")
             return reply
 
         by_sha = {e.sha256: e for e in manifest.entries}
@@ -816,7 +820,7 @@ class Controller:
                             reply = channel.mailbox.wait(r, 120.0)
                             if reply is None:
                                 raise ConnectionError(f"{node.host}: sync interrupted")
-                            if not reply.get("ok"):
+                            if reply.get("type") == P.FAILED or not reply.get("ok"):
                                 raise LaunchError(f"{node.host}: sync: {reply.get('error')}")
                         pending = []
                     if last:

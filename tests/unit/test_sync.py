@@ -67,3 +67,35 @@ def test_an_unreadable_file_is_refused_naming_it(tmp_path):
     else:
         with pytest.raises(LaunchError, match="cannot read .*locked/f"):
             build_manifest(root)
+
+
+def test_pruning_keeps_recent_trees_and_anything_used_within_the_hour(tmp_path, monkeypatch):
+    import json
+    import time
+
+    import agents.node_agent as agent
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    base = tmp_path / ".cache" / "orchestrator" / "sync"
+    blobs = tmp_path / ".cache" / "orchestrator" / "blobs" / "aa"
+    blobs.mkdir(parents=True)
+    now = time.time()
+    trees = []
+    for i in range(8):
+        tree = base / f"{i:024x}"
+        tree.mkdir(parents=True)
+        sha = f"aa{i:062x}"
+        (blobs / sha).write_text("x")
+        (tree / ".orchestrator-manifest.json").write_text(json.dumps([["f", sha, False]]))
+        age = 7200 if i < 6 else 60  # trees 6 and 7 were used a minute ago
+        os.utime(tree, (now - age - i, now - age - i))
+        os.utime(blobs / sha, (now - 7200, now - 7200))
+        trees.append(tree)
+    fresh = blobs / ("aa" + "f" * 62)  # uploaded a moment ago, no tree built from it yet
+    fresh.write_text("y")
+    agent._prune_trees(str(base), 2, str(trees[0]))
+    left = sorted(p.name for p in base.iterdir())
+    # kept: the 2 most recent (7, 6, both recent anyway) and the current one (0)
+    assert left == sorted([trees[0].name, trees[6].name, trees[7].name])
+    assert fresh.exists()  # too young to go
+    assert sorted(p.name[-1] for p in blobs.iterdir() if p != fresh) == ["0", "6", "7"]
