@@ -46,6 +46,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -435,6 +436,15 @@ class Outbox:
             self._control.append(message)
             self._cond.notify_all()
 
+    def put_live(self, type_: str, lines: list[str]) -> None:
+        """Live output (setup's): dropped while detached, and never more than a bounded
+        backlog: the producer waits (its process then blocks on write)."""
+        with self._cond:
+            while len(self._control) > 256 and self._conn is not None and not self.closed:
+                self._cond.wait(0.5)
+            self._control.append({"type": type_, "attempt": 0, "lines": lines})
+            self._cond.notify_all()
+
     def _take_dropped(self, rank: Any = ...) -> list[dict[str, Any]]:
         """``dropped`` messages for the counted lines of ``rank`` (default: every rank)."""
         out = []
@@ -655,7 +665,29 @@ class Outbox:
 
 
 def _cache() -> str:
-    return os.path.expanduser("~/.cache/orchestrator")
+    """The agent user's cache (synced trees, blobs, setup markers): 0700, refused unless it
+    is a real directory of this user, since synced code may hold secrets."""
+    path = os.path.expanduser("~/.cache/orchestrator")
+    if not os.path.isdir(path):
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise RuntimeError(f"{path} is not a directory of uid {os.getuid()}")
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def _tree_root(workdir: str) -> str:
+    """The synced tree a workdir lies in (or the workdir itself)."""
+    base = os.path.join(os.path.expanduser("~/.cache/orchestrator"), "sync") + os.sep
+    if workdir.startswith(base):
+        return base + workdir[len(base):].split(os.sep, 1)[0]
+    return workdir
 
 
 def _blob(sha: str) -> str:
@@ -672,9 +704,24 @@ def _prune_trees(base: str, keep: int, current: str) -> None:
     last hour: a running agent touches its tree, and another job may be between uploading
     blobs and building its tree. Blobs that no kept tree uses go too, after the same hour."""
     old = time.time() - PRUNE_AFTER
+    with _lock(os.path.join(base, ".prune.lock")):  # one pruner at a time per home
+        _prune_locked(base, keep, current, old)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except FileNotFoundError:  # another agent sharing this home removed it
+        return 0.0
+
+
+def _prune_locked(base: str, keep: int, current: str, old: float) -> None:
+    for name in os.listdir(base):  # half-built trees of agents that died
+        if ".building-" in name and _mtime(os.path.join(base, name)) < old:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
     trees = sorted((os.path.join(base, d) for d in os.listdir(base)
-                    if re.fullmatch(r"[0-9a-f]{24}", d)), key=os.path.getmtime, reverse=True)
-    kept = set(trees[:keep]) | {current} | {t for t in trees if os.path.getmtime(t) > old}
+                    if re.fullmatch(r"[0-9a-f]{24}", d)), key=_mtime, reverse=True)
+    kept = set(trees[:keep]) | {current} | {t for t in trees if _mtime(t) > old}
     for tree in trees:
         if tree not in kept:
             shutil.rmtree(tree, ignore_errors=True)
@@ -689,9 +736,14 @@ def _prune_trees(base: str, keep: int, current: str) -> None:
     for sub in os.listdir(blobs) if os.path.isdir(blobs) else ():
         for name in os.listdir(os.path.join(blobs, sub)):
             path = os.path.join(blobs, sub, name)
-            if re.fullmatch(r"[0-9a-f]{64}", name) and name not in used and \
-                    os.path.getmtime(path) < old:
-                os.unlink(path)
+            stale_part = ".part-" in name and _mtime(path) < old
+            unused = re.fullmatch(r"[0-9a-f]{64}", name) and name not in used and \
+                _mtime(path) < old
+            if stale_part or unused:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
 
 
 def _close(conn: socket.socket) -> None:
@@ -843,6 +895,7 @@ class Agent:
         self.preflight_listeners: list[socket.socket] = []
         self._last_progress = 0.0
         self.workdir: str | None = None  # the running attempt's (a synced tree is kept fresh)
+        self._sync_queue: queue.SimpleQueue[tuple[Any, dict[str, Any]]] | None = None
         self._touched = 0.0
 
     # --- start ---------------------------------------------------------------------------
@@ -955,7 +1008,7 @@ class Agent:
         if self.workdir and self.workers and now - self._touched > 60:
             self._touched = now
             try:  # a tree in use must not look unused to another job's pruning
-                os.utime(self.workdir)
+                os.utime(_tree_root(self.workdir))
             except OSError:
                 pass
         conn = self.outbox.current()
@@ -1014,9 +1067,12 @@ class Agent:
 
     def op_free_port(self, msg: dict[str, Any]) -> None:
         """A port free now: ``port`` (0: any), or the first free one of ``range`` [lo, hi]."""
-        low, high = msg.get("range") or (msg.get("port", 0), msg.get("port", 0))
-        for candidate in range(int(low), int(high) + 1):
-            port, ok = free_port(candidate)
+        low, high = (int(x) for x in (msg.get("range") or (msg.get("port", 0),) * 2))
+        # From a random place in the range: jobs launching together on one master should
+        # not all take its first port.
+        start = secrets.randbelow(high - low + 1) if high > low else 0
+        for i in range(high - low + 1):
+            port, ok = free_port(low + (start + i) % (high - low + 1))
             if ok:
                 break
         self._reply(msg, P.PORT, port=port, ok=ok)
@@ -1070,16 +1126,48 @@ class Agent:
                     error=next(iter(errors.values()), None))
 
     # --- code and setup on the node (see orchestrator/sync.py) -----------------------------
+    # Hashing and copying can take long: sync ops run in order on a thread of their own, so
+    # that heartbeats go on.
+    def _in_sync_thread(self, handler: Any, msg: dict[str, Any]) -> None:
+        if self._sync_queue is None:
+            self._sync_queue = queue.SimpleQueue()
+            threading.Thread(target=self._sync_worker, daemon=True).start()
+        self._sync_queue.put((handler, msg))
+
+    def _sync_worker(self) -> None:
+        assert self._sync_queue is not None
+        while True:
+            handler, msg = self._sync_queue.get()
+            try:
+                handler(msg)
+            except Exception as exc:
+                self._reply(msg, P.FAILED, error=f"{msg.get('op')}: {exc!r}")
+
     def op_sync_missing(self, msg: dict[str, Any]) -> None:
-        """Which of these blobs (sha256) this node's cache lacks."""
-        missing = [sha for sha in msg.get("blobs", []) if not os.path.exists(_blob(str(sha)))]
-        self._reply(msg, P.SYNC_MISSING, missing=missing)
+        self._in_sync_thread(self._sync_missing, msg)
 
     def op_sync_put(self, msg: dict[str, Any]) -> None:
+        self._in_sync_thread(self._sync_put, msg)
+
+    def op_sync_build(self, msg: dict[str, Any]) -> None:
+        self._in_sync_thread(self._sync_build, msg)
+
+    def _sync_missing(self, msg: dict[str, Any]) -> None:
+        """Which of these blobs (sha256) this node's cache lacks."""
+        missing = []
+        for sha in msg.get("blobs", []):
+            try:
+                os.utime(_blob(str(sha)))  # in use again: not for pruning within the hour
+            except FileNotFoundError:
+                missing.append(sha)
+        self._reply(msg, P.SYNC_MISSING, missing=missing)
+
+    def _sync_put(self, msg: dict[str, Any]) -> None:
         """One chunk of a blob; the last one checks the whole blob's sha256."""
         sha, offset = str(msg["sha"]), int(msg["offset"])
         final = _blob(sha)
-        part = f"{final}.part-{os.getpid()}"  # nodes may share a home (NFS): our own file
+        # Our own file, unique even across machines sharing this home (NFS).
+        part = f"{final}.part-{socket.gethostname()}-{os.getpid()}-{msg.get('part', 0)}"
         os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
         with open(part, "r+b" if offset else "wb") as f:
             f.seek(offset)
@@ -1096,22 +1184,25 @@ class Agent:
             os.replace(part, final)
         self._reply(msg, P.SYNC_PUT, ok=True)
 
-    def op_sync_build(self, msg: dict[str, Any]) -> None:
-        """Build tree ``tree`` from cached blobs (once), prune old trees, reply its path."""
+    def _sync_build(self, msg: dict[str, Any]) -> None:
+        """Build tree ``tree`` from cached blobs (once), prune old trees, reply its path.
+        Shipped files are read-only: a job that edits its copy would change it for every
+        later job of the same tree (outputs belong outside it)."""
         tree, files, keep = str(msg["tree"]), msg["files"], int(msg.get("keep", 5))
+        if not re.fullmatch(r"[0-9a-f]{24}", tree):
+            raise ValueError(f"bad tree name {tree!r}")
         base = os.path.join(_cache(), "sync")
+        os.makedirs(base, mode=0o700, exist_ok=True)
         path = os.path.join(base, tree)
         if not os.path.isdir(path):
-            building = f"{path}.building-{os.getpid()}"
-            shutil.rmtree(building, ignore_errors=True)
+            building = tempfile.mkdtemp(prefix=f"{tree}.building-", dir=base)
             for rel, sha, executable in files:
                 dest = os.path.join(building, rel)
                 if os.path.isabs(rel) or ".." in rel.split("/"):
                     raise ValueError(f"bad path in manifest: {rel!r}")
                 os.makedirs(os.path.dirname(dest), mode=0o755, exist_ok=True)
-                shutil.copyfile(_blob(sha), dest)  # a copy: a job editing it must not touch
-                os.chmod(dest, 0o755 if executable else 0o644)  # the cache
-            os.makedirs(building, exist_ok=True)
+                shutil.copyfile(_blob(sha), dest)  # a copy: never the cache's own blob
+                os.chmod(dest, 0o555 if executable else 0o444)
             with open(os.path.join(building, ".orchestrator-manifest.json"), "w") as f:
                 json.dump(files, f)
             try:
@@ -1128,7 +1219,15 @@ class Agent:
         threading.Thread(target=self._setup, args=(msg,), daemon=True).start()
 
     def _setup(self, msg: dict[str, Any]) -> None:
+        try:
+            self._run_setup(msg)
+        except Exception as exc:  # the controller waits for an answer: always give one
+            self._reply(msg, P.FAILED, error=f"setup: {exc!r}")
+
+    def _run_setup(self, msg: dict[str, Any]) -> None:
         key = str(msg["key"])
+        if not re.fullmatch(r"[0-9a-f]{32}", key):
+            raise ValueError(f"bad setup key {key!r}")
         marks = os.path.join(_cache(), "setup")
         os.makedirs(marks, mode=0o700, exist_ok=True)
         done = os.path.join(marks, f"{key}.ok")
@@ -1138,6 +1237,7 @@ class Agent:
                 return
             env = dict(os.environ)
             env.update(msg.get("env") or {})
+            env[TOKEN_VAR] = self.token  # whatever it starts is found by the token sweep
             tail: collections.deque[str] = collections.deque(maxlen=20)
             try:
                 proc = subprocess.Popen(["/bin/sh", "-c", str(msg["script"])],
@@ -1149,10 +1249,17 @@ class Agent:
                 self._reply(msg, P.SETUP_DONE, exit_code=127, cached=False, tail=[str(exc)])
                 return
             assert proc.stdout is not None
+            batch: list[str] = []
+            sent = time.monotonic()
             for raw in iter(lambda: proc.stdout.readline(P.MAX_LINE), b""):
                 line = _text(raw.rstrip(b"\n"))
                 tail.append(line)
-                self.outbox.put({"type": P.SETUP_OUTPUT, "attempt": 0, "lines": [line]})
+                batch.append(line)
+                if len(batch) >= 200 or time.monotonic() - sent > 0.1:
+                    self.outbox.put_live(P.SETUP_OUTPUT, batch)  # waits if far behind
+                    batch, sent = [], time.monotonic()
+            if batch:
+                self.outbox.put_live(P.SETUP_OUTPUT, batch)
             code = proc.wait()
             if code == 0:
                 open(done, "w").close()

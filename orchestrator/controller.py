@@ -122,6 +122,7 @@ class Controller:
         self._needs_prep = bool(spec.setup) or (spec.sync is not None and any(
             not n.is_local for n in spec.nodes))
         self._setup_sink: LogSink | None = None
+        self._ending = False  # stopping for good: no launch failure may interrupt it
 
     # --- the restart policy: one loop ---------------------------------------------------
     def run(self) -> JobState:
@@ -140,22 +141,26 @@ class Controller:
                     attempt.sink.close()
             return self.state
         except Cancelled:
+            self._ending = True
             self._stop_attempt()
             self._end_attempt(AttemptResult(AttemptOutcome.CANCELLED))
             final, fields = JobState.CANCELLED, {}
         except _TimedOut:
+            self._ending = True
             failure = Failure(FailureCause.TIMEOUT, f"max_duration ({self.spec.max_duration:g}s) "
                                                     "reached: every worker was stopped")
             self._stop_attempt()
             self._end_attempt(AttemptResult(AttemptOutcome.FAILED, failure))
             final, fields = JobState.FAILED, {"failure": failure.to_dict()}
         except _LaunchFailed as exc:
+            self._ending = True
             self._stop_attempt()
             self._end_attempt(AttemptResult(AttemptOutcome.FAILED, exc.failure))
             final, fields = JobState.FAILED, {"failure": exc.failure.to_dict()}
         except BaseException as exc:  # a bug or an unexpected OS error: never leave RUNNING
             log.exception("controller error")
             failure = Failure(FailureCause.LAUNCH_FAILED, f"controller error: {exc!r}")
+            self._ending = True
             try:
                 self._stop_attempt()
                 self._end_attempt(AttemptResult(AttemptOutcome.FAILED, failure))
@@ -163,6 +168,7 @@ class Controller:
                 final, fields = JobState.FAILED, {"failure": failure.to_dict()}
         # Agents are shut down before the terminal state is written: whoever sees the job
         # ended also sees every reachable node done.
+        self._ending = True
         self._shutdown()
         self._set_state(final, **fields)
         self._linger()
@@ -409,7 +415,9 @@ class Controller:
         when node 0 did not answer."""
         wanted = self.spec.rendezvous.port
         span = self.spec.rendezvous.port_range
-        if span is not None and span[0] != span[1]:
+        if span is not None and span[0] == span[1]:
+            wanted = span[0]  # a range of one port is that port
+        elif span is not None:
             reply = self.pool.request(node, P.FREE_PORT, self.spec.launch_timeout,
                                       check=self._check_cancel, range=list(span))
             if reply is None:
@@ -498,7 +506,7 @@ class Controller:
                                 restart_count=open_attempt.attempt - 1,
                                 master_port=cp.get("master_port"),
                                 node_indices=list(cp["participants"]), spec_dir=self.spec_dir,
-                                sync_tree=cp.get("sync_tree"),
+                                sync_tree=self._tree().tree if self.spec.sync else None,
                                 nprocs=(plan_nprocs := {int(k): v for k, v in
                                                         cp.get("nprocs", {}).items()}))
             sink = self._sink(plan.world_size, cp["logs"], cp.get("log_state"))
@@ -738,13 +746,16 @@ class Controller:
                 if not node.spec.is_local:
                     self._push(node, channel)
             if self.spec.setup:
-                key = hashlib.sha256(f"{self.spec.setup_script}\0{tree}".encode()).hexdigest()
-                env = {k: v for k, v in self.spec.env.items() if "$" not in v}
+                # The node's own env and workdir, as its workers will have them (per-rank
+                # placeholders have no value here: those variables are left out).
+                node_plan = plan_attempt(self.spec, self.job_id, node_indices=[node.index],
+                                         spec_dir=self.spec_dir, sync_tree=tree).nodes[0]
+                env = {k: node_plan.env[k] for k in self.spec.env if k in node_plan.env}
+                key = hashlib.sha256(json.dumps([self.spec.setup_script, tree,
+                                                 node_plan.workdir, env]).encode()).hexdigest()
                 req, message = channel.mailbox.request(
                     P.SETUP, key=key[:32], script=self.spec.setup_script, env=env,
-                    workdir=plan_attempt(self.spec, self.job_id, node_indices=[node.index],
-                                         spec_dir=self.spec_dir, sync_tree=tree
-                                         ).nodes[0].workdir)
+                    workdir=node_plan.workdir)
                 channel.conn.send(message)
                 reply = channel.mailbox.wait(req, None)  # setups take what they take
                 if reply is None:  # the channel dropped: prepared again once reattached
@@ -771,11 +782,18 @@ class Controller:
                                                node_index=node.index, host=node.host)))
 
     def _tree(self) -> sync.Manifest:
+        """The job's tree: hashed once, and kept with the job, so that a resumed controller
+        ships the same tree as the one the running workers got."""
         with self._manifest_lock:
             if self._manifest is None:
                 assert self.spec.sync is not None
                 root = os.path.join(self.spec_dir, os.path.expanduser(self.spec.sync.path))
-                self._manifest = sync.build_manifest(root, self.spec.sync.exclude)
+                saved = self.store.job_dir(self.job_id) / "sync-manifest.json"
+                if saved.exists():
+                    self._manifest = sync.Manifest.load(saved, root)
+                else:
+                    self._manifest = sync.build_manifest(root, self.spec.sync.exclude)
+                    self._manifest.save(saved)
             return self._manifest
 
     def _push(self, node: Node, channel: Channel) -> None:
@@ -807,6 +825,9 @@ class Controller:
                 offset = 0
                 while True:
                     data = f.read(sync.CHUNK)
+                    if not data and offset < entry.size:
+                        raise LaunchError(f"sync: {entry.path} changed since the tree was "
+                                          "hashed (submit again to ship the new version)")
                     last = offset + len(data) >= entry.size
                     req, message = channel.mailbox.request(
                         P.SYNC_PUT, sha=sha, offset=offset, last=last,
@@ -840,7 +861,20 @@ class Controller:
             node.prepared = True
             log.info("%s: prepared (sync, setup)", node.host)
         elif isinstance(outcome, Failure):
-            raise _LaunchFailed(outcome)  # setup is the job's own: it would fail again
+            if self.current is None and not self._ending:
+                raise _LaunchFailed(outcome)  # the job's own setup: it would fail again
+            # Later (a node rejoining while the job runs): that node stays out, the job goes on.
+            log.error("%s: %s", node.host, outcome.message)
+            self.pool.drop_channel(node)
+            node.retry = False
+            new = NodeState.FAILED if node.state == NodeState.PENDING else NodeState.LOST
+            self._set_node(node, new, outcome.message, info={**node.info,
+                                                             "error": outcome.message})
+        elif node.channel is not None and not node.prepared and self._needs_prep:
+            # The channel it ran on dropped, and a newer one is already attached.
+            node.preparing = True
+            threading.Thread(target=self._prepare, args=(node, node.channel), daemon=True,
+                             name=f"prepare-{node.index}").start()
 
     def _on_closed(self, node: Node, generation: int) -> None:
         if node.channel is None or node.channel.generation != generation:

@@ -52,6 +52,16 @@ class Manifest:
     def to_message(self) -> list[list[object]]:
         return [[e.path, e.sha256, e.executable] for e in self.entries]
 
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps([[e.path, e.sha256, e.size, e.executable]
+                                    for e in self.entries]))
+
+    @classmethod
+    def load(cls, path: Path, root: str | os.PathLike[str]) -> Manifest:
+        entries = [Entry(p, sha, int(size), bool(x))
+                   for p, sha, size, x in json.loads(path.read_text())]
+        return cls(Path(root).resolve(), entries)
+
 
 class _Ignore:
     """The common subset of .gitignore: globs, ``**``, a leading ``/`` anchoring to the

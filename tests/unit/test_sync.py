@@ -94,7 +94,7 @@ def test_pruning_keeps_recent_trees_and_anything_used_within_the_hour(tmp_path, 
     fresh = blobs / ("aa" + "f" * 62)  # uploaded a moment ago, no tree built from it yet
     fresh.write_text("y")
     agent._prune_trees(str(base), 2, str(trees[0]))
-    left = sorted(p.name for p in base.iterdir())
+    left = sorted(p.name for p in base.iterdir() if not p.name.startswith("."))
     # kept: the 2 most recent (7, 6, both recent anyway) and the current one (0)
     assert left == sorted([trees[0].name, trees[6].name, trees[7].name])
     assert fresh.exists()  # too young to go
