@@ -77,6 +77,7 @@ class CappedLog:
         self.cut_bytes = int(state.get("cut_bytes", 0))
         # A dropped segment's file goes only once a checkpoint has counted it as cut: a
         # replaced controller must not count the replayed lines twice.
+        self._synced: dict[int, int] = {}  # file -> size at its last fsync
         self._dropped: list[Path] = []  # not yet in any state()
         self._deletable: list[Path] = []  # in the last state(): gone at the next flush
         for stray in path.parent.glob(f"{path.stem}.tail*.log"):  # begun after a checkpoint
@@ -133,14 +134,21 @@ class CappedLog:
             self._dropped.append(path)
 
     def sizes(self) -> dict[str, int]:
+        """Flushed and on disk (fsync): a checkpoint records these sizes, and then the
+        agents forget what they sent, so the bytes must survive a crash of this host."""
         for path in self._deletable:
             path.unlink(missing_ok=True)
         self._deletable = []
-        self.main.flush()
-        out = {self.path.name: self.main.tell()}
-        if self.current is not None:
-            self.current.flush()
-            out[self._segment(self.segments[-1]).name] = self.current.tell()
+        out = {}
+        for f, name in ((self.main, self.path.name), (self.current, None)):
+            if f is None:
+                continue
+            f.flush()
+            size = f.tell()
+            if size != self._synced.get(id(f)):
+                os.fsync(f.fileno())
+                self._synced[id(f)] = size
+            out[name or self._segment(self.segments[-1]).name] = size
         return out
 
     def state(self) -> dict[str, Any]:
@@ -322,7 +330,7 @@ class Attempt:
 
     def _on_output(self, node_index: int, message: dict[str, Any]) -> None:
         host, rank, stream = self.hosts[node_index], message.get("rank"), str(message["stream"])
-        lines = [str(ln) for ln in message.get("lines") or ()]
+        lines = message.get("lines") or []  # text: checked at the protocol boundary
         self.last_activity = time.monotonic()
         if rank is not None:
             self.sink.write(host, str(rank), stream, lines)

@@ -1056,7 +1056,7 @@ ANOTHER_CONTROLLER = 75  # exit code: the job has a live controller already
 
 
 def _controller_main(job_id: str, resume: bool) -> int:
-    store = Store()
+    store = Store(durable=True)
     # One controller per job, whoever started it (the supervisor, resume, a reader): two would
     # take the agents from each other.
     lock = open(store.job_dir(job_id) / "controller.lock", "a")  # noqa: SIM115 (held until exit)

@@ -215,7 +215,7 @@ class JobRecord:
 class Store:
     """Access to the state database and the log tree of one ``$ORCHESTRATOR_HOME``."""
 
-    def __init__(self, home: str | os.PathLike[str] | None = None):
+    def __init__(self, home: str | os.PathLike[str] | None = None, *, durable: bool = False):
         self.home = Path(home) if home is not None else default_home()
         self.jobs_dir = self.home / "jobs"
         # The database holds each job's secret and env: nobody else may read it (nor its WAL
@@ -229,7 +229,9 @@ class Store:
                                        isolation_level=None, check_same_thread=False)
             self._db.row_factory = sqlite3.Row
             self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable at checkpoints
+            # A controller's checkpoints are acknowledged to agents, which then forget: each
+            # commit must be on disk (FULL). Readers need no such care.
+            self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
             self._db.execute("PRAGMA busy_timeout=30000")
             self._db.executescript(_SCHEMA)
             self._migrate()
