@@ -262,7 +262,10 @@ def relay_main() -> int:
         say({"type": P.ERROR, "message": "expected connect"})
         return 2
     try:
-        directory, outcome = agent_paths(str(first.get("job_id")), first.get("node_index"))
+        index = first.get("node_index")
+        if not isinstance(index, int):
+            raise ValueError(f"bad node index {index!r}")
+        directory, outcome = agent_paths(str(first.get("job_id")), index)
         sock_path = os.path.join(directory, "agent.sock")
         launch = first.get("launch")
         sock = _connect_unix(sock_path)
@@ -932,7 +935,10 @@ class Agent:
             first = P.decode(reader.readline(P.MAX_MESSAGE))
         except OSError:
             first = None
-        ok = (first is not None and first.get("op") == P.ATTACH
+        if first is None:
+            _close(conn)
+            return
+        ok = (first.get("op") == P.ATTACH
               and hmac.compare_digest(str(first.get("secret", "")).encode(),
                                       self.secret.encode()))
         if not ok:
@@ -1248,10 +1254,11 @@ class Agent:
             except OSError as exc:
                 self._reply(msg, P.SETUP_DONE, exit_code=127, cached=False, tail=[str(exc)])
                 return
-            assert proc.stdout is not None
+            out = proc.stdout
+            assert out is not None
             batch: list[str] = []
             sent = time.monotonic()
-            for raw in iter(lambda: proc.stdout.readline(P.MAX_LINE), b""):
+            for raw in iter(lambda: out.readline(P.MAX_LINE), b""):
                 line = _text(raw.rstrip(b"\n"))
                 tail.append(line)
                 batch.append(line)

@@ -47,7 +47,7 @@ class Failure:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Failure:
-        fields = {k: d.get(k) for k in cls.__dataclass_fields__ if k in d}
+        fields: dict[str, Any] = {k: d.get(k) for k in cls.__dataclass_fields__ if k in d}
         fields["cause"] = FailureCause(d["cause"])
         fields["stderr_tail"] = list(d.get("stderr_tail") or [])
         return cls(**fields)
@@ -336,7 +336,7 @@ class Attempt:
             self.sink.write(host, str(rank), stream, lines)
             return
         # torchrun (c10d): each worker line comes prefixed with its global rank.
-        label, group = self._label(node_index, None), []
+        label, group = self._label(node_index, None), list[str]()
         for line in lines:
             if m := TORCHRUN_LINE_RE.match(line):
                 this, line = str(int(m.group(1))), line[m.end():]

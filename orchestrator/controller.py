@@ -813,7 +813,7 @@ class Controller:
 
         by_sha = {e.sha256: e for e in manifest.entries}
         missing = ask(P.SYNC_MISSING, blobs=sorted(by_sha))["missing"]
-        progress = {"tree": manifest.tree, "files": len(manifest.entries),
+        progress: dict[str, Any] = {"tree": manifest.tree, "files": len(manifest.entries),
                     "bytes": manifest.total_bytes, "blobs_sent": 0, "bytes_sent": 0,
                     "to_send": sum(by_sha[s].size for s in missing), "done": False}
         self.pool.events.put(("progress", node.index, dict(progress)))

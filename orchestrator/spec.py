@@ -644,8 +644,8 @@ def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".",
     for item in overrides or ():
         _apply_override(data, item)
     if env:
-        current = data.get("env") if isinstance(data.get("env"), dict) else {}
-        data["env"] = {**current, **env}
+        current = data.get("env")
+        data["env"] = {**(current if isinstance(current, dict) else {}), **env}
     if not isinstance(data.get("hostfile"), str):
         return validate_jobspec(data)
     if "nodes" in data:

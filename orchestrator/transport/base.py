@@ -57,10 +57,22 @@ class NodeConnection(Protocol):
 ConnectionFactory = Callable[[NodeSpec, JobSpec], NodeConnection]
 
 
+class Reader(Protocol):
+    """What JsonLines reads from: a pipe, or a paramiko channel file."""
+
+    def readline(self, size: int | None = ...) -> bytes: ...
+
+
+class Writer(Protocol):
+    def write(self, data: bytes) -> Any: ...
+
+    def flush(self) -> Any: ...
+
+
 class JsonLines:
     """JSON-lines framing over a pair of byte streams, shared by the real transports."""
 
-    def __init__(self, host: str, reader: IO[bytes], writer: IO[bytes]):
+    def __init__(self, host: str, reader: Reader | IO[bytes], writer: Writer | IO[bytes]):
         self.host = host
         self._reader = reader
         self._writer = writer
