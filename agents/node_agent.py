@@ -60,6 +60,26 @@ TOKEN_VAR = "ORCHESTRATOR_AGENT_TOKEN"
 PR_SET_PDEATHSIG = 1
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
+# orchestrator.heartbeat for nodes without the package (keep in step with heartbeat.py).
+WORKER_MODULE = '''"""orchestrator_worker.heartbeat(step=None, **metrics), from the agent."""
+import json
+import os
+
+
+def heartbeat(step=None, **metrics):
+    path = os.environ.get("ORCHESTRATOR_HEARTBEAT_FILE")
+    if not path:
+        return
+    if step is None and not metrics:
+        open(path, "a").close()
+        os.utime(path)
+        return
+    record = {"step": None if step is None else int(step),
+              "metrics": {str(k): float(v) for k, v in metrics.items()}}
+    with open(path + ".tmp", "w") as f:
+        f.write(json.dumps(record))
+    os.replace(path + ".tmp", path)
+'''
 
 
 # --- small helpers ---------------------------------------------------------------------------
@@ -771,6 +791,7 @@ class Worker:
         self.error_file = spec["env"].get("TORCHELASTIC_ERROR_FILE")
         self.heartbeat_file = spec["env"]["ORCHESTRATOR_HEARTBEAT_FILE"]
         self.proc = proc
+        self.heartbeat_seen = 0.0  # mtime of its heartbeat file at the last look
         self.pidfd = pidfd(proc.pid)  # taken before anyone can reap it
         self.done = threading.Event()
         self._readers = [
@@ -896,7 +917,6 @@ class Agent:
         self._stop_lock = threading.Lock()
         self.listener: socket.socket | None = None
         self.preflight_listeners: list[socket.socket] = []
-        self._last_progress = 0.0
         self.workdir: str | None = None  # the running attempt's (a synced tree is kept fresh)
         self._sync_queue: queue.SimpleQueue[tuple[Any, dict[str, Any]]] | None = None
         self._touched = 0.0
@@ -1023,8 +1043,10 @@ class Agent:
                 self.outbox.detach(conn)  # silent controller: as if the channel dropped
             else:
                 self.outbox.put({"type": P.HEARTBEAT, "attempt": self.attempt})
-                if self._workers_touched_heartbeat():
-                    self.outbox.put({"type": P.PROGRESS, "attempt": self.attempt})
+                touched, ranks = self._worker_progress()
+                if touched:  # every rank of this node in one message
+                    self.outbox.put({"type": P.PROGRESS, "attempt": self.attempt,
+                                     "ranks": ranks})
         since = self.outbox.detached_since
         if (since is not None and self.controller_grace is not None
                 and now - since > self.controller_grace):
@@ -1055,16 +1077,29 @@ class Agent:
         except OSError:
             pass
 
-    def _workers_touched_heartbeat(self) -> bool:
-        """Did any worker call orchestrator.heartbeat() since the last check?"""
-        newest = self._last_progress
+    def _worker_progress(self) -> tuple[bool, dict[str, Any]]:
+        """Which workers called heartbeat() since the last look, and the step and metrics
+        those that gave them wrote (see orchestrator/heartbeat.py)."""
+        touched, ranks = False, {}
         for w in list(self.workers):
             try:
-                newest = max(newest, os.stat(w.heartbeat_file).st_mtime)
+                st = os.stat(w.heartbeat_file)
             except OSError:
                 continue
-        touched, self._last_progress = newest > self._last_progress, newest
-        return touched
+            if st.st_mtime <= w.heartbeat_seen:
+                continue
+            w.heartbeat_seen, touched = st.st_mtime, True
+            if st.st_size and w.rank is not None:
+                try:
+                    with open(w.heartbeat_file, encoding="utf-8") as f:
+                        record = json.loads(f.read(16384))
+                except (OSError, ValueError):
+                    continue  # half a record, or not ours: the next look will do
+                if isinstance(record, dict):
+                    ranks[str(w.rank)] = {"step": record.get("step"),
+                                          "metrics": record.get("metrics") or {},
+                                          "at": st.st_mtime}
+        return touched, ranks
 
     # --- ops ---------------------------------------------------------------------------
     def _reply(self, msg: dict[str, Any], type_: str, **fields: Any) -> None:
@@ -1288,6 +1323,9 @@ class Agent:
             if iface and var not in base_env:
                 base_env[var] = iface
         base_env[TOKEN_VAR] = self.token
+        shim = self._worker_module()
+        base_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (base_env.get("PYTHONPATH"), shim) if p)  # last: the user's win
         attempt_dir = os.path.join(self.directory, f"attempt-{self.attempt}")
         for spec in msg["workers"]:
             try:
@@ -1304,6 +1342,15 @@ class Agent:
             worker = Worker(self, attempt, spec, proc)
             self.workers.append(worker)
             worker.start_threads()
+
+    def _worker_module(self) -> str:
+        """A directory holding ``orchestrator_worker.py`` (heartbeat with steps and metrics)
+        for workers on nodes where the orchestrator is not installed."""
+        path = os.path.join(self.directory, "pythonpath")
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        with open(os.path.join(path, "orchestrator_worker.py"), "w", encoding="utf-8") as f:
+            f.write(WORKER_MODULE)
+        return path
 
     def _spawn(self, spec: dict[str, Any], base_env: dict[str, str], attempt_dir: str,
                workdir: str) -> tuple[subprocess.Popen, dict[str, Any]]:

@@ -46,7 +46,8 @@ replayed in order on the next ``attach``. The others are only meaningful live::
     hello        {protocol, hostname, python, torch, gpus, pid, attempt, last_seq,
                   workers: [{rank, local_rank, pid, running}], spooled_bytes}   (live)
     heartbeat    {attempt}                                                      (live)
-    progress     {attempt}   a worker touched its ORCHESTRATOR_HEARTBEAT_FILE   (live)
+    progress     {attempt, ranks: {rank: {step, metrics, at}}}   workers called
+                 heartbeat() (ORCHESTRATOR_HEARTBEAT_FILE); step/metrics when given    (live)
     port / listening / probe / sync_missing / sync_put / sync_built / setup_done
                  {req, ...}   replies to requests                                    (live)
     setup_output {lines}      the setup script's output while it runs                (live)

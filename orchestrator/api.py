@@ -334,8 +334,15 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
         ranks.append({
             "rank": r.rank, "local_rank": r.local_rank, "node_index": r.node_index,
             "host": hosts.get(r.node_index), "pid": r.pid, "state": r.state,
-            "exit_code": r.exit_code, "signal": r.signal,
+            "exit_code": r.exit_code, "signal": r.signal, "step": r.step,
+            "metrics": r.metrics, "steps_per_s": r.steps_per_s,
+            "last_heartbeat": _iso(r.heartbeat_at),
         })
+    # Under synchronous collectives the job goes at its slowest rank's pace.
+    rates: dict[int, list[float]] = {}
+    for r in job.ranks:
+        if r.steps_per_s is not None:
+            rates.setdefault(r.attempt, []).append(r.steps_per_s)
     return {
         "job_id": job.job_id,
         "name": job.name,
@@ -364,7 +371,8 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
         "attempts": [
             {"attempt": a.attempt, "started_at": _iso(a.started_at), "ended_at": _iso(a.ended_at),
              "outcome": a.outcome or "RUNNING", "master_addr": a.master_addr,
-             "master_port": a.master_port, "world_size": a.world_size, "failure": a.failure}
+             "master_port": a.master_port, "world_size": a.world_size, "failure": a.failure,
+             "steps_per_s": min(rates[a.attempt]) if a.attempt in rates else None}
             for a in job.attempts
         ],
     }

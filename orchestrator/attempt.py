@@ -286,6 +286,7 @@ class Attempt:
         self.stopping = False  # exits from here on are our doing, not failures
         self.last_activity = time.monotonic()  # output, or a worker's heartbeat()
         self.launched_at = time.monotonic()
+        self.first_steps: dict[int, tuple[int, float]] = {}  # rank -> (step, when) first seen
 
     @property
     def participants(self) -> list[int]:
@@ -296,6 +297,8 @@ class Attempt:
         kind = message.get("type")
         if kind == P.PROGRESS:
             self.last_activity = time.monotonic()
+            if message.get("attempt") == self.number:
+                self._on_progress(message.get("ranks"))
             return
         if message.get("attempt") != self.number or node_index not in self.node_ranks:
             return  # a late message of an earlier attempt
@@ -348,6 +351,32 @@ class Attempt:
             label = this
             group.append(line)
         self.sink.write(host, label, stream, group)
+
+    def _on_progress(self, ranks: Any) -> None:
+        """Steps and metrics that ranks gave heartbeat(): recorded, with steps per second
+        since the first step this attempt saw."""
+        if not isinstance(ranks, dict):
+            return
+        updates: dict[int, dict[str, Any]] = {}
+        for key, record in ranks.items():
+            if not (isinstance(record, dict) and str(key).isdigit()):
+                continue
+            rank, step, at = int(key), record.get("step"), record.get("at")
+            given = record.get("metrics")
+            metrics: dict[str, Any] = given if isinstance(given, dict) else {}
+            fields: dict[str, Any] = {
+                "metrics": {str(k): float(v) for k, v in metrics.items()
+                            if isinstance(v, (int, float)) and not isinstance(v, bool)}}
+            if isinstance(at, (int, float)):
+                fields["heartbeat_at"] = float(at)
+            if isinstance(step, int) and not isinstance(step, bool):
+                fields["step"] = step
+                first = self.first_steps.setdefault(rank, (step, float(at or 0)))
+                if isinstance(at, (int, float)) and at > first[1] and step > first[0]:
+                    fields["steps_per_s"] = (step - first[0]) / (at - first[1])
+            updates[rank] = fields
+        if updates:
+            self.store.update_ranks(self.job_id, self.number, updates)
 
     def _on_started(self, node_index: int, message: dict[str, Any]) -> None:
         self.started.add((node_index, int(message.get("local_rank") or 0)))

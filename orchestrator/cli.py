@@ -345,6 +345,7 @@ def _print_status(data: dict[str, Any]) -> None:
             f"{r['rank']}:{r['state'].lower()}"
             + (f"({r['exit_code'] if r['exit_code'] is not None else r['signal']})"
                if r["exit_code"] is not None or r["signal"] else "")
+            + (f"@{r['step']}" if r.get("step") is not None else "")
             for r in ranks_by_node.get(n["node_index"], [])
         )
         node_rank = "-" if n["node_rank"] is None else str(n["node_rank"])

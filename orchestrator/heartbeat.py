@@ -1,19 +1,43 @@
-"""For training scripts: tell the orchestrator you are making progress.
+"""For training scripts: tell the orchestrator you are making progress, and how far.
 
-With ``health.hang_timeout`` set, a job whose ranks neither print nor call :func:`heartbeat`
-for that long is treated as hung and restarted. Scripts that print rarely (long epochs,
-quiet collectives) call it from their training loop. Without the package on a node, the
-same is ``pathlib.Path(os.environ["ORCHESTRATOR_HEARTBEAT_FILE"]).touch()``.
+    orchestrator.heartbeat()                          # alive (keeps hang_timeout away)
+    orchestrator.heartbeat(step=120, loss=0.83, tokens_per_s=51200.0)
+
+Each rank's last step and numeric metrics show in ``status`` (``ranks[].step``,
+``ranks[].metrics``, ``ranks[].steps_per_s``). Cheap: one small file written (and renamed)
+per call, read by the node's agent once per heartbeat interval and sent batched.
+
+On nodes where this package is not installed, the agent puts the same function on every
+worker's PYTHONPATH as ``orchestrator_worker`` (stdlib only)::
+
+    import orchestrator_worker
+    orchestrator_worker.heartbeat(step=i, loss=loss.item())
+
+The file protocol, for any language: write ``{"step": N, "metrics": {"name": number}}`` as
+JSON to the file named by ``$ORCHESTRATOR_HEARTBEAT_FILE`` (replace it atomically), or just
+touch it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
+from typing import Any
 
 
-def heartbeat() -> None:
-    """Mark this worker alive. A no-op when not run by the orchestrator."""
+def heartbeat(step: int | None = None, **metrics: Any) -> None:
+    """Mark this worker alive, optionally with its step and numeric metrics. A no-op when
+    not run by the orchestrator."""
     path = os.environ.get("ORCHESTRATOR_HEARTBEAT_FILE")
-    if path:
+    if not path:
+        return
+    if step is None and not metrics:
         Path(path).touch()
+        return
+    record = {"step": None if step is None else int(step),
+              "metrics": {str(k): float(v) for k, v in metrics.items()}}
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(json.dumps(record))
+    os.replace(tmp, path)

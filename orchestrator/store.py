@@ -84,6 +84,10 @@ CREATE TABLE IF NOT EXISTS ranks (
     state TEXT NOT NULL,
     exit_code INTEGER,
     signal TEXT,
+    step INTEGER,
+    metrics_json TEXT,
+    steps_per_s REAL,
+    heartbeat_at REAL,
     PRIMARY KEY (job_id, attempt, rank)
 );
 CREATE TABLE IF NOT EXISTS attempts (
@@ -106,6 +110,8 @@ _ADDED_COLUMNS = {
              "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
              "controller_pidns": "TEXT"},
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0"},
+    "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
+              "heartbeat_at": "REAL"},
     "attempts": {"checkpoint_json": "TEXT"},
 }
 
@@ -152,6 +158,10 @@ class RankRecord:
     state: str
     exit_code: int | None
     signal: str | None
+    step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    steps_per_s: float | None = None
+    heartbeat_at: float | None = None
 
 
 @dataclass
@@ -363,8 +373,17 @@ class Store:
             self._update(db, "jobs", {"attempt": attempt}, job_id=job_id)
 
     def update_rank(self, job_id: str, attempt: int, rank: int, **fields: Any) -> None:
+        self.update_ranks(job_id, attempt, {rank: fields})
+
+    def update_ranks(self, job_id: str, attempt: int,
+                     fields_by_rank: dict[int, dict[str, Any]]) -> None:
+        """Several ranks of one attempt in one transaction (``metrics`` as a dict)."""
         with self._transaction() as db:
-            self._update(db, "ranks", fields, job_id=job_id, attempt=attempt, rank=rank)
+            for rank, fields in fields_by_rank.items():
+                fields = dict(fields)
+                if "metrics" in fields:
+                    fields["metrics_json"] = json.dumps(fields.pop("metrics"))
+                self._update(db, "ranks", fields, job_id=job_id, attempt=attempt, rank=rank)
 
     def end_attempt(self, job_id: str, attempt: int, outcome: str,
                     failure: dict[str, Any] | None) -> None:
@@ -407,7 +426,9 @@ class Store:
                     NodeEvent(r["at"], NodeState(r["state"]), r["message"]))
             job.ranks = [
                 RankRecord(r["attempt"], r["rank"], r["node_index"], r["local_rank"], r["pid"],
-                           r["state"], r["exit_code"], r["signal"])
+                           r["state"], r["exit_code"], r["signal"], r["step"],
+                           json.loads(r["metrics_json"] or "{}"), r["steps_per_s"],
+                           r["heartbeat_at"])
                 for r in self._db.execute(
                     "SELECT * FROM ranks WHERE job_id = ? ORDER BY attempt, rank", (job_id,))
             ]
