@@ -60,6 +60,34 @@ TOKEN_VAR = "ORCHESTRATOR_AGENT_TOKEN"
 PR_SET_PDEATHSIG = 1
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
+# Imported by every Python worker at start (it is on their PYTHONPATH): a faulthandler hook
+# so that the agent can ask for a stack without ptrace (SIGUSR2 -> a file), then whatever
+# sitecustomize would have been imported without this one.
+SITECUSTOMIZE = '''import os
+import sys
+
+_stack_dir = os.environ.get("ORCHESTRATOR_STACK_DIR")
+if _stack_dir and os.environ.get("RANK"):
+    try:
+        import faulthandler
+        import signal
+        _path = os.path.join(_stack_dir, "stack-%s.txt" % os.environ["RANK"])
+        _file = open(_path, "a")
+        faulthandler.register(signal.SIGUSR2, file=_file, all_threads=True, chain=False)
+        open(os.path.join(_stack_dir, "hook-%d" % os.getpid()), "w").close()
+    except Exception:
+        pass
+_here = os.path.dirname(os.path.abspath(__file__))
+del sys.modules["sitecustomize"]
+_saved = sys.path[:]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+try:
+    import sitecustomize  # noqa: F401
+except ImportError:
+    pass
+finally:
+    sys.path[:] = _saved
+'''
 # orchestrator.heartbeat for nodes without the package (keep in step with heartbeat.py).
 WORKER_MODULE = '''"""orchestrator_worker.heartbeat(step=None, **metrics), from the agent."""
 import json
@@ -874,6 +902,49 @@ class Worker:
             self.pidfd = None
 
 
+def _py_spy() -> str | None:
+    """py-spy beside this python, else on PATH; ``ORCHESTRATOR_PY_SPY=none`` never uses it
+    (a site where ptrace is not wanted), another value names it."""
+    chosen = os.environ.get("ORCHESTRATOR_PY_SPY")
+    if chosen:
+        return None if chosen == "none" else chosen
+    beside = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return beside if os.access(beside, os.X_OK) else shutil.which("py-spy")
+
+
+def _one_stack(pid: int, rank: int, directory: str, attempt: int) -> dict[str, Any]:
+    """One process's stack, and how it was taken."""
+    tool = _py_spy()
+    error = "py-spy not found"
+    if tool:
+        try:
+            done = subprocess.run([tool, "dump", "--pid", str(pid)], capture_output=True,
+                                  text=True, timeout=15, stdin=subprocess.DEVNULL)
+            if done.returncode == 0 and done.stdout.strip():
+                return {"method": "py-spy", "text": done.stdout[-65536:]}
+            error = (done.stderr or done.stdout).strip()[-300:]
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            error = str(exc)
+    stack_dir = os.path.join(directory, f"attempt-{attempt}")
+    if os.path.exists(os.path.join(stack_dir, f"hook-{pid}")):  # or SIGUSR2 would kill it
+        path = os.path.join(stack_dir, f"stack-{rank}.txt")
+        try:
+            before = os.path.getsize(path)
+            os.kill(pid, signal.SIGUSR2)
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline and os.path.getsize(path) <= before:
+                time.sleep(0.05)
+            with open(path, encoding="utf-8", errors="replace") as f:
+                f.seek(before)
+                text = f.read(65536)
+            if text.strip():
+                return {"method": "faulthandler", "text": text,
+                        "note": f"py-spy could not attach: {error}"}
+        except OSError as exc:
+            error += f"; faulthandler: {exc}"
+    return {"method": "none", "text": "", "error": error}
+
+
 def _text(raw: bytes) -> str:
     return raw.decode("utf-8", "replace").rstrip("\r")
 
@@ -1166,6 +1237,47 @@ class Agent:
                     reachable=not errors, unreachable=sorted(errors),
                     error=next(iter(errors.values()), None))
 
+    # --- stacks (see orchestrator/stacks.py) ----------------------------------------------
+    def op_stacks(self, msg: dict[str, Any]) -> None:
+        """Each live rank's Python stack: py-spy (needs ptrace), else the faulthandler hook
+        every worker registered at start. On a thread: py-spy takes its time."""
+        threading.Thread(target=self._stacks, args=(msg,), daemon=True).start()
+
+    def _stacks(self, msg: dict[str, Any]) -> None:
+        try:
+            targets = self._rank_pids()
+            found: dict[str, dict[str, Any]] = {}
+            threads = [threading.Thread(target=lambda r=r, p=p: found.__setitem__(
+                str(r), _one_stack(p, r, self.directory, self.attempt))) for r, p in targets]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(float(msg.get("timeout", 15)) + 5)
+            self._reply(msg, P.STACKS, stacks=found)
+        except Exception as exc:
+            self._reply(msg, P.FAILED, error=f"stacks: {exc!r}")
+
+    def _rank_pids(self) -> list[tuple[int, int]]:
+        """(rank, pid) of every live worker; torchrun's workers by their RANK."""
+        out = []
+        for w in list(self.workers):
+            if w.proc.poll() is not None:
+                continue
+            if w.rank is not None:
+                out.append((int(w.rank), w.proc.pid))
+                continue
+            for pid in processes_with_token(self.token):  # c10d: torchrun's children
+                try:
+                    with open(f"/proc/{pid}/stat", "rb") as f:
+                        parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+                    with open(f"/proc/{pid}/environ", "rb") as f:
+                        env = dict(e.split(b"=", 1) for e in f.read().split(b"\0") if b"=" in e)
+                except (OSError, ValueError):
+                    continue
+                if parent == w.proc.pid and b"RANK" in env:
+                    out.append((int(env[b"RANK"]), pid))
+        return out
+
     # --- code and setup on the node (see orchestrator/sync.py) -----------------------------
     # Hashing and copying can take long: sync ops run in order on a thread of their own, so
     # that heartbeats go on.
@@ -1324,6 +1436,8 @@ class Agent:
                 base_env[var] = iface
         base_env[TOKEN_VAR] = self.token
         shim = self._worker_module()
+        base_env["ORCHESTRATOR_STACK_DIR"] = os.path.join(self.directory,
+                                                          f"attempt-{attempt}")
         base_env["PYTHONPATH"] = os.pathsep.join(
             p for p in (base_env.get("PYTHONPATH"), shim) if p)  # last: the user's win
         attempt_dir = os.path.join(self.directory, f"attempt-{self.attempt}")
@@ -1348,8 +1462,10 @@ class Agent:
         for workers on nodes where the orchestrator is not installed."""
         path = os.path.join(self.directory, "pythonpath")
         os.makedirs(path, mode=0o700, exist_ok=True)
-        with open(os.path.join(path, "orchestrator_worker.py"), "w", encoding="utf-8") as f:
-            f.write(WORKER_MODULE)
+        for name, text in (("orchestrator_worker.py", WORKER_MODULE),
+                           ("sitecustomize.py", SITECUSTOMIZE)):
+            with open(os.path.join(path, name), "w", encoding="utf-8") as f:
+                f.write(text)
         return path
 
     def _spawn(self, spec: dict[str, Any], base_env: dict[str, str], attempt_dir: str,

@@ -38,6 +38,7 @@ Controller -> agent (``op``)::
     sync_put  {req, sha, offset, data (base64), last}   one chunk of a blob
     sync_build {req, tree, files: [[path, sha, executable]], keep}   build the tree, prune
     setup     {req, key, script, workdir, env}   run once per key (cached when it succeeds)
+    stacks    {req, timeout}        every live rank's stack (py-spy, else faulthandler)
 
 Agent -> controller (``type``). *Sequenced* messages carry ``seq`` (1, 2, ...) and are kept
 by the agent until acknowledged, spooled to disk while no controller is attached, and
@@ -88,6 +89,7 @@ SYNC_MISSING = "sync_missing"
 SYNC_PUT = "sync_put"
 SYNC_BUILD = "sync_build"
 SETUP = "setup"
+STACKS_OP = "stacks"
 
 # Relay -> controller.
 RELAY = "relay"
@@ -104,6 +106,7 @@ SYNC_BUILT = "sync_built"
 SETUP_OUTPUT = "setup_output"
 SETUP_DONE = "setup_done"
 FAILED = "failed"  # the reply to a request whose op raised: {req, error}
+STACKS = "stacks"  # {req, stacks: {rank: {method, text, error?}}}
 STARTED = "started"
 SPAWN_FAILED = "spawn_failed"
 OUTPUT = "output"

@@ -151,6 +151,35 @@ def status(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
         store.close()
 
 
+def stacks(job_id: str, *, rank: int | None = None, timeout: float = 60.0,
+           home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Every running rank's Python stack, taken now by the job's controller through the
+    agents (py-spy where it can attach, else a faulthandler hook): ``{"at", "stacks": {rank:
+    {host, method, text, error?}}, "diagnosis"}``. ``rank`` keeps only that one."""
+    store = Store(home)
+    try:
+        job = store.get_job(check_job_id(job_id))
+        if job.state.is_terminal():
+            raise JobEndedError(job_id, job.state.value)
+        if _controller_view(job)["alive"] is False:
+            raise LaunchError(f"the controller of {job_id} is not running: "
+                              f"`orchestrator resume {job_id}` first")
+        asked = store.request_stacks(job_id)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            _, answered, answer = store.stacks(job_id)
+            if answered is not None and answered >= asked and answer is not None:
+                found = answer.get("stacks") or {}
+                if rank is not None:
+                    found = {k: v for k, v in found.items() if k == str(rank)}
+                return {"at": _iso(answered), "stacks": found,
+                        "diagnosis": answer.get("diagnosis")}
+            time.sleep(0.1)
+        raise LaunchError(f"no stacks from the controller of {job_id} within {timeout:g}s")
+    finally:
+        store.close()
+
+
 def list_jobs(*, home: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
     """Every job, oldest first: job_id, name, state, submitted_at, attempt, restarts."""
     store = Store(home)

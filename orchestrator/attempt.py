@@ -39,6 +39,8 @@ class Failure:
     signal: str | None = None
     stderr_tail: list[str] = field(default_factory=list)
     error_file: str | None = None
+    stacks: dict[str, str] = field(default_factory=dict)  # rank -> its stack (on a hang)
+    diagnosis: str | None = None  # where the ranks were, grouped (orchestrator/stacks.py)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -50,6 +52,7 @@ class Failure:
         fields: dict[str, Any] = {k: d.get(k) for k in cls.__dataclass_fields__ if k in d}
         fields["cause"] = FailureCause(d["cause"])
         fields["stderr_tail"] = list(d.get("stderr_tail") or [])
+        fields["stacks"] = dict(d.get("stacks") or {})
         return cls(**fields)
 
 

@@ -245,6 +245,25 @@ def resume(
         typer.echo(f"{job}: already has a controller (pid {c['pid']} on {c['host']}, {where})")
 
 
+@app.command()
+def stacks(
+    job: str = typer.Argument(..., help="Job id."),
+    rank: int | None = typer.Option(None, "--rank", help="Only this global rank."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Print every running rank's Python stack, and where the ranks are, grouped."""
+    data = _call(lambda: api.stacks(job, rank=rank))
+    if as_json:
+        _print_json(data)
+        return
+    for r in sorted(data["stacks"], key=int):
+        entry = data["stacks"][r]
+        typer.echo(f"== rank {r} on {visible(entry.get('host'))} ({entry.get('method')}) ==")
+        typer.echo(visible(entry.get("text") or entry.get("error") or "").rstrip("\n"))
+    if data["diagnosis"]:
+        typer.echo(f"where: {visible(data['diagnosis'])}")
+
+
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """List jobs, oldest first."""

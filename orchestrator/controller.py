@@ -53,6 +53,7 @@ from orchestrator.errors import LaunchError, OrchestratorError
 from orchestrator.nodepool import Channel, Node, NodePool
 from orchestrator.plan import plan_attempt
 from orchestrator.spec import JobSpec
+from orchestrator.stacks import diagnose
 from orchestrator.state import AttemptOutcome, FailureCause, JobState, NodeState
 from orchestrator.store import Store, pid_namespace
 from orchestrator.transport import default_connect
@@ -953,8 +954,45 @@ class Controller:
         attempt = self.current
         if (hang and attempt is not None and self.state == JobState.RUNNING
                 and attempt.failure is None and now - attempt.last_activity > hang):
-            attempt.fail(Failure(FailureCause.HUNG, f"no output or heartbeat from any rank "
-                                                    f"for {hang:g}s (health.hang_timeout)"))
+            # Where every rank is, taken before anything is stopped: that is the why.
+            found = self._collect_stacks()
+            texts = {r: s.get("text", "") for r, s in found.items() if s.get("text")}
+            diagnosis = diagnose({int(r): t for r, t in texts.items()}) if texts else None
+            attempt.fail(Failure(
+                FailureCause.HUNG, f"no output or heartbeat from any rank for {hang:g}s "
+                f"(health.hang_timeout)" + (f": {diagnosis}" if diagnosis else ""),
+                stacks=texts, diagnosis=diagnosis))
+
+    def _collect_stacks(self, timeout: float = 20.0) -> dict[str, dict[str, Any]]:
+        """Every live rank's stack from every reachable node (py-spy, else faulthandler)."""
+        asked = []
+        for node in self.nodes:
+            channel = node.channel
+            if channel is not None and node.state in LIVE:
+                req, message = channel.mailbox.request(P.STACKS_OP, timeout=timeout - 5)
+                try:
+                    channel.conn.send(message)
+                except OrchestratorError:
+                    continue
+                asked.append((node, channel, req))
+        found: dict[str, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        for node, channel, req in asked:
+            reply = None
+            while reply is None and time.monotonic() < deadline and not channel.mailbox.closed:
+                self.pool.main_tick = time.monotonic()  # busy, not wedged: keep pinging
+                reply = channel.mailbox.wait(req, 0.2)
+            for rank, entry in ((reply or {}).get("stacks") or {}).items():
+                if isinstance(entry, dict):
+                    found[str(rank)] = {**entry, "host": node.host}
+        return found
+
+    def _answer_stacks(self) -> None:
+        """A reader asked (``orchestrator stacks``): collect, and record the answer."""
+        found = self._collect_stacks()
+        texts = {int(r): s["text"] for r, s in found.items() if s.get("text")}
+        self.store.update_job(self.job_id, stacks_at=time.time(), stacks_json=json.dumps({
+            "stacks": found, "diagnosis": diagnose(texts) if texts else None}))
 
     def _checkpoint(self, force: bool = False) -> None:
         """Record log sizes and handled messages together, then let the agents forget them."""
@@ -985,6 +1023,9 @@ class Controller:
             self._next_cancel_check = now + 0.25
             if self.store.job_state(self.job_id)[1]:
                 self.cancel_requested = True
+            asked, answered, _ = self.store.stacks(self.job_id)
+            if asked and (answered is None or answered < asked) and not self.cancel_requested:
+                self._answer_stacks()
         if self.cancel_requested:
             raise Cancelled()
         if self.exit_requested:

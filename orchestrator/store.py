@@ -55,7 +55,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     controller_since REAL,
     supervisor_pid INTEGER,
     free_restarts INTEGER NOT NULL DEFAULT 0,
-    controller_pidns TEXT
+    controller_pidns TEXT,
+    stacks_requested_at REAL,
+    stacks_json TEXT,
+    stacks_at REAL
 );
 CREATE TABLE IF NOT EXISTS nodes (
     job_id TEXT NOT NULL,
@@ -108,7 +111,8 @@ CREATE TABLE IF NOT EXISTS attempts (
 _ADDED_COLUMNS = {
     "jobs": {"secret": "TEXT", "controller_host": "TEXT", "controller_since": "REAL",
              "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
-             "controller_pidns": "TEXT"},
+             "controller_pidns": "TEXT", "stacks_requested_at": "REAL",
+             "stacks_json": "TEXT", "stacks_at": "REAL"},
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
               "heartbeat_at": "REAL"},
@@ -447,6 +451,22 @@ class Store:
     def list_jobs(self) -> list[JobRecord]:
         rows = self._db.execute("SELECT * FROM jobs ORDER BY submitted_at, job_id").fetchall()
         return [self._job(r) for r in rows]
+
+    def request_stacks(self, job_id: str) -> float:
+        """Ask the job's controller for every rank's stack (a request, like cancel)."""
+        at = time.time()
+        self._db.execute("UPDATE jobs SET stacks_requested_at = ? WHERE job_id = ?",
+                         (at, job_id))
+        return at
+
+    def stacks(self, job_id: str) -> tuple[float | None, float | None, dict[str, Any] | None]:
+        """(requested at, answered at, the answer) of the last stacks request."""
+        row = self._db.execute("SELECT stacks_requested_at, stacks_at, stacks_json FROM jobs "
+                               "WHERE job_id = ?", (job_id,)).fetchone()
+        if row is None:
+            raise JobNotFoundError(job_id)
+        return (row["stacks_requested_at"], row["stacks_at"],
+                json.loads(row["stacks_json"]) if row["stacks_json"] else None)
 
     def job_state(self, job_id: str) -> tuple[JobState, bool]:
         """The state and the cancel flag: the cheap read a polling loop needs."""

@@ -1,0 +1,64 @@
+"""Where each rank is: parse the stacks that py-spy or faulthandler gave, and say it short.
+
+``diagnose`` groups ranks by where their main thread is and names the odd one out first::
+
+    rank 3 in stuck_in_data_loading (data.py:12); ranks 0-2 in all_reduce (train.py:41)
+
+The place is the innermost frame (what the rank is doing) and the innermost frame of the
+user's own code (where it was called from). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+
+_PYSPY_FRAME = re.compile(r"^\s+(?P<fn>\S.*?) \((?P<file>[^():]+):(?P<line>\d+)\)\s*$")
+_FAULT_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<fn>.+)$')
+_LIBRARY = ("site-packages", "dist-packages", "/lib/python", "<frozen", "threading.py", "torch/")
+
+
+def frames(text: str) -> list[tuple[str, str, int]]:
+    """The main thread's frames, innermost first, as (function, file, line)."""
+    out: list[tuple[str, str, int]] = []
+    in_main = None
+    for line in text.splitlines():
+        if line.startswith("Thread ") or line.startswith("Current thread "):
+            if out and in_main:
+                break  # the main thread is done
+            in_main = "MainThread" in line or line.startswith("Current thread") or in_main is None
+            out = [] if in_main else out
+            continue
+        m = _PYSPY_FRAME.match(line) or _FAULT_FRAME.match(line)
+        if m and in_main is not False:
+            out.append((m["fn"].strip(), m["file"], int(m["line"])))
+    return out
+
+
+def where(text: str) -> str:
+    """``fn (file:line)``: the innermost function, and the user's call site if it differs."""
+    stack = frames(text)
+    if not stack:
+        return "stack unknown"
+    fn, file, line = stack[0]
+    own = next(((f, fl, ln) for f, fl, ln in stack if not any(s in fl for s in _LIBRARY)),
+               stack[0])
+    return f"{fn} ({own[1].rsplit('/', 1)[-1]}:{own[2]})"
+
+
+def _ranks_text(ranks: list[int]) -> str:
+    ranks = sorted(ranks)
+    parts, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None], strict=True):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b if b is not None else start
+    return ("rank " if len(ranks) == 1 else "ranks ") + ",".join(parts)
+
+
+def diagnose(stacks: dict[int, str]) -> str:
+    """One line: ranks grouped by where they are, smallest group (the odd one out) first."""
+    groups: dict[str, list[int]] = {}
+    for rank, text in stacks.items():
+        groups.setdefault(where(text), []).append(int(rank))
+    ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), min(kv[1])))
+    return "; ".join(f"{_ranks_text(ranks)} in {place}" for place, ranks in ordered)
