@@ -66,27 +66,34 @@ ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
 SITECUSTOMIZE = '''import os
 import sys
 
-_stack_dir = os.environ.get("ORCHESTRATOR_STACK_DIR")
-if _stack_dir and os.environ.get("RANK"):
-    try:
+
+def _orchestrator_hook():
+    stack_dir = os.environ.get("ORCHESTRATOR_STACK_DIR")
+    if stack_dir and os.environ.get("RANK"):
         import faulthandler
         import signal
-        _path = os.path.join(_stack_dir, "stack-%s.txt" % os.environ["RANK"])
-        _file = open(_path, "a")
-        faulthandler.register(signal.SIGUSR2, file=_file, all_threads=True, chain=False)
-        open(os.path.join(_stack_dir, "hook-%d" % os.getpid()), "w").close()
+        path = os.path.join(stack_dir, "stack-%s.txt" % os.environ["RANK"])
+        faulthandler.register(signal.SIGUSR2, file=open(path, "a"), all_threads=True,
+                              chain=False)
+        open(os.path.join(stack_dir, "hook-%d" % os.getpid()), "w").close()
+
+
+def _next_sitecustomize():
+    # The one this file hides, run as it would have been (never put in sys.modules twice).
+    import importlib.machinery
+    import importlib.util
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None and spec.loader is not None:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+
+
+for _step in (_orchestrator_hook, _next_sitecustomize):
+    try:
+        _step()
     except Exception:
-        pass
-_here = os.path.dirname(os.path.abspath(__file__))
-del sys.modules["sitecustomize"]
-_saved = sys.path[:]
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
-try:
-    import sitecustomize  # noqa: F401
-except ImportError:
-    pass
-finally:
-    sys.path[:] = _saved
+        pass  # a worker must start, whatever happens here
 '''
 # orchestrator.heartbeat for nodes without the package (keep in step with heartbeat.py).
 WORKER_MODULE = '''"""orchestrator_worker.heartbeat(step=None, **metrics), from the agent."""
@@ -177,8 +184,9 @@ def kill_token_processes(token: str) -> None:
                 os.close(fd)
 
 
-def start_watchdog(token: str) -> None:
-    """Fork a process that kills this agent's workers once the agent is gone, however it died."""
+def start_watchdog(token: str, directory: str | None = None) -> None:
+    """Fork a process that kills this agent's workers once the agent is gone, however it died,
+    and removes the agent's directory if no new agent took it meanwhile."""
     agent_pid = os.getpid()
     if os.fork() != 0:
         return
@@ -194,6 +202,16 @@ def start_watchdog(token: str) -> None:
     while os.getppid() == agent_pid:
         time.sleep(0.2)
     kill_token_processes(token)
+    if directory and os.path.isdir(directory):
+        try:
+            with _lock(directory + ".lock"):  # relays launch under this lock
+                probe = _connect_unix(os.path.join(directory, "agent.sock"))
+                if probe is None:  # nobody serves there: the dead agent's leftovers
+                    shutil.rmtree(directory, ignore_errors=True)
+                else:
+                    probe.close()
+        except OSError:
+            pass
     os._exit(0)
 
 
@@ -994,7 +1012,7 @@ class Agent:
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
-        start_watchdog(self.token)  # first: it must inherit no socket
+        start_watchdog(self.token, self.directory)  # first: it must inherit no socket
         path = os.path.join(self.directory, "agent.sock")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -1237,7 +1255,7 @@ class Agent:
                     reachable=not errors, unreachable=sorted(errors),
                     error=next(iter(errors.values()), None))
 
-    # --- stacks (see orchestrator/stacks.py) ----------------------------------------------
+    # --- stacks (see orchestrator/diagnosis.py) ----------------------------------------------
     def op_stacks(self, msg: dict[str, Any]) -> None:
         """Each live rank's Python stack: py-spy (needs ptrace), else the faulthandler hook
         every worker registered at start. On a thread: py-spy takes its time."""

@@ -365,7 +365,7 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
             "host": hosts.get(r.node_index), "pid": r.pid, "state": r.state,
             "exit_code": r.exit_code, "signal": r.signal, "step": r.step,
             "metrics": r.metrics, "steps_per_s": r.steps_per_s,
-            "last_heartbeat": _iso(r.heartbeat_at),
+            "last_heartbeat": _iso(r.heartbeat_at), "last_output": _iso(r.output_at),
         })
     # Under synchronous collectives the job goes at its slowest rank's pace.
     rates: dict[int, list[float]] = {}
@@ -390,7 +390,7 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
             {"node_index": n.node_index, "host": n.host, "node_rank": n.node_rank,
              "state": n.state.value, "hostname": n.info.get("hostname"),
              "agent_pid": n.info.get("pid"), "error": n.info.get("error"),
-             "sync": n.info.get("sync"),
+             "sync": n.info.get("sync"), "last_heard": _iso(n.heard_at),
              "history": [{"at": _iso(e.at), "state": e.state.value, "message": e.message}
                          for e in n.history]}
             for n in job.nodes

@@ -40,7 +40,7 @@ class Failure:
     stderr_tail: list[str] = field(default_factory=list)
     error_file: str | None = None
     stacks: dict[str, str] = field(default_factory=dict)  # rank -> its stack (on a hang)
-    diagnosis: str | None = None  # where the ranks were, grouped (orchestrator/stacks.py)
+    diagnosis: str | None = None  # where the ranks were, grouped (orchestrator/diagnosis.py)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -290,6 +290,7 @@ class Attempt:
         self.last_activity = time.monotonic()  # output, or a worker's heartbeat()
         self.launched_at = time.monotonic()
         self.first_steps: dict[int, tuple[int, float]] = {}  # rank -> (step, when) first seen
+        self.output_at: dict[int, float] = {}  # rank -> when it last printed (wall clock)
 
     @property
     def participants(self) -> list[int]:
@@ -339,6 +340,7 @@ class Attempt:
         lines = message.get("lines") or []  # text: checked at the protocol boundary
         self.last_activity = time.monotonic()
         if rank is not None:
+            self.output_at[int(rank)] = time.time()
             self.sink.write(host, str(rank), stream, lines)
             return
         # torchrun (c10d): each worker line comes prefixed with its global rank.

@@ -156,6 +156,64 @@ def _show_sync_progress(job_id: str) -> None:
             time.sleep(0.2)
 
 
+def _watch(job_id: str) -> None:
+    """``status --watch``: the view, redrawn twice a second until the job ends."""
+    import time
+
+    from rich.live import Live
+
+    with Live(console=_console(), refresh_per_second=2, screen=False) as live:
+        while True:
+            data = _call(lambda: api.status(job_id))
+            tail = list(_call(lambda: api.logs(job_id, tail=8)))
+            live.update(render_watch(data, tail))
+            if data["state"] in EXIT_FOR_STATE:
+                return
+            time.sleep(0.5)
+
+
+def _age(iso: str | None, now: float) -> str:
+    if not iso:
+        return "-"
+    from datetime import datetime
+
+    seconds = max(0.0, now - datetime.fromisoformat(iso).timestamp())
+    return f"{seconds:.0f}s ago"
+
+
+def render_watch(data: dict[str, Any], tail: list[str], now: float | None = None) -> Any:
+    """The live view of one job, as one rich renderable: state, attempt and restarts; per
+    node its state and when it was last heard; per rank its state, step, steps/s and last
+    output; the last log lines. Every text from the job is shown literally."""
+    import time
+
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    now = time.time() if now is None else now
+    head = Text(f"{data['job_id']}  {data['state']}  attempt {data['attempt']}  restarts "
+                f"{data['restarts']}/{data['max_restarts']}", style="bold")
+    nodes = Table("NODE", "HOST", "STATE", "LAST HEARD", box=None, title="nodes",
+                  title_justify="left")
+    for n in data["nodes"]:
+        nodes.add_row(*map(_cell, ("-" if n["node_rank"] is None else n["node_rank"], n["host"],
+                                   n["state"], _age(n.get("last_heard"), now))))
+    ranks = Table("RANK", "HOST", "STATE", "STEP", "STEPS/S", "LAST OUTPUT", box=None,
+                  title="ranks", title_justify="left")
+    for r in data["ranks"]:
+        rate = r.get("steps_per_s")
+        ranks.add_row(*map(_cell, (r["rank"], r["host"], r["state"],
+                                   "-" if r.get("step") is None else r["step"],
+                                   "-" if rate is None else f"{rate:.2f}",
+                                   _age(r.get("last_output"), now))))
+    parts: list[Any] = [head, nodes, ranks, Text("last lines", style="bold")]
+    parts += [_cell(line) for line in tail]
+    if data.get("failure"):
+        parts.append(_cell(_summary_line(data)))
+    return Group(*parts)
+
+
 def _pairs(items: list[str]) -> dict[str, str]:
     out = {}
     for item in items:
@@ -181,6 +239,7 @@ def _cancel_on_signals(job_id: str) -> None:
 def status(
     job: str | None = typer.Argument(None, help="Job id (default: the newest job)."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    watch: bool = typer.Option(False, "--watch", "-w", help="A live view, until the job ends."),
 ) -> None:
     """Show a job's state, nodes, ranks, attempts and failure."""
     if job is None:
@@ -188,6 +247,9 @@ def status(
         if not jobs:
             _fail("no jobs yet", 2)
         job = jobs[-1]["job_id"]
+    if watch:
+        _watch(job)
+        return
     data = _call(lambda: api.status(job))
     if as_json:
         _print_json(data)

@@ -49,11 +49,11 @@ from typing import Any
 from agents import protocol as P
 from orchestrator import sync
 from orchestrator.attempt import Attempt, AttemptResult, Failure, LogSink
+from orchestrator.diagnosis import diagnose
 from orchestrator.errors import LaunchError, OrchestratorError
 from orchestrator.nodepool import Channel, Node, NodePool
 from orchestrator.plan import plan_attempt
 from orchestrator.spec import JobSpec
-from orchestrator.stacks import diagnose
 from orchestrator.state import AttemptOutcome, FailureCause, JobState, NodeState
 from orchestrator.store import Store, pid_namespace
 from orchestrator.transport import default_connect
@@ -393,10 +393,17 @@ class Controller:
 
     def _watch(self, attempt: Attempt) -> AttemptResult:
         launch_deadline = attempt.launched_at + self.spec.launch_timeout
+        next_liveness = 0.0
         while True:
             self._pump(POLL)
             self._check_cancel()
             self._check_health()
+            if time.monotonic() >= next_liveness:  # for `status --watch`: once a second
+                next_liveness = time.monotonic() + 1.0
+                offset = time.time() - time.monotonic()
+                self.store.liveness(self.job_id, attempt.number,
+                                    {n.index: n.last_heard + offset for n in self.nodes
+                                     if n.last_heard}, dict(attempt.output_at))
             result = attempt.result()
             if self.state == JobState.LAUNCHING:
                 if attempt.all_started or (result and result.failure is None):
@@ -1069,9 +1076,11 @@ class Controller:
         grace = self.spec.health.controller_grace
         # With no grace the agents keep the workers forever: then so must we keep trying.
         deadline = time.monotonic() + (grace + 5 if grace is not None else float("inf"))
-        targets = [n for n in self.nodes if n.state in (NodeState.UNREACHABLE, NodeState.LOST)]
+        # Also nodes whose connector is still out: what it reaches is shut down on arrival.
+        targets = [n for n in self.nodes if n.state in (NodeState.UNREACHABLE, NodeState.LOST)
+                   or n.connecting]
         for node in targets:
-            self.pool.connect(node, launch=False, retry=True)
+            self.pool.connect(node, launch=False, retry=node.state != NodeState.PENDING)
         while time.monotonic() < deadline and any(
                 n.connecting or n.channel is not None for n in targets):
             self._pump(POLL)

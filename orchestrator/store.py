@@ -68,6 +68,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     state TEXT NOT NULL,
     info_json TEXT,
     acked_seq INTEGER NOT NULL DEFAULT 0,
+    heard_at REAL,
     PRIMARY KEY (job_id, node_index)
 );
 CREATE TABLE IF NOT EXISTS node_events (
@@ -91,6 +92,7 @@ CREATE TABLE IF NOT EXISTS ranks (
     metrics_json TEXT,
     steps_per_s REAL,
     heartbeat_at REAL,
+    output_at REAL,
     PRIMARY KEY (job_id, attempt, rank)
 );
 CREATE TABLE IF NOT EXISTS attempts (
@@ -113,9 +115,9 @@ _ADDED_COLUMNS = {
              "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
              "controller_pidns": "TEXT", "stacks_requested_at": "REAL",
              "stacks_json": "TEXT", "stacks_at": "REAL"},
-    "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0"},
+    "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
-              "heartbeat_at": "REAL"},
+              "heartbeat_at": "REAL", "output_at": "REAL"},
     "attempts": {"checkpoint_json": "TEXT"},
 }
 
@@ -166,6 +168,7 @@ class RankRecord:
     metrics: dict[str, float] = field(default_factory=dict)
     steps_per_s: float | None = None
     heartbeat_at: float | None = None
+    output_at: float | None = None
 
 
 @dataclass
@@ -183,6 +186,7 @@ class NodeRecord:
     state: NodeState
     info: dict[str, Any]
     acked_seq: int = 0
+    heard_at: float | None = None
     history: list[NodeEvent] = field(default_factory=list)
 
 
@@ -350,6 +354,15 @@ class Store:
         self.update_job(job_id, controller_pid=pid, controller_host=host,
                         controller_pidns=pidns, controller_since=time.time())
 
+    def liveness(self, job_id: str, attempt: int, nodes: dict[int, float],
+                 ranks: dict[int, float]) -> None:
+        """When each node was last heard and each rank last printed (wall clock)."""
+        with self._transaction() as db:
+            db.executemany("UPDATE nodes SET heard_at = ? WHERE job_id = ? AND node_index = ?",
+                           [(t, job_id, i) for i, t in nodes.items()])
+            db.executemany("UPDATE ranks SET output_at = ? WHERE job_id = ? AND attempt = ? "
+                           "AND rank = ?", [(t, job_id, attempt, r) for r, t in ranks.items()])
+
     def checkpoint(self, job_id: str, attempt: int, state: dict[str, Any],
                    acked: dict[int, int]) -> None:
         """Record, at one moment, an attempt's bookkeeping (log sizes, exits) and how far
@@ -420,7 +433,7 @@ class Store:
             job = self._job(row)
             job.nodes = [
                 NodeRecord(r["node_index"], r["host"], r["node_rank"], NodeState(r["state"]),
-                           json.loads(r["info_json"] or "{}"), r["acked_seq"])
+                           json.loads(r["info_json"] or "{}"), r["acked_seq"], r["heard_at"])
                 for r in self._db.execute(
                     "SELECT * FROM nodes WHERE job_id = ? ORDER BY node_index", (job_id,))
             ]
@@ -432,7 +445,7 @@ class Store:
                 RankRecord(r["attempt"], r["rank"], r["node_index"], r["local_rank"], r["pid"],
                            r["state"], r["exit_code"], r["signal"], r["step"],
                            json.loads(r["metrics_json"] or "{}"), r["steps_per_s"],
-                           r["heartbeat_at"])
+                           r["heartbeat_at"], r["output_at"])
                 for r in self._db.execute(
                     "SELECT * FROM ranks WHERE job_id = ? ORDER BY attempt, rank", (job_id,))
             ]
