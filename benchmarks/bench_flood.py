@@ -25,7 +25,6 @@ Lost lines are printed loudly and make the exit status 1, as does a job that did
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import statistics
@@ -44,25 +43,12 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_cluster import load_cluster_module  # noqa: E402  (the cluster, as loaded there)
 
 FLOOD = str(ROOT / "tests" / "workers" / "flood.py")
 PY = sys.executable
 SAMPLE_INTERVAL = 0.05  # seconds between RSS samples
-
-
-def load_cluster_module() -> ModuleType:
-    # examples/local-cluster is not a package (its name has a dash): load the file itself,
-    # under the same module name tests/cluster/conftest.py uses.
-    name = "local_cluster"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(
-        name, ROOT / "examples" / "local-cluster" / "cluster.py")
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # --- peak memory -------------------------------------------------------------------------------
