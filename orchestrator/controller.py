@@ -761,11 +761,9 @@ class Controller:
                 env = {k: node_plan.env[k] for k in self.spec.env if k in node_plan.env}
                 key = hashlib.sha256(json.dumps([self.spec.setup_script, tree,
                                                  node_plan.workdir, env]).encode()).hexdigest()
-                req, message = channel.mailbox.request(
-                    P.SETUP, key=key[:32], script=self.spec.setup_script, env=env,
-                    workdir=node_plan.workdir)
-                channel.conn.send(message)
-                reply = channel.mailbox.wait(req, None)  # setups take what they take
+                reply = channel.ask(P.SETUP, None,  # setups take what they take
+                                    key=key[:32], script=self.spec.setup_script, env=env,
+                                    workdir=node_plan.workdir)
                 if reply is None:  # the channel dropped: prepared again once reattached
                     self.pool.events.put(("prepared", node.index, None))
                     return
@@ -810,9 +808,7 @@ class Controller:
         assert self.spec.sync is not None
 
         def ask(op: str, **fields: Any) -> dict[str, Any]:
-            req, message = channel.mailbox.request(op, **fields)
-            channel.conn.send(message)
-            reply = channel.mailbox.wait(req, 120.0)
+            reply = channel.ask(op, 120.0, **fields)
             if reply is None:
                 raise ConnectionError(f"{node.host}: no answer to {op}")
             if reply.get("type") == P.FAILED:
@@ -1028,10 +1024,9 @@ class Controller:
         now = time.monotonic()
         if now >= self._next_cancel_check or self.exit_requested:
             self._next_cancel_check = now + 0.25
-            if self.store.job_state(self.job_id)[1]:
-                self.cancel_requested = True
-            asked, answered, _ = self.store.stacks(self.job_id)
-            if asked and (answered is None or answered < asked) and not self.cancel_requested:
+            cancel, stacks_wanted = self.store.requests(self.job_id)
+            self.cancel_requested = self.cancel_requested or cancel
+            if stacks_wanted and not self.cancel_requested:
                 self._answer_stacks()
         if self.cancel_requested:
             raise Cancelled()

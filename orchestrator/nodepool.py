@@ -26,10 +26,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents import protocol as P
-from orchestrator.errors import AgentError, OrchestratorError, TransportError
+from orchestrator.errors import OrchestratorError, TransportError
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.state import NodeState
-from orchestrator.transport.base import ConnectionFactory, NodeConnection
+from orchestrator.transport.base import (
+    AgentGone,
+    ConnectionFactory,
+    NodeConnection,
+    attach_agent,
+)
 
 log = logging.getLogger("orchestrator.nodepool")
 
@@ -46,6 +51,16 @@ class Channel:
     hello: dict[str, Any]
     launched: bool
     mailbox: P.Mailbox
+
+    def ask(self, op: str, timeout: float | None, **fields: Any) -> dict[str, Any] | None:
+        """Send a request on this channel and wait for its reply (None: no reply within
+        ``timeout``, None meaning no limit, or the channel ended). From any thread."""
+        req, message = self.mailbox.request(op, **fields)
+        try:
+            self.conn.send(message)
+        except TransportError:
+            return None
+        return self.mailbox.wait(req, timeout)
 
 
 @dataclass
@@ -131,7 +146,7 @@ class NodePool:
                 threading.Thread(target=self._read, args=(node, channel), daemon=True,
                                  name=f"read-{node.index}").start()
                 return
-            except _Gone as gone:
+            except AgentGone as gone:
                 node.connecting = False
                 self.events.put(("unavailable", node.index, str(gone), True, gone.outcome))
                 return
@@ -160,26 +175,13 @@ class NodePool:
         timer = threading.Timer(max(spec.launch_timeout, 5.0), conn.close)
         timer.start()
         try:
-            conn.send(P.connect(self.job_id, node.index, self.launch_config() if launch else None))
-            reply = conn.receive()
-            if reply is None or reply.get("type") not in (P.RELAY, P.GONE):
-                conn.close()
-                tail = list(getattr(conn, "stderr_tail", []) or [])[-3:]
-                what = reply.get("message") if reply else "the agent's relay exited"
-                raise AgentError(node.host, f"{what}" + (": " + " | ".join(tail) if tail else ""))
-            if reply["type"] == P.GONE:
-                conn.close()
-                raise _Gone(node.host, reply.get("outcome"))
-            conn.send(P.attach(self.secret, node.acked))
-            hello = conn.receive()
-            if hello is None or hello.get("type") != P.HELLO:
-                conn.close()
-                raise AgentError(node.host, "the agent refused the attach (wrong job secret?)")
+            hello, launched = attach_agent(
+                conn, self.job_id, node.index, self.secret, ack=node.acked,
+                launch=self.launch_config() if launch else None)
         finally:
             timer.cancel()
         node.last_heard = time.monotonic()
-        return Channel(conn, next(self._generations), hello, bool(reply.get("launched")),
-                       P.Mailbox())
+        return Channel(conn, next(self._generations), hello, launched, P.Mailbox())
 
     def _read(self, node: Node, channel: Channel) -> None:
         conn, gen, mailbox, events = channel.conn, channel.generation, channel.mailbox, \
@@ -258,10 +260,3 @@ class NodePool:
 
     def close(self) -> None:
         self.closing = True
-
-
-class _Gone(OrchestratorError):
-    def __init__(self, host: str, outcome: dict[str, Any] | None):
-        reason = (outcome or {}).get("reason")
-        super().__init__(f"{host}: the agent is gone" + (f" ({reason})" if reason else ""))
-        self.outcome = outcome

@@ -27,7 +27,7 @@ from orchestrator.errors import (
 from orchestrator.plan import node_address
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.transport import default_connect
-from orchestrator.transport.base import ConnectionFactory, NodeConnection
+from orchestrator.transport.base import ConnectionFactory, NodeConnection, attach_agent
 
 AGENT_TIMEOUT = 15.0
 
@@ -81,17 +81,9 @@ class _Session:
     def __init__(self, conn: NodeConnection, node_index: int):
         self.conn = conn
         self.mailbox = P.Mailbox()
-        job_id = f"preflight-{secrets.token_hex(4)}"
         secret = secrets.token_hex(16)
-        conn.send(P.connect(job_id, node_index, {"secret": secret, "controller_grace": 60}))
-        reply = conn.receive()
-        if reply is None or reply.get("type") != P.RELAY:
-            what = reply.get("message") if reply else "the agent's relay exited"
-            raise LaunchError(f"{conn.host}: {what}")
-        conn.send(P.attach(secret, 0))
-        hello = conn.receive()
-        if hello is None or hello.get("type") != P.HELLO:
-            raise LaunchError(f"{conn.host}: the agent did not say hello")
+        hello, _ = attach_agent(conn, f"preflight-{secrets.token_hex(4)}", node_index, secret,
+                                launch={"secret": secret, "controller_grace": 60})
         if hello.get("protocol") != P.VERSION:
             raise LaunchError(f"{conn.host}: the agent speaks protocol "
                               f"{hello.get('protocol')!r}, this orchestrator {P.VERSION}")

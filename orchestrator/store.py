@@ -481,6 +481,18 @@ class Store:
         return (row["stacks_requested_at"], row["stacks_at"],
                 json.loads(row["stacks_json"]) if row["stacks_json"] else None)
 
+    def requests(self, job_id: str) -> tuple[bool, bool]:
+        """What readers asked of the controller, in one read for its polling loop: (cancel
+        requested, a stacks request not answered yet)."""
+        row = self._db.execute(
+            "SELECT cancel_requested, stacks_requested_at, stacks_at FROM jobs WHERE job_id = ?",
+            (job_id,)).fetchone()
+        if row is None:
+            raise JobNotFoundError(job_id)
+        asked, answered = row["stacks_requested_at"], row["stacks_at"]
+        return bool(row["cancel_requested"]), bool(asked and (answered is None or
+                                                              answered < asked))
+
     def job_state(self, job_id: str) -> tuple[JobState, bool]:
         """The state and the cancel flag: the cheap read a polling loop needs."""
         row = self._db.execute(

@@ -17,6 +17,7 @@ from typing import IO, Any, Protocol
 
 import agents.node_agent
 import agents.protocol
+from agents import protocol as P
 from agents.protocol import MAX_MESSAGE, decode, encode
 from orchestrator.errors import AgentError
 from orchestrator.spec import JobSpec, NodeSpec
@@ -113,6 +114,40 @@ class LineConnection:
 
     def receive(self) -> dict[str, Any] | None:
         return self._lines.receive() if self._lines else None
+
+
+class AgentGone(AgentError):
+    """The relay found no agent of this job on the node (it died, or gave up)."""
+
+    def __init__(self, host: str, outcome: dict[str, Any] | None):
+        reason = (outcome or {}).get("reason")
+        super().__init__(host, "the agent is gone" + (f" ({reason})" if reason else ""))
+        self.outcome = outcome
+
+
+def attach_agent(conn: NodeConnection, job_id: str, node_index: int, secret: str, *,
+                 launch: dict[str, Any] | None = None, ack: int = 0
+                 ) -> tuple[dict[str, Any], bool]:
+    """The handshake on a fresh channel: ``connect`` to the relay (which starts the agent
+    when ``launch`` says how and none answers), then ``attach`` with the job's secret.
+    Returns (hello, launched); raises AgentGone, or AgentError naming the host. The channel
+    is closed when it fails."""
+    conn.send(P.connect(job_id, node_index, launch))
+    reply = conn.receive()
+    if reply is None or reply.get("type") not in (P.RELAY, P.GONE):
+        conn.close()
+        tail = list(getattr(conn, "stderr_tail", []) or [])[-3:]
+        what = reply.get("message") if reply else "the agent's relay exited"
+        raise AgentError(conn.host, f"{what}" + (": " + " | ".join(tail) if tail else ""))
+    if reply["type"] == P.GONE:
+        conn.close()
+        raise AgentGone(conn.host, reply.get("outcome"))
+    conn.send(P.attach(secret, ack))
+    hello = conn.receive()
+    if hello is None or hello.get("type") != P.HELLO:
+        conn.close()
+        raise AgentError(conn.host, "the agent refused the attach (wrong job secret?)")
+    return hello, bool(reply.get("launched"))
 
 
 def agent_payload() -> bytes:
