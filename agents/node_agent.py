@@ -61,8 +61,9 @@ PR_SET_PDEATHSIG = 1
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
 # Imported by every Python worker at start (it is on their PYTHONPATH): a faulthandler hook
-# so that the agent can ask for a stack without ptrace (SIGUSR2 -> a file), then whatever
-# sitecustomize would have been imported without this one.
+# so that the agent can ask for a stack without ptrace (SIGUSR2 -> a file), a sampler that
+# tells how much of the time the rank waits in collectives, then whatever sitecustomize would
+# have been imported without this one.
 SITECUSTOMIZE = '''import os
 import sys
 
@@ -78,6 +79,67 @@ def _orchestrator_hook():
         open(os.path.join(stack_dir, "hook-%d" % os.getpid()), "w").close()
 
 
+# Straggler sampling (see orchestrator/diagnosis.stragglers): a few times a second, is the
+# main thread inside a collective? Under synchronous collectives the rank that makes the others
+# wait is the one seldom seen waiting. Counting starts once the process group is up (imports
+# and rendezvous say nothing), over a sliding window; one small file a second for the agent.
+_COLLECTIVES = frozenset((
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all",
+    "all_to_all_single", "barrier", "monitored_barrier", "broadcast", "broadcast_object_list",
+    "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "gather_object", "scatter",
+    "scatter_object_list", "send", "recv", "batch_isend_irecv", "wait_tensor"))
+_COLLECTIVE_FILES = ("distributed_c10d.py", "_functional_collectives.py")
+
+
+def _orchestrator_sampler():
+    sample_dir = os.environ.get("ORCHESTRATOR_STACK_DIR")
+    rank = os.environ.get("RANK")
+    interval = float(os.environ.get("ORCHESTRATOR_SAMPLE_INTERVAL") or 0.1)
+    # One sampler a rank: not in processes this worker starts (they inherit the marker).
+    if not (sample_dir and rank and interval > 0) or os.environ.get("ORCHESTRATOR_SAMPLED"):
+        return
+    os.environ["ORCHESTRATOR_SAMPLED"] = rank
+    import collections
+    import threading
+    import time
+    main = threading.main_thread().ident
+    path = os.path.join(sample_dir, "waits-%s.json" % rank)
+    window = collections.deque(maxlen=max(1, int(30.0 / interval)))
+
+    def waiting():
+        frame, depth = sys._current_frames().get(main), 0
+        while frame is not None and depth < 256:
+            code = frame.f_code
+            if code.co_name in _COLLECTIVES and code.co_filename.endswith(_COLLECTIVE_FILES):
+                return True
+            frame, depth = frame.f_back, depth + 1
+        return False
+
+    def started():  # torch.distributed initialized (only looked up, never imported here)
+        c10d = sys.modules.get("torch.distributed.distributed_c10d")
+        return c10d is not None and c10d.is_initialized()
+
+    def run():
+        next_write = 0.0
+        while True:
+            time.sleep(interval)
+            w = waiting()
+            if window or w or started():
+                window.append(w)
+            now = time.monotonic()
+            if window and now >= next_write:
+                next_write = now + 1.0
+                try:
+                    with open(path + ".tmp", "w") as f:
+                        f.write('{"samples": %d, "waiting": %d, "interval": %g}'
+                                % (len(window), sum(window), interval))
+                    os.replace(path + ".tmp", path)
+                except OSError:
+                    return  # the attempt's directory is gone: so is the need
+
+    threading.Thread(target=run, name="orchestrator-sampler", daemon=True).start()
+
+
 def _next_sitecustomize():
     # The one this file hides, run as it would have been (never put in sys.modules twice).
     import importlib.machinery
@@ -89,7 +151,7 @@ def _next_sitecustomize():
         spec.loader.exec_module(importlib.util.module_from_spec(spec))
 
 
-for _step in (_orchestrator_hook, _next_sitecustomize):
+for _step in (_orchestrator_hook, _orchestrator_sampler, _next_sitecustomize):
     try:
         _step()
     except Exception:
@@ -838,6 +900,7 @@ class Worker:
         self.heartbeat_file = spec["env"]["ORCHESTRATOR_HEARTBEAT_FILE"]
         self.proc = proc
         self.heartbeat_seen = 0.0  # mtime of its heartbeat file at the last look
+        self.waits_seen = 0.0  # mtime of its sampler's file at the last look
         self.pidfd = pidfd(proc.pid)  # taken before anyone can reap it
         self.done = threading.Event()
         self._readers = [
@@ -1169,8 +1232,13 @@ class Agent:
     def _worker_progress(self) -> tuple[bool, dict[str, Any]]:
         """Which workers called heartbeat() since the last look, and the step and metrics
         those that gave them wrote (see orchestrator/heartbeat.py)."""
-        touched, ranks = False, {}
+        touched, ranks = False, dict[str, dict[str, Any]]()
         for w in list(self.workers):
+            if w.rank is not None:
+                waits = self._waits(w)
+                if waits is not None:
+                    touched = True
+                    ranks.setdefault(str(w.rank), {})["waits"] = waits
             try:
                 st = os.stat(w.heartbeat_file)
             except OSError:
@@ -1185,10 +1253,24 @@ class Agent:
                 except (OSError, ValueError):
                     continue  # half a record, or not ours: the next look will do
                 if isinstance(record, dict):
-                    ranks[str(w.rank)] = {"step": record.get("step"),
-                                          "metrics": record.get("metrics") or {},
-                                          "at": st.st_mtime}
+                    ranks.setdefault(str(w.rank), {}).update(
+                        step=record.get("step"), metrics=record.get("metrics") or {},
+                        at=st.st_mtime)
         return touched, ranks
+
+    def _waits(self, w: Worker) -> list[int] | None:
+        """[samples, of them waiting in a collective] from the rank's sampler, when new."""
+        path = os.path.join(self.directory, f"attempt-{w.attempt}", f"waits-{w.rank}.json")
+        try:
+            mtime = os.stat(path).st_mtime
+            if mtime <= w.waits_seen:
+                return None
+            with open(path, encoding="utf-8") as f:
+                record = json.loads(f.read(4096))
+            w.waits_seen = mtime
+            return [int(record["samples"]), int(record["waiting"])]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
 
     # --- ops ---------------------------------------------------------------------------
     def _reply(self, msg: dict[str, Any], type_: str, **fields: Any) -> None:

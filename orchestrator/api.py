@@ -356,6 +356,8 @@ def _iso(ts: float | None) -> str | None:
 def _status_dict(job: JobRecord) -> dict[str, Any]:
     hosts = {n.node_index: n.host for n in job.nodes}
     controller = _controller_view(job)
+    current = next((a for a in job.attempts if a.attempt == job.attempt), None)
+    slow = current.stragglers if current is not None else []
     ranks = []
     for r in job.ranks:
         if r.attempt != job.attempt:
@@ -366,6 +368,8 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
             "exit_code": r.exit_code, "signal": r.signal, "step": r.step,
             "metrics": r.metrics, "steps_per_s": r.steps_per_s,
             "last_heartbeat": _iso(r.heartbeat_at), "last_output": _iso(r.output_at),
+            "wait_share": None if r.wait_share is None else round(r.wait_share, 3),
+            "straggler": r.rank in slow,
         })
     # Under synchronous collectives the job goes at its slowest rank's pace.
     rates: dict[int, list[float]] = {}
@@ -396,12 +400,14 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
             for n in job.nodes
         ],
         "ranks": ranks,
+        "stragglers": slow,
         "failure": job.failure,
         "attempts": [
             {"attempt": a.attempt, "started_at": _iso(a.started_at), "ended_at": _iso(a.ended_at),
              "outcome": a.outcome or "RUNNING", "master_addr": a.master_addr,
              "master_port": a.master_port, "world_size": a.world_size, "failure": a.failure,
-             "steps_per_s": min(rates[a.attempt]) if a.attempt in rates else None}
+             "steps_per_s": min(rates[a.attempt]) if a.attempt in rates else None,
+             "stragglers": a.stragglers}
             for a in job.attempts
         ],
     }

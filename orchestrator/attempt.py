@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agents import protocol as P
+from orchestrator.diagnosis import stragglers
 from orchestrator.plan import TORCHRUN_LINE_RE, LaunchPlan
 from orchestrator.state import AttemptOutcome, FailureCause, RankState
 
@@ -291,6 +292,9 @@ class Attempt:
         self.launched_at = time.monotonic()
         self.first_steps: dict[int, tuple[int, float]] = {}  # rank -> (step, when) first seen
         self.output_at: dict[int, float] = {}  # rank -> when it last printed (wall clock)
+        self.sampled_at: dict[int, float] = {}  # rank -> its last sample kept for the history
+        self.waits: dict[int, tuple[int, int]] = {}  # rank -> (samples, waiting in collectives)
+        self.stragglers: list[int] = []
 
     @property
     def participants(self) -> list[int]:
@@ -358,30 +362,60 @@ class Attempt:
         self.sink.write(host, label, stream, group)
 
     def _on_progress(self, ranks: Any) -> None:
-        """Steps and metrics that ranks gave heartbeat(): recorded, with steps per second
-        since the first step this attempt saw."""
+        """Steps and metrics that ranks gave heartbeat(), recorded with steps per second since
+        the first step this attempt saw and, now and then, as a sample for the history; and
+        each rank's share of time waiting in collectives, which names the stragglers."""
         if not isinstance(ranks, dict):
             return
         updates: dict[int, dict[str, Any]] = {}
+        samples: list[tuple[int, int | None, float, dict[str, float]]] = []
+        waits_changed = False
         for key, record in ranks.items():
             if not (isinstance(record, dict) and str(key).isdigit()):
                 continue
-            rank, step, at = int(key), record.get("step"), record.get("at")
-            given = record.get("metrics")
-            metrics: dict[str, Any] = given if isinstance(given, dict) else {}
-            fields: dict[str, Any] = {
-                "metrics": {str(k): float(v) for k, v in metrics.items()
-                            if isinstance(v, (int, float)) and not isinstance(v, bool)}}
-            if isinstance(at, (int, float)):
-                fields["heartbeat_at"] = float(at)
-            if isinstance(step, int) and not isinstance(step, bool):
-                fields["step"] = step
-                first = self.first_steps.setdefault(rank, (step, float(at or 0)))
-                if isinstance(at, (int, float)) and at > first[1] and step > first[0]:
-                    fields["steps_per_s"] = (step - first[0]) / (at - first[1])
-            updates[rank] = fields
-        if updates:
-            self.store.update_ranks(self.job_id, self.number, updates)
+            rank, fields = int(key), dict[str, Any]()
+            waits = record.get("waits")
+            if (isinstance(waits, list) and len(waits) == 2 and all(
+                    isinstance(v, int) and not isinstance(v, bool) for v in waits)
+                    and waits[0] > 0):
+                self.waits[rank] = (waits[0], waits[1])
+                fields["wait_share"] = waits[1] / waits[0]
+                waits_changed = True
+            if "at" in record:
+                fields.update(self._progress_fields(rank, record))
+                at = fields.get("heartbeat_at")
+                if at is not None and at - self.sampled_at.get(rank, 0.0) >= self._sample_every():
+                    self.sampled_at[rank] = at
+                    samples.append((rank, fields.get("step"), at, fields["metrics"]))
+            if fields:
+                updates[rank] = fields
+        named = None
+        if waits_changed:
+            found = stragglers(self.waits)
+            if found != self.stragglers:
+                self.stragglers = named = found
+        if updates or samples or named is not None:
+            self.store.record_progress(self.job_id, self.number, updates, samples, named)
+
+    def _progress_fields(self, rank: int, record: dict[str, Any]) -> dict[str, Any]:
+        step, at, given = record.get("step"), record.get("at"), record.get("metrics")
+        metrics: dict[str, Any] = given if isinstance(given, dict) else {}
+        fields: dict[str, Any] = {
+            "metrics": {str(k): float(v) for k, v in metrics.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)}}
+        if isinstance(at, (int, float)):
+            fields["heartbeat_at"] = float(at)
+        if isinstance(step, int) and not isinstance(step, bool):
+            fields["step"] = step
+            first = self.first_steps.setdefault(rank, (step, float(at or 0)))
+            if isinstance(at, (int, float)) and at > first[1] and step > first[0]:
+                fields["steps_per_s"] = (step - first[0]) / (at - first[1])
+        return fields
+
+    def _sample_every(self) -> float:
+        """Seconds between kept samples of one rank: fine at first, coarser for long runs, so
+        that a week-long job keeps its curve without growing the store without end."""
+        return 1.0 if time.monotonic() - self.launched_at < 600 else 15.0
 
     def _on_started(self, node_index: int, message: dict[str, Any]) -> None:
         self.started.add((node_index, int(message.get("local_rank") or 0)))

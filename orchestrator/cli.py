@@ -199,19 +199,34 @@ def render_watch(data: dict[str, Any], tail: list[str], now: float | None = None
     for n in data["nodes"]:
         nodes.add_row(*map(_cell, ("-" if n["node_rank"] is None else n["node_rank"], n["host"],
                                    n["state"], _age(n.get("last_heard"), now))))
-    ranks = Table("RANK", "HOST", "STATE", "STEP", "STEPS/S", "LAST OUTPUT", box=None,
-                  title="ranks", title_justify="left")
+    ranks = Table("RANK", "HOST", "STATE", "STEP", "STEPS/S", "WAITING", "LAST OUTPUT",
+                  box=None, title="ranks", title_justify="left")
     for r in data["ranks"]:
-        rate = r.get("steps_per_s")
+        rate, share = r.get("steps_per_s"), r.get("wait_share")
         ranks.add_row(*map(_cell, (r["rank"], r["host"], r["state"],
                                    "-" if r.get("step") is None else r["step"],
                                    "-" if rate is None else f"{rate:.2f}",
+                                   ("-" if share is None else f"{share:.0%}")
+                                   + (" STRAGGLER" if r.get("straggler") else ""),
                                    _age(r.get("last_output"), now))))
-    parts: list[Any] = [head, nodes, ranks, Text("last lines", style="bold")]
+    parts: list[Any] = [head, nodes, ranks]
+    if data.get("stragglers"):
+        parts.append(Text(_stragglers_line(data), style="bold yellow"))
+    parts.append(Text("last lines", style="bold"))
     parts += [_cell(line) for line in tail]
     if data.get("failure"):
         parts.append(_cell(_summary_line(data)))
     return Group(*parts)
+
+
+def _stragglers_line(data: dict[str, Any]) -> str:
+    hosts = {r["rank"]: r["host"] for r in data["ranks"]}
+    waits = [r["wait_share"] for r in data["ranks"]
+             if r.get("wait_share") is not None and not r.get("straggler")]
+    others = f" while the others wait {sorted(waits)[len(waits) // 2]:.0%} of the time in " \
+        "collectives" if waits else ""
+    return "stragglers: " + ", ".join(
+        f"rank {r} ({hosts.get(r)})" for r in data["stragglers"]) + others
 
 
 def _pairs(items: list[str]) -> dict[str, str]:
@@ -443,6 +458,8 @@ def _print_status(data: dict[str, Any]) -> None:
             history.add_row(*map(_cell, (a["attempt"], a["started_at"] or "",
                                          a["ended_at"] or "", a["outcome"], cause)))
         console.print(history)
+    if data.get("stragglers"):
+        console.print(visible(_stragglers_line(data)), highlight=False, markup=False)
     if data["failure"]:
         console.print(visible(_summary_line(data)), highlight=False, markup=False)
 

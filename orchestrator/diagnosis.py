@@ -62,3 +62,34 @@ def diagnose(stacks: dict[int, str]) -> str:
         groups.setdefault(where(text), []).append(int(rank))
     ordered = sorted(groups.items(), key=lambda kv: (len(kv[1]), min(kv[1])))
     return "; ".join(f"{_ranks_text(ranks)} in {place}" for place, ranks in ordered)
+
+
+# --- stragglers ------------------------------------------------------------------------------
+# Each rank's sampler reports how often its main thread was seen inside a collective over the
+# last 30 s (agents/node_agent.SITECUSTOMIZE). Under synchronous collectives every rank steps at
+# the pace of the slowest, so step rates cannot tell; but the fast ranks spend the difference
+# waiting in the collective, and the slow one hardly waits at all.
+STRAGGLER_MIN_SAMPLES = 100  # 10 s at the default 10 samples a second
+STRAGGLER_OTHERS_WAIT = 0.3  # the others must wait at least this share of the time...
+STRAGGLER_RATIO = 3.0  # ...and at least this many times as much as the rank
+
+
+def stragglers(waits: dict[int, tuple[int, int]]) -> list[int]:
+    """Ranks that make the others wait: rank -> (samples, of them waiting in a collective).
+
+    A rank is named when the median of the *other* ranks waits at least 30% of the time and
+    at least 3x as much as it does. A balanced job, where everyone waits about alike, names
+    nobody, however much time goes to communication; ranks with too few samples say nothing.
+    """
+    shares = {rank: waiting / samples for rank, (samples, waiting) in waits.items()
+              if samples >= STRAGGLER_MIN_SAMPLES}
+    named = []
+    for rank, share in shares.items():
+        others = sorted(v for r, v in shares.items() if r != rank)
+        if not others:
+            continue
+        mid = len(others) // 2
+        median = others[mid] if len(others) % 2 else (others[mid - 1] + others[mid]) / 2
+        if median >= STRAGGLER_OTHERS_WAIT and median >= STRAGGLER_RATIO * share:
+            named.append(rank)
+    return sorted(named)

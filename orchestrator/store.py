@@ -93,6 +93,7 @@ CREATE TABLE IF NOT EXISTS ranks (
     steps_per_s REAL,
     heartbeat_at REAL,
     output_at REAL,
+    wait_share REAL,
     PRIMARY KEY (job_id, attempt, rank)
 );
 CREATE TABLE IF NOT EXISTS attempts (
@@ -106,8 +107,19 @@ CREATE TABLE IF NOT EXISTS attempts (
     world_size INTEGER,
     failure_json TEXT,
     checkpoint_json TEXT,
+    stragglers_json TEXT,
     PRIMARY KEY (job_id, attempt)
 );
+-- Steps and metrics as the ranks reported them, for plots across attempts.
+CREATE TABLE IF NOT EXISTS samples (
+    job_id TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    rank INTEGER NOT NULL,
+    step INTEGER,
+    at REAL NOT NULL,
+    metrics_json TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS samples_by_job ON samples (job_id, attempt, rank);
 """
 # Columns added since the first release, for databases created before them.
 _ADDED_COLUMNS = {
@@ -117,8 +129,8 @@ _ADDED_COLUMNS = {
              "stacks_json": "TEXT", "stacks_at": "REAL"},
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
-              "heartbeat_at": "REAL", "output_at": "REAL"},
-    "attempts": {"checkpoint_json": "TEXT"},
+              "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL"},
+    "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT"},
 }
 
 
@@ -169,6 +181,7 @@ class RankRecord:
     steps_per_s: float | None = None
     heartbeat_at: float | None = None
     output_at: float | None = None
+    wait_share: float | None = None  # of the last 30 s, spent waiting in collectives
 
 
 @dataclass
@@ -201,6 +214,7 @@ class AttemptRecord:
     world_size: int | None
     failure: dict[str, Any] | None
     checkpoint: dict[str, Any] | None = None
+    stragglers: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -402,6 +416,40 @@ class Store:
                     fields["metrics_json"] = json.dumps(fields.pop("metrics"))
                 self._update(db, "ranks", fields, job_id=job_id, attempt=attempt, rank=rank)
 
+    def record_progress(self, job_id: str, attempt: int,
+                        fields_by_rank: dict[int, dict[str, Any]],
+                        samples: list[tuple[int, int | None, float, dict[str, float]]],
+                        stragglers: list[int] | None = None) -> None:
+        """Ranks' latest steps and metrics, new samples for the history as (rank, step, at,
+        metrics), and the attempt's stragglers when they changed: one transaction."""
+        with self._transaction() as db:
+            for rank, fields in fields_by_rank.items():
+                fields = dict(fields)
+                if "metrics" in fields:
+                    fields["metrics_json"] = json.dumps(fields.pop("metrics"))
+                if fields:
+                    self._update(db, "ranks", fields, job_id=job_id, attempt=attempt, rank=rank)
+            db.executemany(
+                "INSERT INTO samples (job_id, attempt, rank, step, at, metrics_json)"
+                " VALUES (?, ?, ?, ?, ?, ?)",
+                [(job_id, attempt, r, step, at, json.dumps(m)) for r, step, at, m in samples])
+            if stragglers is not None:
+                self._update(db, "attempts", {"stragglers_json": json.dumps(stragglers)},
+                             job_id=job_id, attempt=attempt)
+
+    def samples(self, job_id: str, *, rank: int | None = None, limit: int = 20000,
+                ) -> list[tuple[int, int, int | None, float, dict[str, float]]]:
+        """The metric history as (attempt, rank, step, at, metrics), oldest first; the
+        newest ``limit`` of them."""
+        where, args = "job_id = ?", list[Any]([job_id])
+        if rank is not None:
+            where, args = where + " AND rank = ?", [*args, rank]
+        rows = self._db.execute(
+            f"SELECT * FROM (SELECT rowid, attempt, rank, step, at, metrics_json FROM samples"
+            f" WHERE {where} ORDER BY rowid DESC LIMIT ?) ORDER BY rowid", (*args, limit))
+        return [(r["attempt"], r["rank"], r["step"], r["at"], json.loads(r["metrics_json"]))
+                for r in rows]
+
     def end_attempt(self, job_id: str, attempt: int, outcome: str,
                     failure: dict[str, Any] | None) -> None:
         with self._transaction() as db:
@@ -445,7 +493,7 @@ class Store:
                 RankRecord(r["attempt"], r["rank"], r["node_index"], r["local_rank"], r["pid"],
                            r["state"], r["exit_code"], r["signal"], r["step"],
                            json.loads(r["metrics_json"] or "{}"), r["steps_per_s"],
-                           r["heartbeat_at"], r["output_at"])
+                           r["heartbeat_at"], r["output_at"], r["wait_share"])
                 for r in self._db.execute(
                     "SELECT * FROM ranks WHERE job_id = ? ORDER BY attempt, rank", (job_id,))
             ]
@@ -453,7 +501,8 @@ class Store:
                 AttemptRecord(r["attempt"], r["started_at"], r["ended_at"], r["outcome"],
                               r["master_addr"], r["master_port"], r["world_size"],
                               json.loads(r["failure_json"]) if r["failure_json"] else None,
-                              json.loads(r["checkpoint_json"]) if r["checkpoint_json"] else None)
+                              json.loads(r["checkpoint_json"]) if r["checkpoint_json"] else None,
+                              json.loads(r["stragglers_json"] or "[]"))
                 for r in self._db.execute(
                     "SELECT * FROM attempts WHERE job_id = ? ORDER BY attempt", (job_id,))
             ]
