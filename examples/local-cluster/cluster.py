@@ -3,6 +3,8 @@
 its own address and a real OpenSSH sshd with its own host key. Root needed.
 
     python examples/local-cluster/cluster.py up -n 3        # makes a private dir, prints it
+    python examples/local-cluster/cluster.py up -n 3 --slurm --dir DIR  # and a real Slurm
+    python examples/local-cluster/cluster.py status --dir DIR  # what runs, what does not
     python examples/local-cluster/cluster.py down --dir DIR  # the dir `up` printed
     python examples/local-cluster/cluster.py cleanup [--all] # leftovers of crashes
 
@@ -15,6 +17,13 @@ theirs leaves the bridge. Stdlib only; the test suite imports this file.
 Every cluster is recorded in ``/run/orc-cluster/<id>.json`` (and ``<workdir>/cluster.json``)
 with the process that owns it, so that ``cleanup_stale`` can remove what a crashed run left
 behind without touching a cluster that another live process is using.
+
+With ``--slurm`` (``Cluster(n, slurm=True)``) the hosts also form a Slurm cluster (Debian's
+slurm-wlm and munge): a private ``munged`` (user munge, its socket in
+``/run/orc-cluster-munge/<id>/``), ``slurmctld`` in the root namespace on the bridge address,
+and one ``slurmd -N <host name>`` inside each namespace, all configured by ``<dir>/slurm.conf``
+(``export SLURM_CONF=<dir>/slurm.conf`` and ``sinfo`` works). Every daemon is stopped through
+the pidfile it wrote and whose process names our files on its command line, never by name.
 
 The script runs as root and its sshds accept root logins, so it trusts nothing that another
 user could have put in place:
@@ -30,17 +39,22 @@ user could have put in place:
   every name must be exactly one this script would have generated;
 - sshd runs with ``StrictModes yes``; its ``authorized_keys`` lives in root's registry
   directory (``/run/orc-cluster/<id>/``), whose whole path is root's alone.
+- munged's directory is made fresh (``O_EXCL``) by root and only then given to user munge;
+  the munge key is created only if missing (0400, munge's), never replaced.
 """
 
 import argparse
 import contextlib
 import errno
 import fcntl
+import functools
 import ipaddress
 import json
 import os
+import pwd
 import re
 import secrets
+import shutil
 import signal
 import socket
 import stat
@@ -48,19 +62,35 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 REGISTRY = Path("/run/orc-cluster")
 SSHD = "/usr/sbin/sshd"
+SLURMCTLD = "/usr/sbin/slurmctld"
+SLURMD = "/usr/sbin/slurmd"
+MUNGED = "/usr/sbin/munged"
+MUNGE_KEY = Path("/etc/munge/munge.key")
+# munged (user munge) must reach its socket's directory, so it cannot live under the 0700
+# cluster directory or registry: a root-owned 0711 tree with one munge-owned dir per cluster.
+MUNGE_RUN = Path("/run/orc-cluster-munge")
+# Each slurmd has its namespace's own port space, so all of them share one port; slurmctld
+# listens in the root namespace, where concurrent clusters need distinct ports.
+SLURMD_PORT = 16818
+SLURMCTLD_PORTS = range(16819, 16919)
+# Plain paths only in slurm.conf: its parser knows no quoting (a space or '#' would break it).
+_SLURM_SAFE_PATH = re.compile(r"/[A-Za-z0-9._/+-]*")
 IFNAMSIZ = 15  # Linux interface names are at most 15 bytes
 SUBNET_BASE = "10.231"
 MAX_STATE_BYTES = 1 << 20  # cluster.json for 240 hosts is ~60 KB
 # The only names this script creates in a cluster directory (authorized_keys: older versions).
 _OUR_FILES = re.compile(r"cluster\.json|client_ed25519(\.pub)?|known_hosts|ssh_config"
-                        r"|authorized_keys|host\d{1,3}_ed25519(\.pub)?|sshd\d{1,3}\.(pid|log)")
+                        r"|authorized_keys|host\d{1,3}_ed25519(\.pub)?|sshd\d{1,3}\.(pid|log)"
+                        r"|slurm\.conf|cgroup\.conf")
+# ... and the only directory: Slurm's state, spool dirs, pidfiles and logs.
+_OUR_DIRS = ("slurm",)
 
 
 class ClusterError(RuntimeError):
@@ -79,12 +109,13 @@ class Host:
     alias: str  # node<i>, the friendly Host alias in ssh_config
 
 
-def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+def _run(*argv: str, check: bool = True, **popen: Any) -> subprocess.CompletedProcess[str]:
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        done = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                              **popen)
     except FileNotFoundError as exc:
-        raise ClusterError(f"{argv[0]} not found (is iproute2 / openssh-server installed?)") \
-            from exc
+        raise ClusterError(f"{argv[0]} not found (is iproute2 / openssh-server installed? "
+                           "With --slurm: slurm-wlm and munge?)") from exc
     if check and done.returncode != 0:
         raise ClusterError(f"{' '.join(argv)} failed ({done.returncode}): "
                            f"{done.stderr.strip() or done.stdout.strip()}")
@@ -96,10 +127,15 @@ class Cluster:
 
     The controller runs in the root namespace and reaches the hosts through the bridge, whose
     address there is ``bridge_address`` (10.231.X.1); host i is 10.231.X.(10+i).
+
+    With ``slurm=True``, ``up`` also starts munged, slurmctld (root namespace, on the bridge
+    address) and one slurmd per host (inside its namespace, Slurm node name = ``Host.name``,
+    NodeAddr = ``Host.address``), all in one default partition ``debug``; clients need only
+    ``slurm_env`` (``SLURM_CONF``).
     """
 
     def __init__(self, n: int, workdir: str | os.PathLike[str] | None = None, *,
-                 prefix: str = "orc", subnet: int | None = None):
+                 prefix: str = "orc", subnet: int | None = None, slurm: bool = False):
         if not 1 <= n <= 240:
             raise ValueError(f"n must be in 1..240 (hosts are .10 to .249 of a /24), got {n}")
         if not re.fullmatch(r"[a-z][a-z0-9]*", prefix):
@@ -125,11 +161,17 @@ class Cluster:
         self.known_hosts = self.dir / "known_hosts"
         self.ssh_config = self.dir / "ssh_config"
         self.authorized_keys: Path | None = None  # in the registry, once an id is chosen
+        self.slurm = slurm
+        self.slurm_conf: Path | None = self.dir / "slurm.conf" if slurm else None
+        self.slurmctld_port = 0  # chosen with the id, under the registry lock
+        self.slurmd_port = SLURMD_PORT if slurm else 0
         self._up = False
 
     # --- lifecycle -------------------------------------------------------------------------
-    def up(self, *, owner: int | None = -1, timeout: float = 15.0) -> "Cluster":
-        """Build the namespaces, bridge and sshds; return once every sshd answers.
+    def up(self, *, owner: int | None = -1, timeout: float = 15.0,
+           slurm_timeout: float = 60.0) -> "Cluster":
+        """Build the namespaces, bridge and sshds; return once every sshd answers (and, with
+        ``slurm``, once every Slurm node is idle, within ``slurm_timeout``).
 
         ``owner`` is the pid whose death makes the cluster stale (default: this process);
         ``None`` marks a cluster meant to outlive its creator (the ``up`` command). On any
@@ -141,6 +183,11 @@ class Cluster:
         """
         if self._up:
             return self
+        if self.slurm:
+            _check_slurm_installed()
+            if not _SLURM_SAFE_PATH.fullmatch(str(self.dir)):
+                raise ClusterError(f"{self.dir}: slurm.conf cannot quote paths; use a directory "
+                                   "whose path has only letters, digits and . _ / + -")
         _prepare_dir(self.dir)
         names = _our_entries(self.dir)
         if "cluster.json" in names:
@@ -150,6 +197,10 @@ class Cluster:
                                    "take it down first (`down --dir`) or use another directory")
             old.down()  # half-dead leftovers of an earlier `up` in this directory
         for name in names:  # never reuse a key (or anything else) found here
+            if name in _OUR_DIRS:
+                # rmtree works through directory fds and does not follow symlinks inside.
+                _rmtree(self.dir / name)
+                continue
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.dir / name)
         Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege separation dir
@@ -178,6 +229,8 @@ class Cluster:
             for i, h in enumerate(self.hosts):
                 _wait_for_banner(h.address, h.ssh_port, deadline,
                                  log=self.dir / f"sshd{i}.log")
+            if self.slurm:
+                self._start_slurm(time.monotonic() + slurm_timeout)
         except BaseException:
             self.down()
             raise
@@ -185,8 +238,15 @@ class Cluster:
         return self
 
     def down(self) -> None:
-        """Stop every sshd and every process in our namespaces; delete namespaces, veths and
-        bridge. Things already gone are skipped silently; this never raises."""
+        """Stop every sshd, Slurm daemon and munged of ours and every process in our
+        namespaces; delete namespaces, veths and bridge. Things already gone are skipped
+        silently; this never raises."""
+        if self.slurm:
+            # slurmd first (SIGTERM lets it leave cleanly); what its jobs left (slurmstepd,
+            # tasks) lives in the namespaces and goes with them below.
+            for h in self.hosts:
+                with contextlib.suppress(Exception):
+                    _stop_pidfile(self._slurmd_pidfile(h), *self._slurmd_marks(h))
         for i in range(len(self.hosts)):
             with contextlib.suppress(Exception):
                 _stop_pidfile(self.dir / f"sshd{i}.pid")
@@ -199,6 +259,18 @@ class Cluster:
                 _run("ip", "netns", "del", h.netns, check=False)
             with contextlib.suppress(Exception):
                 _run("ip", "link", "del", h.host_side_veth, check=False)  # usually gone with ns
+        if self.slurm:
+            with contextlib.suppress(Exception):
+                # slurmctld saves its state on SIGTERM: give it longer than a daemon that
+                # has nothing to save.
+                _stop_pidfile(self._slurm_dir / "slurmctld.pid", str(self.slurm_conf),
+                              grace=10.0)
+            if self.id:
+                with contextlib.suppress(Exception):
+                    _stop_pidfile(self._munge_dir / "munged.pid",
+                                  str(self._munge_dir / "munged.pid"))
+                with contextlib.suppress(Exception):
+                    _rmtree(self._munge_dir)
         if self.bridge:
             with contextlib.suppress(Exception):
                 _run("ip", "link", "del", self.bridge, check=False)
@@ -250,11 +322,38 @@ class Cluster:
         return "\n".join(lines)
 
     def alive(self) -> bool:
-        """Whether every namespace exists and every sshd still runs."""
+        """Whether every namespace exists and every daemon of ours (sshd; with ``slurm``,
+        munged, slurmctld and every slurmd) still runs."""
+        return bool(self.hosts) and all(self.health().values())
+
+    def health(self) -> dict[str, bool]:
+        """Each part of the cluster (``netns <name>``, ``sshd <alias>``, and with ``slurm``:
+        ``munged``, ``slurmctld``, ``slurmd <name>``) and whether it exists or runs."""
         namespaces = _run("ip", "netns", "list", check=False).stdout.split()
-        return bool(self.hosts) and all(
-            h.netns in namespaces and _pidfile_process(self.dir / f"sshd{i}.pid") is not None
-            for i, h in enumerate(self.hosts))
+        parts: dict[str, bool] = {}
+        for i, h in enumerate(self.hosts):
+            parts[f"netns {h.netns}"] = h.netns in namespaces
+            parts[f"sshd {h.alias}"] = _pidfile_process(self.dir / f"sshd{i}.pid") is not None
+        if self.slurm:
+            parts["munged"] = _pidfile_process(self._munge_dir / "munged.pid",
+                                               str(self._munge_dir / "munged.pid")) is not None
+            parts["slurmctld"] = _pidfile_process(self._slurm_dir / "slurmctld.pid",
+                                                  str(self.slurm_conf)) is not None
+            for h in self.hosts:
+                parts[f"slurmd {h.name}"] = self._slurmd_runs(h)
+        return parts
+
+    @property
+    def slurm_env(self) -> dict[str, str]:
+        """What a Slurm client (sinfo, srun, salloc, ...) needs in its environment."""
+        if self.slurm_conf is None:
+            raise ClusterError("this cluster has no Slurm (make it with slurm=True)")
+        return {"SLURM_CONF": str(self.slurm_conf)}
+
+    @property
+    def slurm_nodes(self) -> list[str]:
+        """Slurm node names, host i's at index i (the same as ``Host.name``)."""
+        return [h.name for h in self.hosts] if self.slurm else []
 
     @classmethod
     def load(cls, workdir: str | os.PathLike[str]) -> "Cluster":
@@ -276,6 +375,7 @@ class Cluster:
             cid = secrets.token_hex(2)
             if (not os.path.lexists(REGISTRY / f"{cid}.json")
                     and not os.path.lexists(REGISTRY / cid)
+                    and not os.path.lexists(MUNGE_RUN / cid)
                     and f"{self.prefix}{cid}" not in links
                     and not any(ns.startswith(f"{self.prefix}-{cid}-") for ns in namespaces)):
                 break
@@ -285,6 +385,8 @@ class Cluster:
         self.authorized_keys = REGISTRY / cid / "authorized_keys"
         if self.subnet is None:
             self.subnet = _free_subnet()
+        if self.slurm:
+            self.slurmctld_port = _free_slurmctld_port()
         net = f"{SUBNET_BASE}.{self.subnet}"
         self.bridge = f"{self.prefix}{cid}br"
         self.bridge_address = f"{net}.1"
@@ -314,6 +416,124 @@ class Cluster:
 
     def _start_sshd(self, i: int) -> None:
         _run(*self.sshd_argv(i))
+
+    # --- Slurm -----------------------------------------------------------------------------
+    @property
+    def _slurm_dir(self) -> Path:
+        return self.dir / "slurm"
+
+    @property
+    def _munge_dir(self) -> Path:
+        return MUNGE_RUN / self.id  # the id is 4 hex digits (checked): no path tricks
+
+    def _slurmd_pidfile(self, h: Host) -> Path:
+        return self._slurm_dir / f"slurmd-{h.name}.pid"  # SlurmdPidFile with %n expanded
+
+    def _slurmd_runs(self, h: Host) -> bool:
+        return _pidfile_process(self._slurmd_pidfile(h), *self._slurmd_marks(h)) is not None
+
+    def _slurmd_marks(self, h: Host) -> tuple[str, str]:
+        # What only our slurmd of this node has on its command line (`-N <name> -f <conf>`).
+        return f"\0{h.name}\0", str(self.slurm_conf)
+
+    def slurm_conf_text(self, hostname: str, cpus: int) -> str:
+        """slurm.conf for this cluster: ``hostname`` is this machine's short hostname (which
+        slurmctld insists on finding in SlurmctldHost), ``cpus`` each node's CPU count."""
+        d, munge = self._slurm_dir, self._munge_dir
+        lines = [
+            f"# Written by cluster.py for cluster {self.id}; rewritten on every `up`.",
+            f"ClusterName={self.prefix}{self.id}",
+            # Root namespace, reached by the nodes on the bridge address.
+            f"SlurmctldHost={hostname}({self.bridge_address})",
+            f"SlurmctldPort={self.slurmctld_port}",
+            f"SlurmdPort={self.slurmd_port}",
+            "SlurmUser=root", "SlurmdUser=root",
+            "AuthType=auth/munge", "CredType=cred/munge",
+            f"AuthInfo=socket={munge / 'munge.socket'}",  # our munged, not the system's
+            f"StateSaveLocation={d / 'ctld'}",
+            f"SlurmctldPidFile={d / 'slurmctld.pid'}",
+            f"SlurmctldLogFile={d / 'slurmctld.log'}",
+            f"SlurmdSpoolDir={d / '%n'}",
+            f"SlurmdPidFile={d / 'slurmd-%n.pid'}",
+            f"SlurmdLogFile={d / 'slurmd-%n.log'}",
+            # All nodes share the machine's cgroups: no cgroup plugins (and cgroup.conf says
+            # v1 so that slurmd does not go looking for a mount it would not find).
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
+            "SwitchType=switch/none", "MpiDefault=none", "MailProg=/bin/true",
+            # Jobs take CPUs, not whole nodes; the node sizes below are taken as written,
+            # whatever topology slurmd detects (one machine seen N times).
+            "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2", "SlurmdTimeout=60", "InactiveLimit=0",
+            "KillWait=5", "MinJobAge=60",
+        ]
+        lines += [f"NodeName={h.name} NodeAddr={h.address} CPUs={cpus} State=UNKNOWN"
+                  for h in self.hosts]
+        # OverSubscribe=YES: jobs that ask (--oversubscribe) may share CPUs; others do not.
+        lines.append(f"PartitionName=debug Nodes={','.join(h.name for h in self.hosts)} "
+                     "Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES")
+        return "\n".join(lines) + "\n"
+
+    def _start_slurm(self, deadline: float) -> None:
+        """munged, then slurmctld, then the slurmds; returns once every node is idle."""
+        assert self.slurm_conf is not None
+        hostname = socket.gethostname().split(".")[0]
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9-]{0,62}", hostname):
+            raise ClusterError(f"hostname {hostname!r} cannot go into slurm.conf")
+        cpus = len(os.sched_getaffinity(0))
+        os.mkdir(self._slurm_dir, 0o700)  # up() removed any earlier one
+        _write_file(self.slurm_conf, self.slurm_conf_text(hostname, cpus), 0o644)
+        # Next to slurm.conf is where Slurm looks for it.
+        _write_file(self.dir / "cgroup.conf", "CgroupPlugin=cgroup/v1\n", 0o644)
+        self._start_munged(deadline)
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SLURM_CONF": str(self.slurm_conf)}
+        _run(SLURMCTLD, "-f", str(self.slurm_conf), env=env, cwd="/")
+        ctld_log = self._slurm_dir / "slurmctld.log"
+        _wait_until(lambda: _pidfile_process(self._slurm_dir / "slurmctld.pid",
+                                             str(self.slurm_conf)) is not None
+                    and _port_open(self.bridge_address, self.slurmctld_port),
+                    deadline, "slurmctld did not start", ctld_log)
+        for h in self.hosts:
+            _run("ip", "netns", "exec", h.netns, SLURMD, "-N", h.name,
+                 "-f", str(self.slurm_conf), env=env, cwd="/")
+        for h in self.hosts:
+            _wait_until(functools.partial(self._slurmd_runs, h), deadline,
+                        f"slurmd {h.name} did not start",
+                        self._slurm_dir / f"slurmd-{h.name}.log")
+
+        def all_idle() -> bool:
+            out = _run("sinfo", "-h", "-N", "-o", "%N %T", check=False, env=env).stdout
+            states = dict(line.split() for line in out.splitlines() if len(line.split()) == 2)
+            return all(states.get(h.name) == "idle" for h in self.hosts)
+        _wait_until(all_idle, deadline, "Slurm nodes did not all become idle", ctld_log)
+
+    def _start_munged(self, deadline: float) -> None:
+        """A munged of our own, as user munge, with its socket in ``MUNGE_RUN/<id>/``."""
+        try:
+            munge = pwd.getpwnam("munge")
+        except KeyError as exc:
+            raise ClusterError("no user munge: install munge (apt-get install munge)") from exc
+        _ensure_munge_key(munge.pw_uid, munge.pw_gid)
+        d = self._munge_dir
+        _munge_run()
+        try:
+            # Fresh (a leftover would have made _allocate pick another id); 0711: munged
+            # wants every client to be able to reach its socket.
+            os.mkdir(d, 0o711)
+        except OSError as exc:
+            raise ClusterError(f"cannot create {d}: {exc.strerror}") from exc
+        os.chown(d, munge.pw_uid, munge.pw_gid, follow_symlinks=False)
+        _chmod(d, 0o711)
+        sock = d / "munge.socket"
+        _run(MUNGED, f"--socket={sock}", f"--pid-file={d / 'munged.pid'}",
+             f"--log-file={d / 'munged.log'}", f"--seed-file={d / 'munged.seed'}",
+             f"--key-file={MUNGE_KEY}", user=munge.pw_uid, group=munge.pw_gid,
+             extra_groups=[], cwd="/", env={"PATH": "/usr/sbin:/usr/bin:/sbin:/bin"})
+        _wait_until(lambda: _pidfile_process(d / "munged.pid", str(d / "munged.pid"))
+                    is not None and _unix_socket_open(sock),
+                    deadline, "munged did not start", d / "munged.log")
 
     def sshd_argv(self, i: int) -> list[str]:
         """The command that starts host i's sshd (in its namespace, with our options only)."""
@@ -348,6 +568,8 @@ class Cluster:
                 "subnet": self.subnet, "bridge": self.bridge,
                 "bridge_address": self.bridge_address,
                 "hosts": [asdict(h) for h in self.hosts],
+                "slurm": {"slurmctld_port": self.slurmctld_port,
+                          "slurmd_port": self.slurmd_port} if self.slurm else None,
                 "owner": None if owner_pid is None else
                 {"pid": owner_pid, "start": _start_time(owner_pid)},
                 "created": time.time()}
@@ -363,8 +585,11 @@ class Cluster:
     def _from_state(cls, state: dict[str, Any],
                     workdir: str | os.PathLike[str] | None = None) -> "Cluster":
         """A cluster from a state that ``_validated_state`` accepted."""
+        slurm = state.get("slurm")  # absent in files of older versions
         c = cls(len(state["hosts"]), workdir or state["dir"], prefix=state["prefix"],
-                subnet=state["subnet"])
+                subnet=state["subnet"], slurm=slurm is not None)
+        if slurm is not None:
+            c.slurmctld_port, c.slurmd_port = slurm["slurmctld_port"], slurm["slurmd_port"]
         c.id, c.bridge = state["id"], state["bridge"]
         c.hosts = [Host(**{"alias": f"node{i}", **h}) for i, h in enumerate(state["hosts"])]
         c.bridge_address = state["bridge_address"]
@@ -514,6 +739,12 @@ def _our_entries(path: Path) -> list[str]:
     names = []
     with os.scandir(path) as it:
         for entry in it:
+            if entry.name in _OUR_DIRS:
+                if not entry.is_dir(follow_symlinks=False):
+                    raise ClusterError(f"{path / entry.name} is not a directory (a symlink?): "
+                                       "refusing the directory")
+                names.append(entry.name)
+                continue
             if not _OUR_FILES.fullmatch(entry.name):
                 raise ClusterError(f"{path} holds {entry.name!r}, which this script does not "
                                    "make: use an empty directory (or omit --dir)")
@@ -592,7 +823,7 @@ def _read_state(path: Path) -> Any:
         raise ClusterError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def _is_int(v: object) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -639,6 +870,13 @@ def _validated_state(state: Any, source: Path) -> dict[str, Any]:
     if not (isinstance(d, str) and os.path.isabs(d) and "\0" not in d
             and os.path.normpath(d) == d):
         raise bad(f"dir {d!r}")
+    slurm = state.get("slurm")
+    if slurm is not None:
+        if not (isinstance(slurm, dict) and set(slurm) == {"slurmctld_port", "slurmd_port"}
+                and all(_is_int(v) and 1024 <= v <= 65535 for v in slurm.values())):
+            raise bad(f"slurm {slurm!r}")
+        if not _SLURM_SAFE_PATH.fullmatch(d):
+            raise bad(f"dir {d!r} for a Slurm cluster")
     owner = state.get("owner")
     if owner is not None:
         if not (isinstance(owner, dict) and set(owner) == {"pid", "start"}):
@@ -694,29 +932,134 @@ def _start_time(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[19])
 
 
-def _pidfile_process(path: Path) -> int | None:
-    """The pid in an sshd pidfile, if that process is still the sshd that wrote it."""
+def _pidfile_process(path: Path, *marks: str) -> int | None:
+    """The pid in a daemon's pidfile, if that process is still the daemon that wrote it:
+    its command line holds every one of ``marks`` (default: the pidfile's own path)."""
     try:
         pid = int(path.read_text().strip())
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except (OSError, ValueError):
         return None
-    # Guard against pid reuse: our sshd has its pidfile's path on its command line.
-    return pid if str(path).encode() in cmdline else None
+    # Guard against pid reuse: our daemons have our files' paths on their command lines.
+    return pid if all(m.encode() in cmdline for m in marks or (str(path),)) else None
 
 
-def _stop_pidfile(path: Path, grace: float = 2.0) -> None:
-    pid = _pidfile_process(path)
+def _stop_pidfile(path: Path, *marks: str, grace: float = 2.0) -> None:
+    pid = _pidfile_process(path, *marks)
     if pid is not None:
         with contextlib.suppress(OSError):
             os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        while _pidfile_process(path) == pid and time.monotonic() < deadline:
+        while _pidfile_process(path, *marks) == pid and time.monotonic() < deadline:
             time.sleep(0.02)
-        if _pidfile_process(path) == pid:
+        if _pidfile_process(path, *marks) == pid:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     path.unlink(missing_ok=True)
+
+
+# Lines after which a Slurm daemon or munged exits: no point waiting for it any longer.
+_FATAL = re.compile(r"\bfatal:|not a valid controller|^\S+ \S+ \S+ Error:", re.M)
+
+
+def _wait_until(ready: Callable[[], bool], deadline: float, what: str,
+                log: Path | None = None) -> None:
+    """Poll ``ready`` until it holds; past ``deadline``, or as soon as ``log`` reports a fatal
+    error, ClusterError with the log's tail."""
+    while not ready():
+        text = ""
+        with contextlib.suppress(OSError):
+            if log:
+                text = log.read_text(errors="replace")
+        if time.monotonic() > deadline or _FATAL.search(text):
+            tail = " | ".join(text.splitlines()[-5:])
+            raise ClusterError(what + (f"; {log}: {tail}" if tail else ""))
+        time.sleep(0.1)
+
+
+def _port_open(address: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((address, port), timeout=1):
+        return True
+    return False
+
+
+def _unix_socket_open(path: Path) -> bool:
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(1)
+        s.connect(str(path))
+        return True
+    return False
+
+
+def _rmtree(path: Path) -> None:
+    """Delete a directory tree of ours without following any symlink in it."""
+    if not shutil.rmtree.avoids_symlink_attacks:
+        raise ClusterError(f"cannot delete {path} safely on this platform")
+    if os.path.lexists(path):
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            raise ClusterError(f"{path} is not a directory (a symlink?): not deleting it")
+        shutil.rmtree(path)
+
+
+def _check_slurm_installed() -> None:
+    missing = [p for p in (SLURMCTLD, SLURMD, MUNGED) if not os.access(p, os.X_OK)]
+    missing += [p for p in ("sinfo", "srun") if shutil.which(p) is None]
+    if missing:
+        raise ClusterError(f"--slurm needs {', '.join(missing)}: "
+                           "apt-get install -y slurm-wlm munge")
+
+
+def _ensure_munge_key(uid: int, gid: int) -> None:
+    """Create ``MUNGE_KEY`` (random, 0400, munge's) if it is missing; one that exists is
+    left as it is (munged itself refuses a key with unsafe ownership or mode)."""
+    keydir = MUNGE_KEY.parent
+    if not os.path.lexists(keydir):
+        os.mkdir(keydir, 0o700)
+        os.chown(keydir, uid, gid, follow_symlinks=False)
+    if os.path.lexists(MUNGE_KEY):
+        return
+    try:
+        fd = os.open(MUNGE_KEY, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                     | os.O_CLOEXEC, 0o400)
+    except OSError as exc:
+        raise ClusterError(f"cannot create {MUNGE_KEY}: {exc.strerror}") from exc
+    with os.fdopen(fd, "wb") as f:
+        os.fchown(fd, uid, gid)
+        os.fchmod(fd, 0o400)
+        f.write(secrets.token_bytes(128))  # what `mungekey` makes: 1024 bits
+
+
+def _munge_run() -> Path:
+    """``MUNGE_RUN``: created root's 0711 (munged must traverse it), or checked to be a real
+    directory that only root can write, in a path only root can change."""
+    _check_trusted_dir(MUNGE_RUN.parent)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(MUNGE_RUN, 0o711)
+    st = os.lstat(MUNGE_RUN)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise ClusterError(f"{MUNGE_RUN} must be a directory of root's that no one else can "
+                           "write (is it a symlink?)")
+    return MUNGE_RUN
+
+
+def _free_slurmctld_port() -> int:
+    """A port for slurmctld (root namespace) that no recorded cluster uses and nothing here
+    listens on; called under the registry lock."""
+    taken = set()
+    for path in REGISTRY.glob("*.json") if REGISTRY.is_dir() else []:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError, ClusterError):
+            taken.add(int(_read_state(path)["slurm"]["slurmctld_port"]))
+    for port in SLURMCTLD_PORTS:
+        if port in taken:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))  # slurmctld binds INADDR_ANY
+            except OSError:
+                continue
+        return port
+    raise ClusterError(f"no free slurmctld port in {SLURMCTLD_PORTS.start}.."
+                       f"{SLURMCTLD_PORTS.stop - 1}")
 
 
 def _netns_pids(netns: str) -> list[int]:
@@ -755,6 +1098,12 @@ def main(argv: list[str] | None = None) -> int:
                     "empty directory of root's with mode 0700 (default: a fresh one in $TMPDIR)")
     up.add_argument("--prefix", default="orc")
     up.add_argument("--subnet", type=int, help="use 10.231.SUBNET.0/24 (default: a free one)")
+    up.add_argument("--slurm", action="store_true",
+                    help="also run Slurm: munged, slurmctld here, a slurmd on every host "
+                    "(needs slurm-wlm and munge); prints the SLURM_CONF to export")
+    status = sub.add_parser("status", help="what of the cluster in --dir runs (exit 1 if "
+                            "anything does not)")
+    status.add_argument("--dir", required=True)
     down = sub.add_parser("down", help="tear down the cluster in --dir")
     down.add_argument("--dir", required=True)
     clean = sub.add_parser("cleanup", help="tear down clusters left by crashed runs")
@@ -775,9 +1124,23 @@ def main(argv: list[str] | None = None) -> int:
                     _print_cluster(old)
                     return 0
                 # else up() takes the half-dead leftovers down before reusing the directory
-            c = Cluster(args.n, args.dir, prefix=args.prefix, subnet=args.subnet)
+            c = Cluster(args.n, args.dir, prefix=args.prefix, subnet=args.subnet,
+                        slurm=args.slurm)
             c.up(owner=None)
             _print_cluster(c)
+        elif args.cmd == "status":
+            if not os.path.lexists(Path(args.dir) / "cluster.json"):
+                print(f"error: no cluster recorded in {args.dir}", file=sys.stderr)
+                return 2
+            c = Cluster.load(args.dir)
+            health = c.health()
+            print(f"cluster {c.id}: {c.n} hosts on bridge {c.bridge} ({c.bridge_address}/24)"
+                  + (", with Slurm" if c.slurm else ""))
+            for part, ok in health.items():
+                print(f"  {part}: {'up' if ok else 'DOWN'}")
+            if c.slurm_conf is not None:
+                print(f"export SLURM_CONF={c.slurm_conf}")
+            return 0 if all(health.values()) else 1
         elif args.cmd == "down":
             if not os.path.lexists(Path(args.dir) / "cluster.json"):
                 print(f"error: no cluster recorded in {args.dir}", file=sys.stderr)
@@ -799,6 +1162,10 @@ def _print_cluster(c: Cluster) -> None:
         print(f"  {h.alias}  {h.address}  netns {h.netns}")
     print(f"\nstate, keys and logs (root only): {c.dir}")
     print(f"ssh_config: {c.ssh_config}\ntry:  ssh -F {c.ssh_config} node0 hostname")
+    if c.slurm_conf is not None:
+        print(f"\nSlurm: slurmctld on {c.bridge_address}:{c.slurmctld_port}, nodes "
+              f"{','.join(c.slurm_nodes)} in partition debug; then sinfo, srun, salloc:")
+        print(f"export SLURM_CONF={c.slurm_conf}\n")
     print(f"down: {sys.argv[0]} down --dir {c.dir}\n")
     print(f"# paste into a job spec:\n{c.spec_block()}")
 
