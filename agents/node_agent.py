@@ -1195,10 +1195,10 @@ class Agent:
                 self.outbox.detach(conn)  # silent controller: as if the channel dropped
             else:
                 self.outbox.put({"type": P.HEARTBEAT, "attempt": self.attempt})
-                touched, ranks = self._worker_progress()
-                if touched:  # every rank of this node in one message
+                beat, ranks = self._worker_progress()
+                if beat or ranks:  # every rank of this node in one message
                     self.outbox.put({"type": P.PROGRESS, "attempt": self.attempt,
-                                     "ranks": ranks})
+                                     "beat": beat, "ranks": ranks})
         since = self.outbox.detached_since
         if (since is not None and self.controller_grace is not None
                 and now - since > self.controller_grace):
@@ -1230,14 +1230,14 @@ class Agent:
             pass
 
     def _worker_progress(self) -> tuple[bool, dict[str, Any]]:
-        """Which workers called heartbeat() since the last look, and the step and metrics
-        those that gave them wrote (see orchestrator/heartbeat.py)."""
+        """Whether any worker called heartbeat() since the last look; the step and metrics
+        those that gave them wrote (see orchestrator/heartbeat.py), and new sampler
+        reports."""
         touched, ranks = False, dict[str, dict[str, Any]]()
         for w in list(self.workers):
             if w.rank is not None:
                 waits = self._waits(w)
-                if waits is not None:
-                    touched = True
+                if waits is not None:  # not a sign of life: a hung rank's sampler goes on
                     ranks.setdefault(str(w.rank), {})["waits"] = waits
             try:
                 st = os.stat(w.heartbeat_file)

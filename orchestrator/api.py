@@ -299,6 +299,38 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
         store.close()
 
 
+def log_tail(job_id: str, *, rank: int | None = None, attempt: int | None = None,
+             lines: int = 200, max_bytes: int = 4 * 1024 * 1024,
+             home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """The last ``lines`` lines of one attempt (default: the current one), read from the end
+    of its combined log (at most ``max_bytes`` of it, so a poll costs the same whatever the
+    log's size): ``{"attempt", "lines", "partial"}``; ``partial`` when the read stopped at
+    ``max_bytes`` before finding enough lines."""
+    store = Store(home)
+    try:
+        job = store.get_job(check_job_id(job_id))
+        number = job.attempt if attempt is None else attempt
+        path = (store.job_dir(job_id) / "logs" / "setup" / "combined.log" if number == 0
+                else store.log_dir(job_id, number) / "combined.log")
+        keep = _line_filter(job, rank, None)
+    finally:
+        store.close()
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            start = max(0, size - max_bytes)
+            f.seek(start)
+            data = f.read(size - start)
+    except OSError:
+        return {"attempt": number, "lines": [], "partial": False}
+    if start > 0:
+        data = data[data.find(b"\n") + 1:]  # a line cut by the window is not shown
+    data = data[:data.rfind(b"\n") + 1]  # nor a line still being written
+    found = [line for line in data.decode("utf-8", "replace").splitlines() if keep(line)]
+    return {"attempt": number, "lines": found[-lines:] if lines > 0 else [],
+            "partial": start > 0 and len(found) < lines}
+
+
 # --- helpers ---------------------------------------------------------------------------------
 
 def _controller_view(job: JobRecord) -> dict[str, Any]:

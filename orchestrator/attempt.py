@@ -304,7 +304,8 @@ class Attempt:
     def handle(self, node_index: int, message: dict[str, Any]) -> None:
         kind = message.get("type")
         if kind == P.PROGRESS:
-            self.last_activity = time.monotonic()
+            if message.get("beat", True):  # a sampler's report alone is no sign of progress
+                self.last_activity = time.monotonic()
             if message.get("attempt") == self.number:
                 self._on_progress(message.get("ranks"))
             return

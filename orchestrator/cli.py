@@ -464,6 +464,21 @@ def _print_status(data: dict[str, Any]) -> None:
         console.print(visible(_summary_line(data)), highlight=False, markup=False)
 
 
+@app.command()
+def ui(
+    port: int = typer.Option(8265, "--port", help="Port to serve on."),
+    host: str = typer.Option("127.0.0.1", "--host",
+                             help="Address to bind. Off loopback, a token is required."),
+) -> None:
+    """Serve the read-only web dashboard and Prometheus /metrics until interrupted."""
+    from orchestrator.ui import serve
+
+    try:
+        serve(host, port, announce=lambda text: typer.echo(text, err=True))
+    except OSError as exc:
+        _fail(f"ui: cannot serve on {host}:{port}: {exc.strerror or exc}", 1)
+
+
 def main() -> None:
     """Console-script entry point."""
     app()

@@ -1,0 +1,137 @@
+"""Prometheus metrics, read from the state store at each scrape (prometheus-client's custom
+collector: nothing is kept between scrapes, so a restarted dashboard reports the same).
+
+Per job, for jobs that run or ended within the last hour (older ones would only add series):
+
+- ``orchestrator_jobs{state}``: how many jobs are in each state (all jobs);
+- ``orchestrator_job_restarts_total{job_id,name}``: restarts charged to ``max_restarts``;
+- ``orchestrator_job_free_restarts_total{job_id,name}``: restarts not charged (controller lost);
+- ``orchestrator_job_attempt{job_id,name}``: the current attempt;
+- ``orchestrator_attempt_duration_seconds{job_id,attempt,outcome}``: each attempt's duration,
+  so far for the running one;
+- ``orchestrator_node_state{job_id,node,host,state}``: 1 for the node's state, 0 for others;
+- ``orchestrator_node_last_heard_age_seconds{job_id,node,host}``;
+- ``orchestrator_rank_step{job_id,rank,host}``, ``orchestrator_rank_steps_per_second``,
+  ``orchestrator_rank_heartbeat_age_seconds``, ``orchestrator_rank_wait_share`` (share of the
+  last 30 s spent waiting in collectives), ``orchestrator_rank_straggler`` (1 when named).
+
+``orchestrator_job_restarts_total`` is a counter; the others are gauges.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from orchestrator.state import JobState, NodeState
+from orchestrator.store import JobRecord, Store
+
+RECENT = 3600.0  # seconds an ended job keeps its per-job series
+
+
+def exposition(home: str | os.PathLike[str] | None = None) -> tuple[bytes, str]:
+    """The text exposition of every metric, and its content type."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(home))
+    return generate_latest(registry), CONTENT_TYPE_LATEST
+
+
+class _Collector:
+    def __init__(self, home: str | os.PathLike[str] | None):
+        self.home = home
+
+    def collect(self) -> Any:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        store = Store(self.home)
+        try:
+            records = store.list_jobs()
+            now = time.time()
+            shown = [store.get_job(j.job_id) for j in records
+                     if not j.state.is_terminal() or (j.ended_at or 0) > now - RECENT]
+        finally:
+            store.close()
+
+        jobs = GaugeMetricFamily("orchestrator_jobs", "Jobs by state.", labels=["state"])
+        counts = {s.value: 0 for s in JobState}
+        for j in records:
+            counts[j.state.value] += 1
+        for state, count in counts.items():
+            jobs.add_metric([state], count)
+        yield jobs
+
+        job_labels = ["job_id", "name"]
+        restarts = CounterMetricFamily("orchestrator_job_restarts",
+                                       "Restarts charged to max_restarts.", labels=job_labels)
+        free = CounterMetricFamily("orchestrator_job_free_restarts",
+                                   "Restarts not charged (controller lost).", labels=job_labels)
+        attempt = GaugeMetricFamily("orchestrator_job_attempt", "The current attempt.",
+                                    labels=job_labels)
+        duration = GaugeMetricFamily("orchestrator_attempt_duration_seconds",
+                                     "Each attempt's duration (so far, while it runs).",
+                                     labels=["job_id", "attempt", "outcome"])
+        node_state = GaugeMetricFamily("orchestrator_node_state",
+                                       "1 for the node's current state.",
+                                       labels=["job_id", "node", "host", "state"])
+        node_age = GaugeMetricFamily("orchestrator_node_last_heard_age_seconds",
+                                     "Seconds since the node's agent was last heard.",
+                                     labels=["job_id", "node", "host"])
+        rank_labels = ["job_id", "rank", "host"]
+        step = GaugeMetricFamily("orchestrator_rank_step", "The rank's last reported step.",
+                                 labels=rank_labels)
+        rate = GaugeMetricFamily("orchestrator_rank_steps_per_second",
+                                 "Steps per second this attempt.", labels=rank_labels)
+        beat = GaugeMetricFamily("orchestrator_rank_heartbeat_age_seconds",
+                                 "Seconds since the rank's last heartbeat().",
+                                 labels=rank_labels)
+        wait = GaugeMetricFamily("orchestrator_rank_wait_share",
+                                 "Share of the last 30 s spent waiting in collectives.",
+                                 labels=rank_labels)
+        slow = GaugeMetricFamily("orchestrator_rank_straggler",
+                                 "1 when the others wait for this rank.", labels=rank_labels)
+        for job in shown:
+            _job_metrics(job, now, restarts, free, attempt, duration, node_state, node_age,
+                         step, rate, beat, wait, slow)
+        yield from (restarts, free, attempt, duration, node_state, node_age, step, rate, beat,
+                    wait, slow)
+
+
+def _job_metrics(job: JobRecord, now: float, restarts: Any, free: Any, attempt: Any,
+                 duration: Any, node_state: Any, node_age: Any, step: Any, rate: Any,
+                 beat: Any, wait: Any, slow: Any) -> None:
+    labels = [job.job_id, job.name]
+    restarts.add_metric(labels, job.restarts)
+    free.add_metric(labels, job.free_restarts)
+    attempt.add_metric(labels, job.attempt)
+    for a in job.attempts:
+        end = a.ended_at if a.ended_at is not None else now
+        duration.add_metric([job.job_id, str(a.attempt), a.outcome or "RUNNING"],
+                            max(0.0, end - a.started_at))
+    hosts = {}
+    for n in job.nodes:
+        hosts[n.node_index] = n.host
+        for s in NodeState:
+            node_state.add_metric([job.job_id, str(n.node_index), n.host, s.value],
+                                  1.0 if n.state == s else 0.0)
+        if n.heard_at is not None and not job.state.is_terminal():
+            node_age.add_metric([job.job_id, str(n.node_index), n.host],
+                                max(0.0, now - n.heard_at))
+    current = next((a for a in job.attempts if a.attempt == job.attempt), None)
+    stragglers = set(current.stragglers) if current is not None else set()
+    for r in job.ranks:
+        if r.attempt != job.attempt:
+            continue
+        labels = [job.job_id, str(r.rank), hosts.get(r.node_index, "")]
+        if r.step is not None:
+            step.add_metric(labels, r.step)
+        if r.steps_per_s is not None:
+            rate.add_metric(labels, r.steps_per_s)
+        if r.heartbeat_at is not None and not job.state.is_terminal():
+            beat.add_metric(labels, max(0.0, now - r.heartbeat_at))
+        if r.wait_share is not None:
+            wait.add_metric(labels, r.wait_share)
+        slow.add_metric(labels, 1.0 if r.rank in stragglers else 0.0)

@@ -1,0 +1,290 @@
+"""The web dashboard (`orchestrator ui`), served by real uvicorn and rendered by a real headless
+chromium: the job list, a job page (ranks, attempts, a metric plot across a restart, the log
+tail), Prometheus /metrics, loopback-only by default and a token elsewhere.
+
+The job page's screenshot is kept in tests/artifacts/ (not in git)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+
+import orchestrator
+from tests.helpers import PYTHON, WORKERS, write_spec
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
+HOSTILE = "<img src=x onerror=alert(1)><script>alert(2)</script>"
+
+
+def _chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed (.ci/run installs it)")
+        pytest.skip("chromium is not installed (apt-get install chromium)")
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, home: Path, *args: str):
+        self.port = _free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator", "ui", "--port", str(self.port), *args],
+            env={**os.environ, "ORCHESTRATOR_HOME": str(home)}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, text=True)
+        self.banner = ""
+        deadline = time.monotonic() + 20
+        while "dashboard:" not in self.banner or ("token" in args and "metrics:" not in
+                                                   self.banner):
+            line = self.proc.stderr.readline() if self.proc.stderr else ""
+            if not line and self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"ui did not start: {self.banner}")
+            self.banner += line
+        while True:  # the banner comes before uvicorn listens
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    break
+            except OSError:
+                assert time.monotonic() < deadline and self.proc.poll() is None, self.banner
+                time.sleep(0.05)
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def get(self, path: str, headers: dict[str, str] | None = None,
+            method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+        request = urllib.request.Request(self.url(path), headers=headers or {}, method=method)
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args, **kwargs):
+                return None
+
+        opener = urllib.request.build_opener(NoRedirect)
+        try:
+            with opener.open(request, timeout=10) as r:
+                return r.status, dict(r.headers), r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), e.read()
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+        if self.proc.stderr:
+            self.proc.stderr.close()
+
+
+class _Dom(HTMLParser):
+    """The rendered page's elements as (tag, attributes, text inside it)."""
+
+    def __init__(self, html: str):
+        super().__init__()
+        self.elements: list[tuple[str, dict[str, str | None], list[str]]] = []
+        self._open: list[list[str]] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        text: list[str] = []
+        self.elements.append((tag, dict(attrs), text))
+        if tag not in ("img", "br", "meta", "link", "input", "circle", "line", "rect",
+                       "polyline"):
+            self._open.append(text)
+
+    def handle_endtag(self, tag):
+        if self._open:
+            self._open.pop()
+
+    def handle_data(self, data):
+        for text in self._open:
+            text.append(data)
+
+    def find(self, tag: str, **attrs: str) -> list[tuple[dict[str, str | None], str]]:
+        return [(a, "".join(t)) for g, a, t in self.elements
+                if g == tag and all(a.get(k.replace("_", "-")) == v for k, v in attrs.items())]
+
+
+def _render(chromium: str, url: str, screenshot: Path | None = None) -> _Dom:
+    argv = [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars",
+            "--window-size=1300,1700", "--virtual-time-budget=5000"]
+    dom = subprocess.run(argv + ["--dump-dom", url], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    if screenshot is not None:
+        subprocess.run(argv + [f"--screenshot={screenshot}", url], capture_output=True,
+                       timeout=60, check=True)
+    return _Dom(dom)
+
+
+@pytest.fixture(scope="module")
+def restarted_job(tmp_path_factory):
+    """A finished job: 2 nodes x 2 ranks, loss and tokens/s by step, rank 1 crashing at step
+    12 of attempt 1, attempt 2 resuming from the checkpoint at step 10."""
+    home, work = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("work")
+    old = os.environ.get("ORCHESTRATOR_HOME")
+    os.environ["ORCHESTRATOR_HOME"] = str(home)
+    try:
+        job_id = orchestrator.submit(write_spec(work, {
+            "name": "pretrain", "nodes": [{"host": "local"}, {"host": "local"}],
+            "nproc_per_node": 2, "command": [PYTHON, str(WORKERS / "trainer.py")],
+            "workdir": str(work), "max_restarts": 1, "health": {"heartbeat_interval": 0.5},
+            "env": {"STEPS": "24", "CRASH_AT": "12", "STEP_SLEEP": "0.25", "SAY": HOSTILE}}))
+        result = orchestrator.wait(job_id, timeout=120)
+    finally:
+        if old is None:
+            os.environ.pop("ORCHESTRATOR_HOME", None)
+        else:
+            os.environ["ORCHESTRATOR_HOME"] = old
+    assert result["state"] == "SUCCEEDED" and result["restarts"] == 1, result
+    return home, job_id
+
+
+@pytest.fixture(scope="module")
+def server(restarted_job):
+    s = _Server(restarted_job[0])
+    yield s
+    s.close()
+
+
+def test_the_job_list_renders_in_a_browser(restarted_job, server):
+    dom = _render(_chromium(), server.url("/"))
+    rows = dom.find("tr", data_job=restarted_job[1])
+    assert len(rows) == 1 and rows[0][0]["data-state"] == "SUCCEEDED", dom.find("tr")
+    assert restarted_job[1] in rows[0][1] and "pretrain" in rows[0][1]
+
+
+def test_a_job_page_shows_ranks_attempts_metric_plots_and_logs(restarted_job, server):
+    _, job_id = restarted_job
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "dashboard-job.png"
+    shot.unlink(missing_ok=True)
+    dom = _render(_chromium(), server.url(f"/jobs/{job_id}"), screenshot=shot)
+    # The grid: 2 nodes, 4 ranks of attempt 2, all done at the last step.
+    assert len(dom.find("div", **{"class": "node"})) == 2
+    ranks = dom.find("div", **{"class": "rank"})
+    assert sorted(a["data-rank"] for a, _ in ranks) == ["0", "1", "2", "3"], ranks
+    assert {a["data-state"] for a, _ in ranks} == {"SUCCEEDED"}
+    assert all(text.endswith("@23") for _, text in ranks), ranks
+    # The timeline: attempt 1 failed (the crash), attempt 2 succeeded, a restart marked.
+    bars = {a["data-attempt"]: a["data-outcome"] for a, _ in dom.find("rect")}
+    assert bars == {"1": "FAILED", "2": "SUCCEEDED"}, bars
+    assert len(dom.find("line", **{"class": "restart"})) == 1
+    assert "exited with code 3" in " ".join(t for _, t in dom.find("td"))
+    # The loss plot: one line per attempt; attempt 2 starts at the checkpoint (step 10).
+    loss = [a for a, _ in dom.find("polyline") if a.get("data-attempt")]
+    assert {a["data-attempt"] for a in loss} >= {"1", "2"}, loss
+    assert dom.find("svg", data_metric="loss") and dom.find("svg", data_metric="tokens_per_s")
+    # The log tail, and the worker's markup shown as text, never run as markup.
+    log = dom.find("pre", id="log")
+    assert log and "[local:0] rank 0 done" in log[0][1], log
+    assert HOSTILE in log[0][1]
+    assert not dom.find("img") and len(dom.find("script")) == 1
+    # The screenshot is a real picture of the page.
+    data = shot.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, len(data)
+
+
+def test_metric_samples_span_both_attempts(restarted_job, server):
+    import json
+
+    status, _, body = server.get(f"/api/jobs/{restarted_job[1]}/samples?rank=0")
+    assert status == 200
+    samples = json.loads(body)
+    first = [s["step"] for s in samples if s["attempt"] == 1]
+    second = [s["step"] for s in samples if s["attempt"] == 2]
+    assert first and second and max(first) <= 12, samples
+    assert min(second) >= 10 and max(second) == 23, second  # resumed from the checkpoint
+    assert all("loss" in s["metrics"] for s in samples)
+
+
+def test_prometheus_metrics_parse_and_tell_the_truth(restarted_job, server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    _, job_id = restarted_job
+    status, headers, body = server.get("/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+
+    def value(name, **labels):
+        found = [v for lab, v in samples[name] if all(lab.get(k) == w for k, w in labels.items())]
+        assert len(found) == 1, (name, labels, samples.get(name))
+        return found[0]
+
+    assert value("orchestrator_jobs", state="SUCCEEDED") == 1
+    assert value("orchestrator_jobs", state="RUNNING") == 0
+    assert value("orchestrator_job_restarts_total", job_id=job_id) == 1
+    assert value("orchestrator_job_attempt", job_id=job_id) == 2
+    assert value("orchestrator_attempt_duration_seconds", job_id=job_id, attempt="1",
+                 outcome="FAILED") > 0
+    assert 4 < value("orchestrator_attempt_duration_seconds", job_id=job_id, attempt="2",
+                     outcome="SUCCEEDED") < 60
+    for rank in "0123":
+        assert value("orchestrator_rank_step", job_id=job_id, rank=rank) == 23
+        assert value("orchestrator_rank_steps_per_second", job_id=job_id, rank=rank) > 1
+        assert value("orchestrator_rank_straggler", job_id=job_id, rank=rank) == 0
+    for node in "01":
+        assert value("orchestrator_node_state", job_id=job_id, node=node, state="DONE") == 1
+        assert value("orchestrator_node_state", job_id=job_id, node=node, state="LOST") == 0
+
+
+def _listening(port: int) -> set[str]:
+    """Local addresses listening on ``port`` (/proc/net/tcp and tcp6, state 0A)."""
+    found = set()
+    for name in ("tcp", "tcp6"):
+        for line in Path(f"/proc/net/{name}").read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, _, hex_port = local.rpartition(":")
+            if state == "0A" and int(hex_port, 16) == port:
+                found.add(address)
+    return found
+
+
+def test_loopback_only_by_default_and_read_only(server):
+    assert _listening(server.port) == {"0100007F"}  # 127.0.0.1, nothing else
+    assert server.get("/api/jobs")[0] == 200
+    # A page elsewhere reaching us by DNS rebinding names its own host: refused.
+    assert server.get("/api/jobs", {"Host": "attacker.example:80"})[0] == 400
+    assert server.get("/api/jobs", method="POST")[0] == 405
+    assert server.get("/api/jobs/no-such-job")[0] == 404
+    assert server.get("/api/jobs/..%2F..%2Fetc")[0] in (400, 404)
+    status, headers, _ = server.get("/")
+    assert status == 200 and "default-src 'self'" in headers["content-security-policy"]
+
+
+def test_another_address_needs_the_printed_token(restarted_job):
+    s = _Server(restarted_job[0], "--host", "0.0.0.0")
+    try:
+        m = re.search(r"\?token=([\w-]+)", s.banner)
+        assert m, s.banner
+        token = m.group(1)
+        assert _listening(s.port) == {"00000000"}
+        assert s.get("/api/jobs")[0] == 401
+        assert s.get("/metrics")[0] == 401
+        assert s.get("/api/jobs", {"Authorization": "Bearer wrong"})[0] == 401
+        assert s.get("/api/jobs", {"Authorization": f"Bearer {token}"})[0] == 200
+        assert s.get("/metrics", {"Authorization": f"Bearer {token}"})[0] == 200
+        # The URL's token becomes a cookie and leaves the address bar.
+        status, headers, _ = s.get(f"/jobs/{restarted_job[1]}?token={token}")
+        assert status == 303 and headers["location"] == f"/jobs/{restarted_job[1]}", headers
+        cookie = headers["set-cookie"].split(";")[0]
+        assert "httponly" in headers["set-cookie"].lower()
+        assert s.get("/api/jobs", {"Cookie": cookie})[0] == 200
+    finally:
+        s.close()
