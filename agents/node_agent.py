@@ -119,10 +119,38 @@ def _orchestrator_sampler():
         c10d = sys.modules.get("torch.distributed.distributed_c10d")
         return c10d is not None and c10d.is_initialized()
 
+    trigger = os.path.join(sample_dir, "flight-recorder-wanted")
+    dump_prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    handled = [0.0]
+
+    def dump_flight_recorder():
+        # Asked by the agent (a hang): write what this rank's flight recorder holds where
+        # torch itself dumps on a collective timeout. The main thread may be stuck inside a
+        # collective; this thread is not.
+        try:
+            asked = os.stat(trigger).st_mtime
+        except OSError:
+            return
+        if asked <= handled[0] or not dump_prefix or not started():
+            return
+        handled[0] = asked
+        from torch._C import _distributed_c10d as c
+        c10d = sys.modules["torch.distributed.distributed_c10d"]
+        nccl = "nccl" in str(c10d.get_backend()) and hasattr(c, "_dump_nccl_trace")
+        data = c._dump_nccl_trace() if nccl else c._dump_fr_trace()
+        path = dump_prefix + rank
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+
     def run():
         next_write = 0.0
         while True:
             time.sleep(interval)
+            try:
+                dump_flight_recorder()
+            except Exception:
+                pass  # never the worker's problem
             w = waiting()
             if window or w or started():
                 window.append(w)
@@ -795,6 +823,25 @@ class Outbox:
             self._cond.notify_all()
 
 
+def _traces() -> str:
+    """Where flight recorder dumps are kept, per job and attempt, after the agent is gone
+    (a week: see _prune_traces)."""
+    path = os.path.join(_cache(), "traces")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return path
+
+
+def _prune_traces(keep_seconds: float = 7 * 24 * 3600) -> None:
+    root, old = _traces(), time.time() - keep_seconds
+    for job in os.listdir(root):
+        path = os.path.join(root, job)
+        try:
+            if os.lstat(path).st_mtime < old:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
 def _cache() -> str:
     """The agent user's cache (synced trees, blobs, setup markers): 0700, refused unless it
     is a real directory of this user, since synced code may hold secrets."""
@@ -1065,6 +1112,7 @@ class Agent:
         self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self.workers: list[Worker] = []
         self.attempt = 0
+        self.traces_dir: str | None = None  # this attempt's flight recorder dumps
         self.last_heard = time.monotonic()
         self._stop_lock = threading.Lock()
         self.listener: socket.socket | None = None
@@ -1346,6 +1394,13 @@ class Agent:
     def _stacks(self, msg: dict[str, Any]) -> None:
         try:
             targets = self._rank_pids()
+            wanted = bool(msg.get("flight_recorder")) and bool(targets)
+            if wanted:  # every rank's sampler sees this within a tenth of a second
+                asked_at = time.time()
+                trigger = os.path.join(self.directory, f"attempt-{self.attempt}",
+                                       "flight-recorder-wanted")
+                with open(trigger, "w"):
+                    pass
             found: dict[str, dict[str, Any]] = {}
             threads = [threading.Thread(target=lambda r=r, p=p: found.__setitem__(
                 str(r), _one_stack(p, r, self.directory, self.attempt))) for r, p in targets]
@@ -1353,9 +1408,39 @@ class Agent:
                 t.start()
             for t in threads:
                 t.join(float(msg.get("timeout", 15)) + 5)
-            self._reply(msg, P.STACKS, stacks=found)
+            traces = self._trace_files([r for r, _ in targets], asked_at) if wanted else {}
+            self._reply(msg, P.STACKS, stacks=found, traces=traces)
         except Exception as exc:
             self._reply(msg, P.FAILED, error=f"stacks: {exc!r}")
+
+    def _trace_files(self, ranks: list[int], since: float, wait: float = 5.0) -> dict[str, str]:
+        """The flight recorder dumps the ranks wrote since ``since`` (waiting up to ``wait``
+        for the last of them)."""
+        prefix = os.path.join(self.traces_dir or "", "nccl_trace_rank_")
+        deadline, found = time.monotonic() + wait, dict[str, str]()
+        while True:
+            for r in ranks:
+                try:
+                    if os.stat(f"{prefix}{r}").st_mtime >= since - 1:
+                        found[str(r)] = f"{prefix}{r}"
+                except OSError:
+                    pass
+            if len(found) == len(ranks) or time.monotonic() > deadline:
+                return found
+            time.sleep(0.1)
+
+    def op_read_trace(self, msg: dict[str, Any]) -> None:
+        """A piece (up to 1 MiB, base64) of a flight recorder dump under this user's traces
+        directory; nothing else is readable this way."""
+        root = os.path.realpath(_traces()) + os.sep
+        path = os.path.realpath(str(msg.get("path")))
+        if not path.startswith(root):
+            raise PermissionError(f"not a flight recorder dump: {msg.get('path')!r}")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(int(msg.get("offset") or 0))
+            data = f.read(1024 * 1024)
+        self._reply(msg, P.TRACE_CHUNK, data=base64.b64encode(data).decode(), size=size)
 
     def _rank_pids(self) -> list[tuple[int, int]]:
         """(rank, pid) of every live worker; torchrun's workers by their RANK."""
@@ -1535,6 +1620,7 @@ class Agent:
             if iface and var not in base_env:
                 base_env[var] = iface
         base_env[TOKEN_VAR] = self.token
+        self._flight_recorder_env(base_env, attempt, int(msg.get("flight_recorder") or 0))
         shim = self._worker_module()
         base_env["ORCHESTRATOR_STACK_DIR"] = os.path.join(self.directory,
                                                           f"attempt-{attempt}")
@@ -1556,6 +1642,23 @@ class Agent:
             worker = Worker(self, attempt, spec, proc)
             self.workers.append(worker)
             worker.start_threads()
+
+    def _flight_recorder_env(self, env: dict[str, str], attempt: int, entries: int) -> None:
+        """torch's flight recorder on (the last ``entries`` collectives of each process group,
+        NCCL or gloo), unless the job set it; dumps, on a collective timeout (torch) or a hang
+        (the agent asks), go to a directory that outlives this agent."""
+        directory = os.path.join(_traces(), self.job_id, f"attempt-{attempt}")
+        self.traces_dir = directory
+        if entries <= 0:
+            return
+        _prune_traces()
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        if "TORCH_FR_BUFFER_SIZE" not in env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+            env["TORCH_FR_BUFFER_SIZE"] = env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(entries)
+        env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        prefix = os.path.join(directory, "nccl_trace_rank_")  # torch's own file names
+        env.setdefault("TORCH_FR_DUMP_TEMP_FILE", prefix)
+        env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", env["TORCH_FR_DUMP_TEMP_FILE"])
 
     def _worker_module(self) -> str:
         """A directory holding ``orchestrator_worker.py`` (heartbeat with steps and metrics)

@@ -89,7 +89,8 @@ SYNC_MISSING = "sync_missing"
 SYNC_PUT = "sync_put"
 SYNC_BUILD = "sync_build"
 SETUP = "setup"
-STACKS_OP = "stacks"
+STACKS_OP = "stacks"  # {timeout, flight_recorder?: bool}: also dump the flight recorders
+READ_TRACE = "read_trace"  # {path, offset}: a piece of a flight recorder dump
 
 # Relay -> controller.
 RELAY = "relay"
@@ -106,7 +107,8 @@ SYNC_BUILT = "sync_built"
 SETUP_OUTPUT = "setup_output"
 SETUP_DONE = "setup_done"
 FAILED = "failed"  # the reply to a request whose op raised: {req, error}
-STACKS = "stacks"  # {req, stacks: {rank: {method, text, error?}}}
+STACKS = "stacks"  # {req, stacks: {rank: {method, text, error?}}, traces: {rank: path}}
+TRACE_CHUNK = "trace_chunk"  # {req, data (base64), size}
 STARTED = "started"
 SPAWN_FAILED = "spawn_failed"
 OUTPUT = "output"
@@ -155,6 +157,7 @@ _FIELDS: dict[str, dict[str, Any]] = {
     DROPPED: {"attempt": int, "rank": _OPT_INT, "stream": str, "lines": int},
     ERROR: {"message": str},
     SETUP_OUTPUT: {"lines": list},
+    TRACE_CHUNK: {"data": str, "size": int},
 }
 
 

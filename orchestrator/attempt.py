@@ -42,6 +42,7 @@ class Failure:
     error_file: str | None = None
     stacks: dict[str, str] = field(default_factory=dict)  # rank -> its stack (on a hang)
     diagnosis: str | None = None  # where the ranks were, grouped (orchestrator/diagnosis.py)
+    flight_recorder: dict[str, Any] | None = None  # {dir, ranks, left_on_nodes} (on a hang)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -293,6 +294,7 @@ class Attempt:
         self.first_steps: dict[int, tuple[int, float]] = {}  # rank -> (step, when) first seen
         self.output_at: dict[int, float] = {}  # rank -> when it last printed (wall clock)
         self.sampled_at: dict[int, float] = {}  # rank -> its last sample kept for the history
+        self.unsampled: dict[int, tuple[int, int | None, float, dict[str, float]]] = {}
         self.waits: dict[int, tuple[int, int]] = {}  # rank -> (samples, waiting in collectives)
         self.stragglers: list[int] = []
 
@@ -385,9 +387,14 @@ class Attempt:
             if "at" in record:
                 fields.update(self._progress_fields(rank, record))
                 at = fields.get("heartbeat_at")
-                if at is not None and at - self.sampled_at.get(rank, 0.0) >= self._sample_every():
-                    self.sampled_at[rank] = at
-                    samples.append((rank, fields.get("step"), at, fields["metrics"]))
+                if at is not None:
+                    sample = (rank, fields.get("step"), at, fields["metrics"])
+                    if at - self.sampled_at.get(rank, 0.0) >= self._sample_every():
+                        self.sampled_at[rank] = at
+                        samples.append(sample)
+                        self.unsampled.pop(rank, None)
+                    else:  # kept when the rank ends: a curve ends at its last point
+                        self.unsampled[rank] = sample
             if fields:
                 updates[rank] = fields
         named = None
@@ -435,6 +442,9 @@ class Attempt:
         if rank is not None:
             self.store.update_rank(self.job_id, self.number, int(rank), state=state.value,
                                    exit_code=code, signal=sig)
+            last = self.unsampled.pop(int(rank), None)
+            if last is not None:
+                self.store.record_progress(self.job_id, self.number, {}, [last])
         if ok or stopping:
             return
         node_rank = self.node_ranks[node_index]

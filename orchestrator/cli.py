@@ -405,6 +405,13 @@ def _summary_line(data: dict[str, Any]) -> str:
         tail = failure.get("stderr_tail") or []
         if tail:
             line += "\nlast stderr lines:\n" + "\n".join(f"  {t}" for t in tail)
+        recorder = failure.get("flight_recorder") or {}
+        if recorder.get("ranks"):
+            line += (f"\nflight recorder dumps of {len(recorder['ranks'])} ranks in "
+                     f"{recorder['dir']} (python -m torch.distributed.flight_recorder.fr_trace "
+                     "DIR reads NCCL dumps)")
+        for rank, where in (recorder.get("left_on_nodes") or {}).items():
+            line += f"\nflight recorder dump of rank {rank} left at {where}"
     return line
 
 

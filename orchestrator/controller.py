@@ -389,6 +389,7 @@ class Controller:
             "master_addr": plan.master_addr, "env": node_plan.env,
             "workers": [w.to_message() for w in node_plan.workers],
             "stop_grace": self.spec.stop_grace_period,
+            "flight_recorder": self.spec.health.flight_recorder,
         })
 
     def _watch(self, attempt: Attempt) -> AttemptResult:
@@ -957,22 +958,68 @@ class Controller:
         attempt = self.current
         if (hang and attempt is not None and self.state == JobState.RUNNING
                 and attempt.failure is None and now - attempt.last_activity > hang):
-            # Where every rank is, taken before anything is stopped: that is the why.
-            found = self._collect_stacks()
+            # Where every rank is, and what collectives each had issued, taken before anything
+            # is stopped: that is the why.
+            traces: dict[str, tuple[Node, str]] = {}
+            found = self._collect_stacks(traces=traces)
             texts = {r: s.get("text", "") for r, s in found.items() if s.get("text")}
             diagnosis = diagnose({int(r): t for r, t in texts.items()}) if texts else None
             attempt.fail(Failure(
                 FailureCause.HUNG, f"no output or heartbeat from any rank for {hang:g}s "
                 f"(health.hang_timeout)" + (f": {diagnosis}" if diagnosis else ""),
-                stacks=texts, diagnosis=diagnosis))
+                stacks=texts, diagnosis=diagnosis,
+                flight_recorder=self._fetch_traces(attempt.number, traces)))
 
-    def _collect_stacks(self, timeout: float = 20.0) -> dict[str, dict[str, Any]]:
-        """Every live rank's stack from every reachable node (py-spy, else faulthandler)."""
+    def _fetch_traces(self, number: int, traces: dict[str, tuple[Node, str]],
+                      budget: float = 20.0, max_bytes: int = 256 * 1024 * 1024,
+                      ) -> dict[str, Any] | None:
+        """Flight recorder dumps from the nodes into the attempt's log directory (what torch's
+        analyzer reads: ``python -m torch.distributed.flight_recorder.fr_trace DIR``). Those
+        not fetched within ``budget`` seconds or ``max_bytes`` stay on their nodes."""
+        if not traces:
+            return None
+        directory = self.store.log_dir(self.job_id, number) / "flight_recorder"
+        directory.mkdir(parents=True, exist_ok=True)
+        deadline, total = time.monotonic() + budget, 0
+        fetched, left = list[int](), dict[str, str]()
+        for rank, (node, path) in sorted(traces.items(), key=lambda kv: int(kv[0])):
+            data, size = bytearray(), None
+            while (size is None or len(data) < size) and node.channel is not None:
+                if time.monotonic() > deadline or total + len(data) > max_bytes:
+                    break
+                self.pool.main_tick = time.monotonic()  # busy, not wedged
+                reply = node.channel.ask(P.READ_TRACE, timeout=10.0, path=path,
+                                         offset=len(data))
+                if reply is None or reply.get("type") != P.TRACE_CHUNK:
+                    break
+                try:
+                    chunk = base64.b64decode(reply["data"], validate=True)
+                except ValueError:
+                    break
+                size = int(reply["size"])
+                if not chunk:
+                    break
+                data += chunk
+            if size is not None and len(data) == size:
+                (directory / f"nccl_trace_rank_{rank}").write_bytes(bytes(data))
+                fetched.append(int(rank))
+                total += size
+            else:
+                left[rank] = f"{node.host}:{path}"
+        return {"dir": str(directory), "ranks": fetched, "left_on_nodes": left}
+
+    def _collect_stacks(self, timeout: float = 20.0,
+                        traces: dict[str, tuple[Node, str]] | None = None,
+                        ) -> dict[str, dict[str, Any]]:
+        """Every live rank's stack from every reachable node (py-spy, else faulthandler).
+        With ``traces``, the ranks' flight recorders are dumped too, and where each dump
+        lies on its node goes there."""
         asked = []
         for node in self.nodes:
             channel = node.channel
             if channel is not None and node.state in LIVE:
-                req, message = channel.mailbox.request(P.STACKS_OP, timeout=timeout - 5)
+                req, message = channel.mailbox.request(
+                    P.STACKS_OP, timeout=timeout - 5, flight_recorder=traces is not None)
                 try:
                     channel.conn.send(message)
                 except OrchestratorError:
@@ -988,6 +1035,10 @@ class Controller:
             for rank, entry in ((reply or {}).get("stacks") or {}).items():
                 if isinstance(entry, dict):
                     found[str(rank)] = {**entry, "host": node.host}
+            if traces is not None:
+                for rank, path in ((reply or {}).get("traces") or {}).items():
+                    if str(rank).isdigit() and isinstance(path, str):
+                        traces[str(rank)] = (node, path)
         return found
 
     def _answer_stacks(self) -> None:

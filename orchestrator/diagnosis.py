@@ -18,20 +18,28 @@ _LIBRARY = ("site-packages", "dist-packages", "/lib/python", "<frozen", "threadi
 
 
 def frames(text: str) -> list[tuple[str, str, int]]:
-    """The main thread's frames, innermost first, as (function, file, line)."""
-    out: list[tuple[str, str, int]] = []
-    in_main = None
+    """The main thread's frames, innermost first, as (function, file, line).
+
+    py-spy names it (MainThread). faulthandler does not, and marks as current whichever
+    thread took the signal; there the main thread is the one not started by ``threading``
+    (whose outermost frame is not ``_bootstrap``), such as the orchestrator's sampler."""
+    threads: list[tuple[str, list[tuple[str, str, int]]]] = []
     for line in text.splitlines():
         if line.startswith("Thread ") or line.startswith("Current thread "):
-            if out and in_main:
-                break  # the main thread is done
-            in_main = "MainThread" in line or line.startswith("Current thread") or in_main is None
-            out = [] if in_main else out
+            threads.append((line, []))
             continue
         m = _PYSPY_FRAME.match(line) or _FAULT_FRAME.match(line)
-        if m and in_main is not False:
-            out.append((m["fn"].strip(), m["file"], int(m["line"])))
-    return out
+        if m:
+            if not threads:
+                threads.append(("", []))
+            threads[-1][1].append((m["fn"].strip(), m["file"], int(m["line"])))
+    named = [f for head, f in threads if "MainThread" in head]
+    unstarted = [f for _, f in threads
+                 if f and not (f[-1][0].endswith("_bootstrap") and "threading" in f[-1][1])]
+    for candidates in (named, unstarted, [f for _, f in threads]):
+        if candidates:
+            return candidates[0]
+    return []
 
 
 def where(text: str) -> str:

@@ -242,6 +242,11 @@ class HealthSpec(_Model):
     heartbeat_interval: Seconds = 1.0
     node_timeout: Seconds = 5.0
     hang_timeout: Seconds | None = Field(default=None, description="no output for this long")
+    flight_recorder: int = Field(
+        default=2000, ge=0,
+        description="collectives torch's flight recorder keeps per process group (NCCL or "
+                    "gloo), dumped on a hang or a collective timeout; 0: off. A job that sets "
+                    "TORCH_FR_BUFFER_SIZE or TORCH_NCCL_TRACE_BUFFER_SIZE keeps its own")
     controller_grace: Seconds | None = Field(
         default=600.0,
         description="seconds agents keep the workers running with no controller attached "

@@ -29,3 +29,31 @@ def test_stacks_of_a_running_job_name_the_odd_rank(home, tmp_path, monkeypatch, 
     assert list(one["stacks"]) == ["1"]
     assert orchestrator.cancel(job_id)["state"] == "CANCELLED"
     assert_no_job_processes(job_id)
+
+
+def test_a_hang_keeps_stacks_and_every_rank_s_flight_recorder(home, tmp_path):
+    import pickle
+    from pathlib import Path
+
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "hang", "nodes": [{"host": "local"}, {"host": "local"}], "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "hang.py")], "workdir": str(tmp_path),
+        "stop_grace_period": 2, "health": {"hang_timeout": 15}}))
+    result = orchestrator.wait(job_id, timeout=120)
+    failure = result["failure"]
+    assert result["state"] == "FAILED" and failure["cause"] == "HUNG", failure
+    assert failure["diagnosis"].startswith("rank 3 in stuck_in_data_loading"), failure
+    # torch's flight recorder (gloo here, NCCL on GPUs), dumped on the hang and fetched:
+    recorder = failure["flight_recorder"]
+    assert recorder["ranks"] == [0, 1, 2, 3] and recorder["left_on_nodes"] == {}, recorder
+    ops = {}
+    for rank in range(4):
+        dump = pickle.loads((Path(recorder["dir"]) / f"nccl_trace_rank_{rank}").read_bytes())
+        ops[rank] = [(e["profiling_name"], e["state"]) for e in dump["entries"]]
+    # Ranks 0-2 issued the all_reduce that never completes; rank 3 never issued it.
+    for rank in (0, 1, 2):
+        assert ops[rank][-1][0].endswith("all_reduce") and ops[rank][-1][1] != "completed", ops
+    assert not any(name.endswith("all_reduce") for name, _ in ops[3]), ops
+    # (torch 2.13's analyzer, torch.distributed.flight_recorder.fr_trace, reads NCCL dumps;
+    # on gloo dumps it stops at a KeyError: their pg_config names the group '', not '0'.)
+    assert_no_job_processes(job_id)

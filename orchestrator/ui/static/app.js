@@ -125,6 +125,8 @@ function failure(job) {
     el("strong", {}, `${f.cause}: `), el("span", { id: "failure-message" }, f.message),
     where ? el("div", { class: "muted" }, where) : null,
     f.diagnosis ? el("div", { id: "diagnosis" }, el("strong", {}, "diagnosis: "), f.diagnosis) : null,
+    f.flight_recorder && f.flight_recorder.ranks && f.flight_recorder.ranks.length ? el("div", { id: "flight-recorder" },
+      el("strong", {}, "flight recorder: "), `dumps of ${f.flight_recorder.ranks.length} ranks in ${f.flight_recorder.dir}`) : null,
     f.stderr_tail && f.stderr_tail.length ? el("div", {}, el("div", { class: "muted" }, "last stderr lines"), el("pre", {}, f.stderr_tail.join("\n"))) : null,
     Object.keys(stacks).length ? el("details", { id: "stacks", open: true },
       el("summary", {}, `stacks of ${Object.keys(stacks).length} ranks` + (f.stacks_method ? ` (${f.stacks_method})` : "")),

@@ -1,0 +1,35 @@
+"""The modules the agent writes onto workers' PYTHONPATH are valid Python, and the sitecustomize
+shim's sampler counts time spent in collectives (run for real, in a child interpreter)."""
+
+import json
+import os
+import subprocess
+import sys
+
+from agents.node_agent import SITECUSTOMIZE, WORKER_MODULE
+
+
+def test_the_shims_compile():
+    compile(SITECUSTOMIZE, "sitecustomize.py", "exec")
+    compile(WORKER_MODULE, "orchestrator_worker.py", "exec")
+
+
+def test_the_sampler_counts_waiting_in_a_collective_and_nothing_else(tmp_path):
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    fake = tmp_path / "torch_fake"  # a module whose file name and function name match c10d's
+    fake.mkdir()
+    (fake / "distributed_c10d.py").write_text(
+        "import time\ndef all_reduce():\n    time.sleep(1.5)\n")
+    script = (f"import sys, time\nsys.path.insert(0, {str(fake)!r})\nimport distributed_c10d\n"
+              "distributed_c10d.all_reduce()\ntime.sleep(2.5)\n")
+    env = {**os.environ, "PYTHONPATH": str(shim), "RANK": "5",
+           "ORCHESTRATOR_STACK_DIR": str(tmp_path), "ORCHESTRATOR_SAMPLE_INTERVAL": "0.02"}
+    env.pop("ORCHESTRATOR_SAMPLED", None)
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=30)
+    report = json.loads((tmp_path / "waits-5.json").read_text())
+    share = report["waiting"] / report["samples"]
+    # Counting starts at the first collective: 1.5 s waiting, then not (the report is
+    # rewritten once a second, so the last one holds 2 to 3 s of the 4).
+    assert report["samples"] > 90 and 0.35 < share < 0.8, report
