@@ -246,3 +246,16 @@ def test_an_allocation_not_granted_in_time_is_cancelled(sl, tmp_path):
     pending = result["slurm"]["job_id"]
     assert slurm_job_state(sl, pending) == "CANCELLED"
     assert our_allocations(sl) == [] and result["attempts"] == []
+
+
+def test_cancel_while_the_allocation_is_pending_withdraws_the_request(sl, tmp_path):
+    spec = slurm_spec(tmp_path, ["true"], nodes=4, launch_timeout=120)
+    job_id = orchestrator.submit(spec)
+    pending = wait_for(lambda: (orchestrator.status(job_id)["slurm"] or {}).get("job_id"), 30,
+                       what="the pending request recorded")
+    assert slurm_job_state(sl, pending) == "PENDING"
+    started = time.monotonic()
+    result = orchestrator.cancel(job_id)
+    assert result["state"] == "CANCELLED" and time.monotonic() - started < 10
+    assert slurm_job_state(sl, pending) == "CANCELLED"
+    assert result["slurm"]["released"] is True and our_allocations(sl) == []
