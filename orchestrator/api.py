@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orchestrator import preflight, sync
+from orchestrator import preflight, slurm, sync
 from orchestrator.errors import JobEndedError, LaunchError
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
@@ -41,6 +41,8 @@ def dry_run(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = No
             env: dict[str, str] | None = None, overrides: list[str] | None = None) -> LaunchPlan:
     """The plan of a job's first attempt, without connecting to anything."""
     job_spec, directory = _load(spec, spec_dir, env, overrides)
+    if job_spec.slurm is not None:  # the nodes are Slurm's choice: placeholders for them
+        job_spec = slurm.spec_with_nodes(job_spec, None)
     return plan_attempt(job_spec, f"{job_spec.name}-dryrun", spec_dir=directory)
 
 
@@ -48,6 +50,17 @@ def check(spec: str | os.PathLike[str] | JobSpec) -> dict[str, Any]:
     """Preflight: reach every node, report versions, GPUs, the interface toward the master,
     and whether each node can open a TCP connection to master_addr:master_port."""
     job_spec, _ = _load(spec, None)
+    if job_spec.slurm is not None:
+        slurm.quick_check(job_spec)
+        allocation = slurm.existing_allocation(job_spec)
+        if allocation is None:
+            raise LaunchError("slurm: check reaches a Slurm job's nodes only from inside an "
+                              "allocation (salloc, sbatch); outside one, submit checks the "
+                              "partition and Slurm's commands")
+        from orchestrator.transport.slurm import SlurmConnector
+
+        return preflight.check(slurm.spec_with_nodes(job_spec, allocation),
+                               connect=SlurmConnector(allocation.job_id)).to_dict()
     return preflight.check(job_spec).to_dict()
 
 
@@ -65,6 +78,11 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
     """
     job_spec, directory = _load(spec, spec_dir, env, overrides)
     preflight.quick_check(job_spec)
+    allocation, hosts = None, [n.host for n in job_spec.nodes]
+    if job_spec.slurm is not None:  # no salloc, no such partition: said now, not later
+        slurm.quick_check(job_spec)
+        allocation = slurm.existing_allocation(job_spec)  # submitted inside an allocation
+        hosts = [n.host for n in slurm.spec_with_nodes(job_spec, allocation).nodes]
     if job_spec.sync is not None:  # a bad symlink or an unreadable file: said now, not later
         sync.build_manifest(os.path.join(directory, os.path.expanduser(job_spec.sync.path)),
                             job_spec.sync.exclude)
@@ -74,8 +92,8 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
         job_id = f"{job_spec.name}-{secrets.token_hex(3)}"
         # The agents' secret: a controller proves it to attach to them (also after a restart).
         store.create_job(job_id, job_spec.name, job_spec.model_dump_json(), directory,
-                         job_spec.max_restarts, [n.host for n in job_spec.nodes],
-                         secret=secrets.token_hex(32))
+                         job_spec.max_restarts, hosts, secret=secrets.token_hex(32),
+                         slurm=allocation.to_dict() if allocation is not None else None)
         try:
             _start_controller(store, job_id, resume=False)
         except OSError as exc:
@@ -422,6 +440,9 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
         "free_restarts": job.free_restarts,
         "controller": controller,
         "controller_grace": json.loads(job.spec_json).get("health", {}).get("controller_grace"),
+        "slurm": None if job.slurm is None else {
+            "job_id": job.slurm.get("job_id"), "nodes": job.slurm.get("nodes") or [],
+            "owned": job.slurm.get("owned"), "released": job.slurm.get("released", False)},
         "nodes": [
             {"node_index": n.node_index, "host": n.host, "node_rank": n.node_rank,
              "state": n.state.value, "hostname": n.info.get("hostname"),

@@ -436,6 +436,13 @@ def _print_status(data: dict[str, Any]) -> None:
     if data["state"] not in EXIT_FOR_STATE:
         typer.echo(f"controller pid {c['pid']} on {c['host']} since {c['since']}: {alive}; "
                    f"agents keep the workers {_grace(data['controller_grace'])} without one")
+    if data.get("slurm"):
+        s = data["slurm"]
+        whose = "requested by the orchestrator" if s["owned"] else "your own allocation"
+        if s["owned"] and s["released"]:
+            whose += ", released"
+        typer.echo(f"slurm job {s['job_id']} ({whose}): "
+                   f"{','.join(s['nodes']) or 'waiting for nodes'}")
     if data["state"] == "UNKNOWN":
         typer.echo(f"the controller is gone (recorded state {data['recorded_state']}); run "
                    f"`orchestrator resume {data['job_id']}` to carry on", err=True)

@@ -44,13 +44,14 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from agents import protocol as P
-from orchestrator import sync
+from orchestrator import slurm, sync
 from orchestrator.attempt import Attempt, AttemptResult, Failure, LogSink
 from orchestrator.diagnosis import diagnose
-from orchestrator.errors import LaunchError, OrchestratorError
+from orchestrator.errors import LaunchError, OrchestratorError, SpecError
 from orchestrator.nodepool import Channel, Node, NodePool
 from orchestrator.plan import plan_attempt
 from orchestrator.spec import JobSpec
@@ -58,6 +59,7 @@ from orchestrator.state import AttemptOutcome, FailureCause, JobState, NodeState
 from orchestrator.store import Store, pid_namespace
 from orchestrator.transport import default_connect
 from orchestrator.transport.base import ConnectionFactory
+from orchestrator.transport.slurm import SlurmConnector
 
 log = logging.getLogger("orchestrator.controller")
 
@@ -89,11 +91,13 @@ class _LaunchFailed(Exception):
 
 
 class Controller:
-    """Runs one job to a terminal state. ``connect`` builds a transport per node."""
+    """Runs one job to a terminal state. ``connect`` builds a transport per node;
+    ``on_end`` runs once the agents are shut down, before the terminal state is written (a
+    Slurm allocation is released there)."""
 
     def __init__(self, store: Store, job_id: str, spec: JobSpec, spec_dir: str,
                  connect: ConnectionFactory = default_connect, *, secret: str | None = None,
-                 resume: bool = False):
+                 resume: bool = False, on_end: Callable[[], None] | None = None):
         self.store = store
         self.job_id = job_id
         self.spec = spec
@@ -124,6 +128,7 @@ class Controller:
             not n.is_local for n in spec.nodes))
         self._setup_sink: LogSink | None = None
         self._ending = False  # stopping for good: no launch failure may interrupt it
+        self._on_end = on_end
 
     # --- the restart policy: one loop ---------------------------------------------------
     def run(self) -> JobState:
@@ -171,6 +176,11 @@ class Controller:
         # ended also sees every reachable node done.
         self._ending = True
         self._shutdown()
+        if self._on_end is not None:
+            try:
+                self._on_end()
+            except Exception:  # the job's end must still be recorded
+                log.exception("releasing the job's resources failed")
         self._set_state(final, **fields)
         self._linger()
         self.pool.close()
@@ -1171,13 +1181,59 @@ def _controller_main(job_id: str, resume: bool) -> int:
         secret = secrets.token_hex(16)
         store.update_job(job_id, secret=secret)
     spec = JobSpec.model_validate_json(job.spec_json)
-    controller = Controller(store, job_id, spec, job.spec_dir, secret=secret,
-                            resume=resume or job.state != JobState.PENDING)
+    connect: ConnectionFactory = default_connect
+    on_end = None
+    if spec.slurm is not None:
+        allocation = _slurm_allocation(store, job_id, spec)
+        if allocation is None:
+            return 1  # the job ended (or waits for a resume): recorded already
+        spec = slurm.spec_with_nodes(spec, allocation)
+        connect = SlurmConnector(allocation.job_id)
+        on_end = lambda: _release(store, job_id, allocation)  # noqa: E731
+    controller = Controller(store, job_id, spec, job.spec_dir, connect, secret=secret,
+                            resume=resume or job.state != JobState.PENDING, on_end=on_end)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: controller.request_exit())
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     state = controller.run()
     return 0 if state == JobState.SUCCEEDED else 1
+
+
+def _slurm_allocation(store: Store, job_id: str, spec: JobSpec) -> slurm.Allocation | None:
+    """The job's Slurm allocation (recorded, or requested now). A cancel or a SIGTERM while
+    it is pending cancels the request; an allocation that cannot be had fails the job with
+    one line naming why. None when the job does not go on."""
+    told: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):  # the controller's own handlers come later
+        signal.signal(sig, lambda signum, _: told.append(signum))
+
+    def record(allocation: slurm.Allocation) -> None:
+        hosts = [n.host for n in slurm.spec_with_nodes(spec, allocation).nodes]
+        store.set_slurm(job_id, allocation.to_dict(), hosts if allocation.nodes else None)
+        log.info("slurm allocation %s %s", allocation.job_id,
+                 f"granted: {','.join(allocation.nodes)}" if allocation.nodes else "requested")
+
+    try:
+        return slurm.acquire(spec, f"orchestrator-{job_id}", store.get_job(job_id).slurm,
+                             record=record,
+                             stop=lambda: bool(told) or store.job_state(job_id)[1])
+    except slurm.Interrupted:
+        if store.job_state(job_id)[1]:
+            store.set_state(job_id, JobState.CANCELLED)
+        return None
+    except (LaunchError, SpecError) as exc:
+        log.error("%s", exc)
+        store.set_state(job_id, JobState.FAILED, failure={
+            "cause": FailureCause.LAUNCH_FAILED.value, "message": str(exc)})
+        return None
+
+
+def _release(store: Store, job_id: str, allocation: slurm.Allocation) -> None:
+    """Give the allocation back to Slurm if the orchestrator requested it."""
+    if allocation.owned and slurm.release(allocation):
+        allocation.released = True
+        store.set_slurm(job_id, allocation.to_dict())
+        log.info("slurm allocation %s released", allocation.job_id)
 
 
 MAX_RESPAWNS = 5  # within RESPAWN_WINDOW seconds: a controller that keeps dying is a bug
@@ -1217,6 +1273,9 @@ def _supervise(job_id: str, resume: bool) -> int:
         if len(deaths) > MAX_RESPAWNS:
             log.error("controller died %d times in %gs (last: %s); giving up: run "
                       "`orchestrator resume %s`", len(deaths), RESPAWN_WINDOW, how, job_id)
+            saved = store.get_job(job_id).slurm
+            if saved and not saved.get("released"):  # nobody will use it: give it back
+                _release(store, job_id, slurm.Allocation.from_dict(saved))
             return 1
         log.warning("controller exited with %s while the job was %s: resuming", how,
                     state.value)

@@ -295,6 +295,62 @@ class BackoffSpec(_Model):
         return self
 
 
+_SLURM_WORD_RE = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_SLURM_GRES_RE = re.compile(r"^[A-Za-z0-9_.:,/+-]+$")
+# Slurm's --time: "MM", "MM:SS", "HH:MM:SS", "D-HH", "D-HH:MM", "D-HH:MM:SS", or no limit.
+_SLURM_TIME_RE = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d+(:\d{1,2}){0,2}"
+                            r"|UNLIMITED|INFINITE)$")
+# Options that slurm's own fields (or the orchestrator) set: refused in slurm.extra.
+_SLURM_OWN_OPTIONS = {
+    "-N": "nodes", "--nodes": "nodes", "-p": "partition", "--partition": "partition",
+    "-t": "time", "--time": "time", "-A": "account", "--account": "account",
+    "--gres": "gres", "--no-shell": None, "--jobid": None, "-J": None, "--job-name": None,
+}
+
+
+def _slurm_word(what: str, pattern: re.Pattern[str] = _SLURM_WORD_RE) -> Any:
+    def check(v: str | None) -> str | None:
+        if v is not None and not pattern.match(v):
+            raise ValueError(f"not a valid Slurm {what}")
+        return v
+    return AfterValidator(check)
+
+
+class SlurmSpec(_Model):
+    """Run on a Slurm allocation instead of listed nodes: the controller requests one (or,
+    submitted from inside one, uses it) and reaches each node's agent through ``srun``."""
+
+    nodes: Annotated[StrictInt, Field(ge=1)] = Field(description="nodes to allocate")
+    partition: Annotated[str | None, _slurm_word("partition name")] = None
+    time: Annotated[str | None, _slurm_word("time limit (MM, HH:MM:SS, D-HH:MM:SS...)",
+                                            _SLURM_TIME_RE)] = Field(
+        default=None, description="the allocation's time limit, as Slurm's --time")
+    account: Annotated[str | None, _slurm_word("account name")] = None
+    gres: Annotated[str | None, _slurm_word("gres (e.g. gpu:4)", _SLURM_GRES_RE)] = None
+    extra: tuple[str, ...] = Field(
+        default=(), description='more salloc options, one per item ("--constraint=a100")')
+
+    @field_validator("time", mode="before")
+    @classmethod
+    def _time(cls, v: Any) -> Any:
+        return str(v) if type(v) is int and v > 0 else v  # minutes, as Slurm reads them
+
+    @field_validator("extra")
+    @classmethod
+    def _extra(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for i, item in enumerate(v):
+            if not item.startswith("-") or any(c in item for c in "\0\n\r"):
+                raise _FieldError(f"[{i}]", "must be one salloc option starting with -, "
+                                  'e.g. "--constraint=a100"', item)
+            name = item.split("=", 1)[0]
+            if name in _SLURM_OWN_OPTIONS or (name[:2] in ("-N", "-p", "-t", "-A", "-J")
+                                              and not name.startswith("--")):
+                field = _SLURM_OWN_OPTIONS.get(name) or _SLURM_OWN_OPTIONS.get(name[:2])
+                where = f"use slurm.{field}" if field else "the orchestrator sets it"
+                raise _FieldError(f"[{i}]", f"{name} is not allowed here: {where}", item)
+        return v
+
+
 class JobSpec(_Model):
     """A distributed job: what runs, where, and how failures are handled."""
 
@@ -339,6 +395,8 @@ class JobSpec(_Model):
     health: HealthSpec = HealthSpec()
     logs: LogsSpec = LogsSpec()
     ssh: SSHOptions = SSHOptions()
+    slurm: SlurmSpec | None = Field(
+        default=None, description="run on a Slurm allocation (instead of nodes or hostfile)")
 
     @field_validator("name")
     @classmethod
@@ -440,6 +498,13 @@ class JobSpec(_Model):
                 raise _FieldError("hostfile", "give nodes or hostfile, not both", self.hostfile)
             raise _FieldError("hostfile", "is expanded into nodes by load_jobspec() and "
                               "parse_jobspec(); validate the YAML through them", self.hostfile)
+        if self.slurm is not None:
+            if self.nodes:
+                raise _FieldError("slurm", "give nodes or slurm, not both (Slurm chooses the "
+                                  "nodes)")
+            self._check_placeholders()
+            self._check_nnodes(self.slurm.nodes)
+            return self
         if not self.nodes:
             raise _FieldError("nodes", "at least one node is required (nodes or hostfile)")
         seen: dict[tuple[str | None, str, int], int] = {}
@@ -459,13 +524,17 @@ class JobSpec(_Model):
                                       "nodes needs the address the others reach it at (or "
                                       "set rendezvous.master_addr)")
         self._check_placeholders()
+        self._check_nnodes(len(self.nodes))
+        return self
+
+    def _check_nnodes(self, count: int) -> None:
         lo, hi = self.min_nodes, self.max_nodes
         if lo > hi:
             raise _FieldError("nnodes", "MIN is larger than MAX", self.nnodes)
-        if hi > len(self.nodes):
-            raise _FieldError("nnodes", f"MAX {hi} is more than the {len(self.nodes)} node(s)",
+        if hi > count:
+            where = "slurm.nodes" if self.slurm is not None and not self.nodes else "node(s)"
+            raise _FieldError("nnodes", f"MAX {hi} is more than the {count} {where}",
                               self.nnodes)
-        return self
 
     def _check_placeholders(self) -> None:
         where = [(f"command[{i}]", item) for i, item in enumerate(self.command)]
@@ -497,14 +566,19 @@ class JobSpec(_Model):
         return frozenset(k for k in self.env if k in self.secret_env or _SECRET_RE.search(k))
 
     @property
+    def node_count(self) -> int:
+        """Nodes the job has: those listed, or (before they are known) slurm.nodes."""
+        return len(self.nodes) or (self.slurm.nodes if self.slurm is not None else 0)
+
+    @property
     def min_nodes(self) -> int:
         """Fewest nodes the job runs on (nnodes MIN; default: every node)."""
-        return _parse_nnodes(self.nnodes)[0] if self.nnodes is not None else len(self.nodes)
+        return _parse_nnodes(self.nnodes)[0] if self.nnodes is not None else self.node_count
 
     @property
     def max_nodes(self) -> int:
         """Most nodes the job runs on (nnodes MAX; default: every node)."""
-        return _parse_nnodes(self.nnodes)[1] if self.nnodes is not None else len(self.nodes)
+        return _parse_nnodes(self.nnodes)[1] if self.nnodes is not None else self.node_count
 
 
 def _parse_nnodes(v: Any) -> tuple[int, int]:
@@ -653,9 +727,10 @@ def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".",
         data["env"] = {**(current if isinstance(current, dict) else {}), **env}
     if not isinstance(data.get("hostfile"), str):
         return validate_jobspec(data)
-    if "nodes" in data:
-        raise SpecError("hostfile", "give nodes or hostfile, not both", data["hostfile"],
-                        has_value=True)
+    for other in ("nodes", "slurm"):
+        if other in data:
+            raise SpecError("hostfile", f"give {other} or hostfile, not both", data["hostfile"],
+                            has_value=True)
     data, lines = _expand_hostfile(data, Path(base_dir))
     try:
         return validate_jobspec(data)
@@ -797,6 +872,7 @@ def _value_at(data: Any, loc: tuple[Any, ...]) -> tuple[bool, Any]:
 _MODELS: dict[str, type[BaseModel]] = {
     "": JobSpec, "nodes": NodeSpec, "rendezvous": RendezvousSpec, "health": HealthSpec,
     "restart_backoff": BackoffSpec, "ssh": SSHOptions, "logs": LogsSpec, "sync": SyncSpec,
+    "slurm": SlurmSpec,
 }
 _MESSAGES = {
     "model_type": "must be a mapping",

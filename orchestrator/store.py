@@ -58,7 +58,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     controller_pidns TEXT,
     stacks_requested_at REAL,
     stacks_json TEXT,
-    stacks_at REAL
+    stacks_at REAL,
+    slurm_json TEXT
 );
 CREATE TABLE IF NOT EXISTS nodes (
     job_id TEXT NOT NULL,
@@ -126,7 +127,7 @@ _ADDED_COLUMNS = {
     "jobs": {"secret": "TEXT", "controller_host": "TEXT", "controller_since": "REAL",
              "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
              "controller_pidns": "TEXT", "stacks_requested_at": "REAL",
-             "stacks_json": "TEXT", "stacks_at": "REAL"},
+             "stacks_json": "TEXT", "stacks_at": "REAL", "slurm_json": "TEXT"},
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
               "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL"},
@@ -239,6 +240,7 @@ class JobRecord:
     supervisor_pid: int | None = None
     free_restarts: int = 0
     controller_pidns: str | None = None
+    slurm: dict[str, Any] | None = None  # the Slurm allocation (orchestrator.slurm.Allocation)
     nodes: list[NodeRecord] = field(default_factory=list)
     ranks: list[RankRecord] = field(default_factory=list)
     attempts: list[AttemptRecord] = field(default_factory=list)
@@ -306,14 +308,15 @@ class Store:
 
     # --- writes (submit) -----------------------------------------------------------------
     def create_job(self, job_id: str, name: str, spec_json: str, spec_dir: str,
-                   max_restarts: int, hosts: list[str], secret: str | None = None) -> None:
+                   max_restarts: int, hosts: list[str], secret: str | None = None,
+                   slurm: dict[str, Any] | None = None) -> None:
         check_job_id(job_id)
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO jobs (job_id, name, state, spec_json, spec_dir, submitted_at,"
-                " max_restarts, secret) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                " max_restarts, secret, slurm_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (job_id, name, JobState.PENDING.value, spec_json, spec_dir, time.time(),
-                 max_restarts, secret),
+                 max_restarts, secret, json.dumps(slurm) if slurm is not None else None),
             )
             db.executemany(
                 "INSERT INTO nodes (job_id, node_index, host, state) VALUES (?, ?, ?, ?)",
@@ -361,6 +364,14 @@ class Store:
                 db.execute("INSERT INTO node_events (job_id, node_index, at, state, message)"
                            " VALUES (?, ?, ?, ?, ?)",
                            (job_id, node_index, time.time(), state.value, message))
+
+    def set_slurm(self, job_id: str, allocation: dict[str, Any],
+                  hosts: list[str] | None = None) -> None:
+        """Record the job's Slurm allocation and, once granted, its nodes' host names."""
+        with self._transaction() as db:
+            self._update(db, "jobs", {"slurm_json": json.dumps(allocation)}, job_id=job_id)
+            db.executemany("UPDATE nodes SET host = ? WHERE job_id = ? AND node_index = ?",
+                           [(h, job_id, i) for i, h in enumerate(hosts or [])])
 
     def claim_controller(self, job_id: str, pid: int, host: str, pidns: str | None) -> None:
         """Record the process that controls the job from now on, and where its pid means
@@ -564,4 +575,5 @@ class Store:
             secret=row["secret"], controller_host=row["controller_host"],
             controller_since=row["controller_since"], supervisor_pid=row["supervisor_pid"],
             free_restarts=row["free_restarts"], controller_pidns=row["controller_pidns"],
+            slurm=json.loads(row["slurm_json"]) if row["slurm_json"] else None,
         )

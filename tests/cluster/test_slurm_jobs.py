@@ -1,0 +1,261 @@
+"""Jobs on a real Slurm (the namespace cluster with ``slurm=True``): the controller requests an
+allocation, reaches each node's agent through ``srun --overlap``, restarts inside the same
+allocation, and gives it back at the end; a job submitted from inside an allocation uses it
+and leaves it alone. Real torch gloo traffic crosses the namespaces.
+
+Outside CI a machine without slurm-wlm and munge skips these tests; in CI they fail.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+import orchestrator
+from tests.helpers import (
+    PYTHON,
+    ROOT,
+    WORKERS,
+    assert_no_job_processes,
+    wait_for,
+    wait_for_output,
+    write_spec,
+)
+
+from .conftest import local_cluster
+from .test_slurm_cluster import _require_slurm, assert_all_gone, daemon_pids, slurm
+
+Cluster = Any
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Three namespace hosts forming one Slurm cluster, for this module."""
+    _require_slurm()
+    local_cluster.cleanup_stale()
+    c = local_cluster.Cluster(3, tmp_path_factory.mktemp("slurmjobs"), slurm=True).up()
+    pids: dict[int, int | None] = {}
+    try:
+        pids = daemon_pids(c)
+        yield c
+    finally:
+        c.down()
+    assert_all_gone(c, pids)
+
+
+@pytest.fixture
+def sl(slurm_cluster, home, monkeypatch) -> Cluster:
+    """The cluster, with this process (and so submit and the controller) pointed at its
+    Slurm, and no SLURM_* of an enclosing job."""
+    for key in [k for k in os.environ if k.startswith("SLURM_")]:
+        monkeypatch.delenv(key)
+    for key, value in slurm_cluster.slurm_env.items():
+        monkeypatch.setenv(key, value)
+    return slurm_cluster
+
+
+def slurm_spec(tmp_path, command, *, nodes=3, **extra):
+    data = {
+        "name": "slurm-test",
+        "slurm": {"nodes": nodes, **extra.pop("slurm", {})},
+        "python": PYTHON,  # the agent's interpreter on the nodes (shared filesystem)
+        "nproc_per_node": 2,
+        "command": command,
+        "workdir": str(tmp_path),
+        "stop_grace_period": 2,
+        "launch_timeout": 30,
+        **extra,
+    }
+    return write_spec(tmp_path, data)
+
+
+def slurm_job_state(c: Cluster, job: str) -> str | None:
+    run = slurm(c, "scontrol", "-o", "show", "job", job, check=False)
+    m = re.search(r"(?:^|\s)JobState=(\S+)", run.stdout)
+    return m.group(1) if m else None
+
+
+def our_allocations(c: Cluster) -> list[str]:
+    """Allocations the orchestrator requested that Slurm still lists as pending or running."""
+    out = slurm(c, "squeue", "-h", "-t", "PENDING,RUNNING", "-o", "%i %j").stdout
+    return [line.split()[0] for line in out.splitlines() if "orchestrator-" in line]
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([PYTHON, "-m", "orchestrator", *args], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT, env=env)
+
+
+def test_ddp_collectives_over_three_slurm_nodes(sl, tmp_path):
+    spec = slurm_spec(tmp_path, [PYTHON, str(WORKERS / "collectives.py")])
+    started = time.monotonic()
+    job_id = orchestrator.submit(spec)
+    result = orchestrator.wait(job_id, timeout=180)
+    elapsed = time.monotonic() - started
+    lines = list(orchestrator.logs(job_id))
+    assert result["state"] == "SUCCEEDED", (result["failure"], lines[-20:])
+    ok = [ln for ln in lines if "COLLECTIVES OK" in ln]
+    assert len(ok) == 6 and all(ln.endswith("via eth0") for ln in ok), ok
+    # Each node of the allocation ran its two ranks, labelled by its Slurm node name.
+    names = sl.slurm_nodes
+    assert sorted(re.match(r"\[([^:]+):(\d)\]", ln).groups() for ln in ok) == sorted(  # type: ignore[union-attr]
+        (names[r // 2], str(r)) for r in range(6))
+    info = result["slurm"]
+    assert info["owned"] is True and info["nodes"] == names and info["released"] is True
+    assert [n["host"] for n in result["nodes"]] == names
+    # Given back before the job was recorded as ended.
+    assert slurm_job_state(sl, info["job_id"]) in ("CANCELLED", "COMPLETED")
+    assert our_allocations(sl) == []
+    status = cli("status", job_id)
+    assert f"slurm job {info['job_id']} (requested by the orchestrator, released): " \
+           f"{','.join(names)}" in status.stdout, status.stdout
+    shown = json.loads(cli("status", job_id, "--json").stdout)["slurm"]
+    assert shown["job_id"] == info["job_id"] and shown["nodes"] == names
+    assert_no_job_processes(job_id)
+    print(f"3-node x 2-rank Slurm job, submit to SUCCEEDED: {elapsed:.1f}s")
+
+
+def test_a_crash_restarts_inside_the_same_allocation(sl, tmp_path):
+    # Attempt 1: rank 3 exits 9; attempt 2 runs the collectives. Each rank says which Slurm
+    # job it runs in (its agent is a step of that allocation).
+    script = ('echo "rank $RANK attempt $ORCHESTRATOR_ATTEMPT slurm $SLURM_JOB_ID"; '
+              f'if [ "$ORCHESTRATOR_ATTEMPT" = 1 ]; then exec {PYTHON} {WORKERS / "fail_rank.py"};'
+              f' else exec {PYTHON} {WORKERS / "collectives.py"}; fi')
+    spec = slurm_spec(tmp_path, ["sh", "-c", script], max_restarts=1,
+                      env={"FAIL_RANK": "3", "FAIL_CODE": "9", "FAIL_AFTER": "1"},
+                      restart_backoff={"initial": 0.5})
+    job_id = orchestrator.submit(spec)
+    result = orchestrator.wait(job_id, timeout=180)
+    lines = list(orchestrator.logs(job_id))
+    assert result["state"] == "SUCCEEDED", (result["failure"], lines[-20:])
+    assert result["restarts"] == 1 and len(result["attempts"]) == 2
+    first = result["attempts"][0]["failure"]
+    assert (first["rank"], first["exit_code"]) == (3, 9)
+    seen = {}
+    for ln in lines:
+        m = re.search(r"rank (\d+) attempt (\d+) slurm (\d+)", ln)
+        if m:
+            seen[(int(m.group(1)), int(m.group(2)))] = m.group(3)
+    assert sorted(seen) == [(r, a) for r in range(6) for a in (1, 2)], lines[:20]
+    assert set(seen.values()) == {result["slurm"]["job_id"]}, seen
+    assert sum("COLLECTIVES OK" in ln for ln in lines) == 6
+    assert slurm_job_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+    assert_no_job_processes(job_id)
+
+
+def test_a_killed_controller_resumes_on_the_same_allocation(sl, tmp_path):
+    script = 'for i in $(seq 1 40); do echo "step $RANK $i"; sleep 0.1; done'
+    spec = slurm_spec(tmp_path, ["sh", "-c", script], nodes=2)
+    job_id = orchestrator.submit(spec)
+    wait_for_output(job_id, "step 0 5", 1)
+    first = orchestrator.status(job_id)
+    allocation = first["slurm"]["job_id"]
+    os.kill(first["controller"]["pid"], signal.SIGKILL)  # the supervisor resumes it
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert result["controller"]["pid"] != first["controller"]["pid"]
+    assert (result["attempt"], result["restarts"], result["free_restarts"]) == (1, 0, 0)
+    assert result["slurm"]["job_id"] == allocation and result["slurm"]["released"] is True
+    lines = list(orchestrator.logs(job_id))
+    for rank in range(4):  # every line once, printed with or without a controller
+        assert [ln.split()[-1] for ln in lines if f"step {rank} " in ln] == \
+            [str(i) for i in range(1, 41)]
+    assert slurm_job_state(sl, allocation) in ("CANCELLED", "COMPLETED")
+    assert our_allocations(sl) == []
+    assert_no_job_processes(job_id)
+
+
+def test_cancel_releases_the_allocation(sl, tmp_path):
+    spec = slurm_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], nodes=2)
+    job_id = orchestrator.submit(spec)
+    wait_for(lambda: orchestrator.status(job_id)["state"] == "RUNNING", 90, what="RUNNING")
+    allocation = orchestrator.status(job_id)["slurm"]["job_id"]
+    assert slurm_job_state(sl, allocation) == "RUNNING"
+    result = orchestrator.cancel(job_id)
+    assert result["state"] == "CANCELLED"
+    assert slurm_job_state(sl, allocation) == "CANCELLED"
+    assert allocation not in our_allocations(sl)
+    assert result["slurm"]["released"] is True
+    assert_no_job_processes(job_id)
+
+
+def test_a_job_inside_an_existing_allocation_leaves_it_alone(sl, tmp_path, monkeypatch):
+    alloc = slurm(sl, "salloc", "-N3", "--no-shell", "-J", "users-own")
+    m = re.search(r"Granted job allocation (\d+)", alloc.stderr)
+    assert m, alloc.stderr
+    own = m.group(1)
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", own)  # as in an sbatch script
+        monkeypatch.setenv("SLURM_NTASKS", "3")  # ... and its other variables: ignored
+        before = set(our_allocations(sl))
+        spec = slurm_spec(tmp_path, [PYTHON, str(WORKERS / "collectives.py")],
+                          slurm={"partition": "debug"})
+        job_id = orchestrator.submit(spec)
+        result = orchestrator.wait(job_id, timeout=180)
+        lines = list(orchestrator.logs(job_id))
+        assert result["state"] == "SUCCEEDED", (result["failure"], lines[-20:])
+        assert sum("COLLECTIVES OK" in ln for ln in lines) == 6
+        assert result["slurm"] == {"job_id": own, "nodes": sl.slurm_nodes, "owned": False,
+                                   "released": False}
+        assert set(our_allocations(sl)) == before == set()  # never asked for another
+        time.sleep(1)
+        assert slurm_job_state(sl, own) == "RUNNING"  # the user's allocation goes on
+        status = cli("status", job_id)
+        assert f"slurm job {own} (your own allocation)" in status.stdout, status.stdout
+        assert_no_job_processes(job_id)
+    finally:
+        slurm(sl, "scancel", own, check=False)
+
+
+def test_a_partition_that_does_not_exist_is_named(sl, tmp_path):
+    spec = slurm_spec(tmp_path, ["true"], slurm={"partition": "nosuch"})
+    run = cli("submit", str(spec), "--wait")
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.startswith("error: slurm.partition: ") and "nosuch" in run.stderr
+    assert run.stderr.count("\n") == 1, run.stderr
+    assert orchestrator.list_jobs() == [] and our_allocations(sl) == []
+
+
+def test_no_salloc_on_path_is_one_line(sl, tmp_path):
+    spec = slurm_spec(tmp_path, ["true"])
+    env = {**os.environ, "PATH": str(tmp_path)}  # no Slurm commands there
+    run = cli("submit", str(spec), "--wait", env=env)
+    assert run.returncode == 1, run.stderr
+    assert run.stderr == "error: slurm: `salloc` is not on PATH (the job asks for Slurm: " \
+                         "install its client commands, or load its module)\n"
+    assert orchestrator.list_jobs() == []
+
+
+def test_an_allocation_not_granted_in_time_is_cancelled(sl, tmp_path):
+    # Four nodes of a three-node cluster: Slurm keeps the request pending.
+    spec = slurm_spec(tmp_path, ["true"], nodes=4, launch_timeout=3)
+    job_id = orchestrator.submit(spec)
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "FAILED" and result["failure"]["cause"] == "LAUNCH_FAILED"
+    message = result["failure"]["message"]
+    assert re.fullmatch(r"slurm: allocation \d+ not granted within launch_timeout \(3s\); "
+                        r"the pending request was cancelled", message), message
+    pending = result["slurm"]["job_id"]
+    assert slurm_job_state(sl, pending) == "CANCELLED"
+    assert our_allocations(sl) == [] and result["attempts"] == []
+
+
+def test_cancel_while_the_allocation_is_pending_withdraws_the_request(sl, tmp_path):
+    spec = slurm_spec(tmp_path, ["true"], nodes=4, launch_timeout=120)
+    job_id = orchestrator.submit(spec)
+    pending = wait_for(lambda: (orchestrator.status(job_id)["slurm"] or {}).get("job_id"), 30,
+                       what="the pending request recorded")
+    assert slurm_job_state(sl, pending) == "PENDING"
+    started = time.monotonic()
+    result = orchestrator.cancel(job_id)
+    assert result["state"] == "CANCELLED" and time.monotonic() - started < 10
+    assert slurm_job_state(sl, pending) == "CANCELLED"
+    assert result["slurm"]["released"] is True and our_allocations(sl) == []
