@@ -1,0 +1,23 @@
+"""The live view flags stragglers with their waiting share (rendered with rich, captured)."""
+
+from rich.console import Console
+
+from orchestrator.cli import render_watch
+
+
+def test_the_watch_view_names_stragglers_and_shows_waiting_shares():
+    rank = {"host": "n1", "state": "RUNNING", "step": 40, "steps_per_s": 2.5,
+            "last_output": None, "straggler": False}
+    data = {"job_id": "j-1", "state": "RUNNING", "attempt": 1, "restarts": 0,
+            "max_restarts": 3, "failure": None, "stragglers": [2],
+            "nodes": [{"node_rank": 0, "host": "n1", "state": "RUNNING", "last_heard": None}],
+            "ranks": [{**rank, "rank": 0, "wait_share": 0.83},
+                      {**rank, "rank": 1, "wait_share": 0.81},
+                      {**rank, "rank": 2, "wait_share": 0.02, "straggler": True}]}
+    console = Console(record=True, width=140, color_system=None)
+    console.print(render_watch(data, ["[n1:0] step 40"], now=0.0))
+    text = console.export_text()
+    rows = {ln.split()[0]: ln for ln in text.splitlines() if ln.split()[:1] in (["0"], ["2"])}
+    assert "83%" in rows["0"] and "STRAGGLER" not in rows["0"], text
+    assert "2% STRAGGLER" in rows["2"], text
+    assert "stragglers: rank 2 (n1) while the others wait 83% of the time" in text, text
