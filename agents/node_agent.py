@@ -117,7 +117,9 @@ def _orchestrator_sampler():
 
     def started():  # torch.distributed initialized (only looked up, never imported here)
         c10d = sys.modules.get("torch.distributed.distributed_c10d")
-        return c10d is not None and c10d.is_initialized()
+        # While the main thread imports it, the module is there but half-made.
+        initialized = getattr(c10d, "is_initialized", None)
+        return initialized is not None and initialized()
 
     trigger = os.path.join(sample_dir, "flight-recorder-wanted")
     dump_prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
@@ -137,11 +139,16 @@ def _orchestrator_sampler():
         from torch._C import _distributed_c10d as c
         c10d = sys.modules["torch.distributed.distributed_c10d"]
         nccl = "nccl" in str(c10d.get_backend()) and hasattr(c, "_dump_nccl_trace")
-        data = c._dump_nccl_trace() if nccl else c._dump_fr_trace()
+        dump = c._dump_nccl_trace if nccl else c._dump_fr_trace
         path = dump_prefix + rank
-        with open(path + ".tmp", "wb") as f:
-            f.write(data)
-        os.replace(path + ".tmp", path)
+        # First without the call sites (at once), then with them: turning those into text
+        # imports parts of torch, a second or more of CPU. Then say it is complete.
+        for stack_traces in (False, True):
+            data = dump(includeStackTraces=stack_traces)
+            with open(path + ".tmp", "wb") as f:
+                f.write(data)
+            os.replace(path + ".tmp", path)
+        open(os.path.join(sample_dir, "flight-recorder-done-" + rank), "w").close()
 
     def run():
         next_write = 0.0
@@ -149,21 +156,18 @@ def _orchestrator_sampler():
             time.sleep(interval)
             try:
                 dump_flight_recorder()
-            except Exception:
-                pass  # never the worker's problem
-            w = waiting()
-            if window or w or started():
-                window.append(w)
-            now = time.monotonic()
-            if window and now >= next_write:
-                next_write = now + 1.0
-                try:
+                w = waiting()
+                if window or w or started():
+                    window.append(w)
+                now = time.monotonic()
+                if window and now >= next_write:
+                    next_write = now + 1.0
                     with open(path + ".tmp", "w") as f:
                         f.write('{"samples": %d, "waiting": %d, "interval": %g}'
                                 % (len(window), sum(window), interval))
                     os.replace(path + ".tmp", path)
-                except OSError:
-                    return  # the attempt's directory is gone: so is the need
+            except Exception:
+                pass  # never the worker's problem, never a line in its output
 
     threading.Thread(target=run, name="orchestrator-sampler", daemon=True).start()
 
@@ -1395,37 +1399,52 @@ class Agent:
         try:
             targets = self._rank_pids()
             wanted = bool(msg.get("flight_recorder")) and bool(targets)
-            if wanted:  # every rank's sampler sees this within a tenth of a second
-                asked_at = time.time()
-                trigger = os.path.join(self.directory, f"attempt-{self.attempt}",
-                                       "flight-recorder-wanted")
-                with open(trigger, "w"):
-                    pass
             found: dict[str, dict[str, Any]] = {}
             threads = [threading.Thread(target=lambda r=r, p=p: found.__setitem__(
                 str(r), _one_stack(p, r, self.directory, self.attempt))) for r, p in targets]
             for t in threads:
                 t.start()
+            # One deadline for both, inside the controller's: a late reply is a lost one.
+            deadline = time.monotonic() + float(msg.get("timeout", 15))
             for t in threads:
-                t.join(float(msg.get("timeout", 15)) + 5)
-            traces = self._trace_files([r for r, _ in targets], asked_at) if wanted else {}
+                t.join(max(0.0, deadline - time.monotonic()))
+            traces = {}
+            if wanted:
+                # After the stacks: a rank's first dump imports parts of torch (a second or
+                # more of CPU), which would show in them. Each rank's sampler looks for this
+                # file ten times a second.
+                asked_at = time.time()
+                with open(os.path.join(self.directory, f"attempt-{self.attempt}",
+                                       "flight-recorder-wanted"), "w"):
+                    pass
+                traces = self._trace_files([r for r, _ in targets], asked_at, deadline)
             self._reply(msg, P.STACKS, stacks=found, traces=traces)
         except Exception as exc:
             self._reply(msg, P.FAILED, error=f"stacks: {exc!r}")
 
-    def _trace_files(self, ranks: list[int], since: float, wait: float = 5.0) -> dict[str, str]:
-        """The flight recorder dumps the ranks wrote since ``since`` (waiting up to ``wait``
-        for the last of them)."""
+    def _trace_files(self, ranks: list[int], since: float, deadline: float) -> dict[str, str]:
+        """The flight recorder dumps the ranks wrote since ``since`` (waiting until
+        ``deadline``, monotonic, for the last of them)."""
         prefix = os.path.join(self.traces_dir or "", "nccl_trace_rank_")
-        deadline, found = time.monotonic() + wait, dict[str, str]()
+        done = os.path.join(self.directory, f"attempt-{self.attempt}", "flight-recorder-done-")
+        found, complete = dict[str, str](), set[int]()
         while True:
             for r in ranks:
                 try:
                     if os.stat(f"{prefix}{r}").st_mtime >= since - 1:
                         found[str(r)] = f"{prefix}{r}"
+                    if os.stat(f"{done}{r}").st_mtime >= since - 1:
+                        complete.add(r)
                 except OSError:
                     pass
-            if len(found) == len(ranks) or time.monotonic() > deadline:
+            # Complete dumps if they come in time; at the deadline, what there is, copied
+            # aside: a dump still being completed must not change under the controller's read.
+            if len(complete) == len(ranks) or time.monotonic() > deadline:
+                kept = os.path.join(self.traces_dir or "", "on-hang")
+                os.makedirs(kept, mode=0o700, exist_ok=True)
+                for key, path in found.items():
+                    found[key] = os.path.join(kept, os.path.basename(path))
+                    shutil.copyfile(path, found[key])
                 return found
             time.sleep(0.1)
 
