@@ -85,9 +85,10 @@ class CappedLog:
         self._synced: dict[int, int] = {}  # file -> size at its last fsync
         self._dropped: list[Path] = []  # not yet in any state()
         self._deletable: list[Path] = []  # in the last state(): gone at the next flush
-        for stray in path.parent.glob(f"{path.stem}.tail*.log"):  # begun after a checkpoint
-            if stray.name not in {self._segment(k).name for k in self.segments}:
-                stray.unlink()
+        if path.exists():  # a new file has no strays: no scan of a directory of 1000s
+            for stray in path.parent.glob(f"{path.stem}.tail*.log"):  # begun after a checkpoint
+                if stray.name not in {self._segment(k).name for k in self.segments}:
+                    stray.unlink()
         self.main = open(path, "ab")  # noqa: SIM115 (kept open while the attempt runs)
         self.current = open(self._segment(self.segments[-1]), "ab") if self.segments else None  # noqa: SIM115
 
@@ -213,6 +214,10 @@ class LogSink:
         self._states: dict[str, Any] = dict(state.get("files", {}))
         self.not_written: dict[str, int] = dict(state.get("not_written", {}))
         self._files: dict[str, CappedLog] = {}
+        # Only files written since the last checkpoint are flushed and asked for their state:
+        # with thousands of ranks, most are quiet between two checkpoints.
+        self._dirty: set[str] = set()
+        self._sizes: dict[str, dict[str, int]] = {}  # file -> its last sizes()
         self.stderr: dict[str, deque[str]] = {}
         self._since_check = 0
         self.full = self._low_on_space()
@@ -240,7 +245,10 @@ class LogSink:
             self.not_written[label] = self.not_written.get(label, 0) + len(lines)
             return
         body = ("\n".join(lines) + "\n").encode()
-        self._file(f"rank-{label}.log").write(body)
+        name = f"rank-{label}.log"
+        self._file(name).write(body)
+        self._dirty.add(name)
+        self._dirty.add("combined.log")
         prefix = f"[{host}:{label}] "
         self._file("combined.log").write("".join([prefix + ln + "\n" for ln in lines]).encode())
         self._since_check += len(body)
@@ -250,14 +258,23 @@ class LogSink:
 
     def flush(self) -> dict[str, int]:
         sizes = dict(self._restored)
-        for f in self._files.values():
-            sizes.update(f.sizes())
+        for name, f in self._files.items():
+            if name in self._dirty or f._dropped or f._deletable or name not in self._sizes:
+                self._sizes[name] = f.sizes()
+            sizes.update(self._sizes[name])
         return sizes
 
     def state(self) -> dict[str, Any]:
-        files = dict(self._states)
-        files.update({name: f.state() for name, f in self._files.items()})
-        return {"files": files, "not_written": self.not_written}
+        """For the checkpoint, taken after flush()."""
+        for name in self._dirty:
+            f = self._files.get(name)
+            if f is not None:
+                self._states[name] = f.state()
+        for name, f in self._files.items():
+            if name not in self._states:
+                self._states[name] = f.state()
+        self._dirty = set()
+        return {"files": dict(self._states), "not_written": self.not_written}
 
     def close(self) -> None:
         for name, f in self._files.items():
@@ -283,6 +300,9 @@ class Attempt:
         self.store = store
         self.job_id = job_id
         self.node_ranks = {n.node_index: n.node_rank for n in plan.nodes}
+        self.node_plans = {n.node_index: n for n in plan.nodes}
+        self._rank_writes: dict[int, dict[str, Any]] = {}  # rank -> fields, not yet written
+        self._participants = [n.node_index for n in plan.nodes]
         self.expected = sum(len(n.workers) for n in plan.nodes)
         self.started: set[tuple[int, int]] = set()  # (node_index, local_rank)
         self.exits: dict[int, tuple[int | None, str | None]] = {}  # rank key -> (code, signal)
@@ -300,7 +320,8 @@ class Attempt:
 
     @property
     def participants(self) -> list[int]:
-        return [n.node_index for n in self.plan.nodes]
+        return self._participants
+
 
     # --- the agents' messages ---------------------------------------------------------------
     def handle(self, node_index: int, message: dict[str, Any]) -> None:
@@ -428,8 +449,18 @@ class Attempt:
     def _on_started(self, node_index: int, message: dict[str, Any]) -> None:
         self.started.add((node_index, int(message.get("local_rank") or 0)))
         if message.get("rank") is not None:
-            self.store.update_rank(self.job_id, self.number, int(message["rank"]),
-                                   pid=message.get("pid"), state=RankState.RUNNING.value)
+            self._rank_update(int(message["rank"]), pid=message.get("pid"),
+                              state=RankState.RUNNING.value)
+
+    def _rank_update(self, rank: int, **fields: Any) -> None:
+        self._rank_writes.setdefault(rank, {}).update(fields)
+
+    def flush_ranks(self) -> None:
+        """Write the ranks' starts and exits seen since the last flush, in one transaction
+        (the controller calls it at the end of each turn of its loop)."""
+        if self._rank_writes:
+            writes, self._rank_writes = self._rank_writes, {}
+            self.store.update_ranks(self.job_id, self.number, writes)
 
     def _on_exited(self, node_index: int, message: dict[str, Any]) -> None:
         rank, code, sig = message.get("rank"), message.get("exit_code"), message.get("signal")
@@ -440,8 +471,7 @@ class Attempt:
         state = RankState.SUCCEEDED if ok else (RankState.STOPPED if stopping else
                                                 RankState.FAILED)
         if rank is not None:
-            self.store.update_rank(self.job_id, self.number, int(rank), state=state.value,
-                                   exit_code=code, signal=sig)
+            self._rank_update(int(rank), state=state.value, exit_code=code, signal=sig)
             last = self.unsampled.pop(int(rank), None)
             if last is not None:
                 self.store.record_progress(self.job_id, self.number, {}, [last])

@@ -129,6 +129,8 @@ class Controller:
         self._setup_sink: LogSink | None = None
         self._ending = False  # stopping for good: no launch failure may interrupt it
         self._on_end = on_end
+        self._node_writes: list[tuple[int, NodeState, str | None, dict[str, Any]]] = []
+        self._checkpoint_every = CHECKPOINT_EVERY
 
     # --- the restart policy: one loop ---------------------------------------------------
     def run(self) -> JobState:
@@ -145,6 +147,7 @@ class Controller:
             for attempt in (self.previous, self.current):
                 if attempt is not None:
                     attempt.sink.close()
+            self._flush_nodes()
             return self.state
         except Cancelled:
             self._ending = True
@@ -183,6 +186,7 @@ class Controller:
                 log.exception("releasing the job's resources failed")
         self._set_state(final, **fields)
         self._linger()
+        self._flush_nodes()
         self.pool.close()
         return self.state
 
@@ -251,6 +255,7 @@ class Controller:
 
     # --- state -----------------------------------------------------------------------------
     def _set_state(self, new: JobState, **fields: Any) -> None:
+        self._flush_nodes()
         self.store.set_state(self.job_id, new, **fields)
         self.state = new
         log.info("job %s -> %s", self.job_id, new.value)
@@ -263,7 +268,17 @@ class Controller:
         node.state = state
         if "info" in fields:
             node.info = fields["info"]
-        self.store.set_node(self.job_id, node.index, state, message, **fields)
+        self._node_writes.append((node.index, state, message, fields))
+
+    def _flush_nodes(self) -> None:
+        """Write the node (and rank) changes made since the last flush, in one transaction
+        each: at the end of each turn of the loop, and before any change of the job's state
+        (whoever reads a job state also sees the node and rank states that led to it)."""
+        writes, self._node_writes = self._node_writes, []
+        self.store.set_nodes(self.job_id, writes)
+        for attempt in (self.previous, self.current):
+            if attempt is not None:
+                attempt.flush_ranks()
 
     # --- connecting ----------------------------------------------------------------------
     def _connect_all(self) -> None:
@@ -340,6 +355,7 @@ class Controller:
             spec_dir=self.spec_dir, nprocs=nprocs,
             sync_tree=self._tree().tree if self.spec.sync is not None else None,
         )
+        self._flush_nodes()  # the attempt before the last is let go: its ranks first
         if self.previous is not None:
             self.previous.sink.close()
         self.previous = self.current
@@ -393,7 +409,7 @@ class Controller:
     def _send_start(self, node: Node) -> None:
         assert self.current is not None
         plan = self.current.plan
-        node_plan = next(n for n in plan.nodes if n.node_index == node.index)
+        node_plan = self.current.node_plans[node.index]
         self.pool.send(node, {
             "op": P.START, "attempt": plan.attempt, "workdir": node_plan.workdir,
             "master_addr": plan.master_addr, "env": node_plan.env,
@@ -494,6 +510,7 @@ class Controller:
         attempt = self.current
         if attempt is None or attempt.number in self._ended:
             return
+        self._flush_nodes()
         self._checkpoint(force=True)
         self._ended.add(attempt.number)
         self.store.end_attempt(self.job_id, attempt.number, result.outcome.value,
@@ -576,14 +593,17 @@ class Controller:
         except queue.Empty:
             return
         budget = time.monotonic() + PUMP_BUDGET
-        while True:
-            self._dispatch(event)
-            if time.monotonic() > budget:
-                return
-            try:
-                event = self.pool.events.get_nowait()
-            except queue.Empty:
-                return
+        try:
+            while True:
+                self._dispatch(event)
+                if time.monotonic() > budget:
+                    return
+                try:
+                    event = self.pool.events.get_nowait()
+                except queue.Empty:
+                    return
+        finally:
+            self._flush_nodes()
 
     def _dispatch(self, event: tuple[Any, ...]) -> None:
         kind = event[0]
@@ -600,7 +620,7 @@ class Controller:
         elif kind == "progress":
             node = self.nodes[event[1]]
             node.info = {**node.info, "sync": event[2]}
-            self.store.set_node(self.job_id, node.index, node.state, info=node.info)
+            self._node_writes.append((node.index, node.state, None, {"info": node.info}))
 
     def _on_message(self, node: Node, generation: int, message: dict[str, Any]) -> None:
         if node.channel is None or node.channel.generation != generation:
@@ -733,7 +753,7 @@ class Controller:
         if start:
             target = NodeState.RUNNING  # it never got the start
         if target is None:
-            self.store.set_node(self.job_id, node.index, node.state, info=node.info)
+            self._node_writes.append((node.index, node.state, None, {"info": node.info}))
         else:
             self._set_node(node, target, message, info=node.info)
         if stale:
@@ -1065,7 +1085,7 @@ class Controller:
             return
         now = time.monotonic()
         dirty = any(n.received > n.acked for n in self.nodes)
-        if not force and (not dirty or now - self._last_checkpoint < CHECKPOINT_EVERY):
+        if not force and (not dirty or now - self._last_checkpoint < self._checkpoint_every):
             return
         state = {**attempt.snapshot(), "participants": attempt.participants,
                  "master_port": attempt.plan.master_port,
@@ -1075,7 +1095,10 @@ class Controller:
             self.previous.sink.flush()
         self.store.checkpoint(self.job_id, attempt.number, state,
                               {n.index: n.received for n in self.nodes})
-        self._last_checkpoint = now
+        self._last_checkpoint = time.monotonic()
+        # A checkpoint fsyncs every log written since the last one: with thousands of ranks
+        # that is most of them, so checkpoints may take at most a fifth of the loop's time.
+        self._checkpoint_every = max(CHECKPOINT_EVERY, 4 * (self._last_checkpoint - now))
         for node in self.nodes:
             if node.received > node.acked:
                 node.acked = node.received

@@ -1,9 +1,11 @@
 """The node pool: one channel per node to its agent, and the threads that keep them.
 
-Threads, one owner each: a *connector* per node while it connects or reconnects (open the
-channel, ``connect`` to the relay, ``attach`` to the agent); a *reader* per open channel
+Threads, one owner each: up to CONNECT_FANOUT *connectors*, which take the nodes to connect
+or reconnect from a queue (open the channel, ``connect`` to the relay, ``attach`` to the
+agent; a node that is to be retried is queued again after a delay); a *reader* per open channel
 (stamps ``last_heard`` on every message, hands replies to the channel's mailbox and
-everything else to ``events``); and one *pinger* for the whole pool. Node state and every
+everything else to ``events``); and one *pinger* for the whole pool, which also closes
+handshakes that hang past their deadline. Node state and every
 decision stay with the controller's main thread, which consumes ``events``:
 
     ("attached", index, channel)   a channel is ready: hello received
@@ -40,6 +42,7 @@ log = logging.getLogger("orchestrator.nodepool")
 
 RECONNECT_FIRST = 0.2  # seconds before the first retry; doubled up to RECONNECT_MAX
 RECONNECT_MAX = 5.0
+CONNECT_FANOUT = 64  # connects in flight at once
 
 
 @dataclass
@@ -86,6 +89,7 @@ class Node:
     connecting: bool = False
     retry: bool = False  # the connector keeps trying until it succeeds
     launch: bool = False  # the connector may start an agent where none answers
+    reconnect_delay: float = RECONNECT_FIRST
 
     @property
     def host(self) -> str:
@@ -113,6 +117,11 @@ class NodePool:
         self._generations = itertools.count(1)
         self.closing = False
         self.main_tick = time.monotonic()  # the main loop's last turn (see _ping)
+        self._connect_queue: queue.SimpleQueue[Node] = queue.SimpleQueue()
+        self._connectors_lock = threading.Lock()
+        self._connectors = 0  # connector threads alive
+        self._busy = 0  # ... of which connecting now
+        self._handshakes: dict[int, tuple[float, NodeConnection]] = {}
 
     def launch_config(self) -> dict[str, Any]:
         h = self.spec.health
@@ -126,42 +135,75 @@ class NodePool:
         """Start connecting ``node`` in the background; the outcome arrives as an event.
         With ``launch``, start an agent where none answers (never a second one: the relay
         on the node decides). With ``retry``, keep trying until it works."""
-        node.retry, node.launch = retry, launch  # a running connector picks these up
+        node.retry, node.launch = retry, launch  # a queued connect picks these up
         if node.connecting:
             return
         node.connecting = True
-        threading.Thread(target=self._connector, args=(node,), daemon=True,
-                         name=f"connect-{node.index}").start()
+        node.reconnect_delay = RECONNECT_FIRST
+        self._queue_connect(node)
 
-    def _connector(self, node: Node) -> None:
+    def _queue_connect(self, node: Node) -> None:
+        """Connects run on at most CONNECT_FANOUT threads at a time, started as needed and
+        gone when idle: thousands of nodes connect in rounds, not on thousands of threads
+        (each SSH connect costs CPU here: a storm of them is no faster)."""
+        self._connect_queue.put(node)
+        with self._connectors_lock:
+            idle = self._connectors - self._busy
+            if self._connectors < CONNECT_FANOUT and self._connect_queue.qsize() > idle:
+                self._connectors += 1
+                threading.Thread(target=self._connector, daemon=True,
+                                 name=f"connect-{self._connectors}").start()
+
+    def _connector(self) -> None:
+        while True:
+            try:
+                node = self._connect_queue.get(timeout=1.0)
+            except queue.Empty:
+                with self._connectors_lock:
+                    if self._connect_queue.empty():
+                        self._connectors -= 1
+                        return
+                continue
+            with self._connectors_lock:
+                self._busy += 1
+            try:
+                self._connect_once(node)
+            finally:
+                with self._connectors_lock:
+                    self._busy -= 1
+
+    def _connect_once(self, node: Node) -> None:
         # ``connecting`` is cleared before the outcome is posted: the main thread may ask for
         # a new connection as soon as it sees it, and must not find this one still "running".
-        delay = RECONNECT_FIRST
-        while not self.closing:
-            try:
-                channel = self._open(node, node.launch)
-                node.connecting = False
-                # The event goes first: its messages must find the channel installed.
-                self.events.put(("attached", node.index, channel))
-                threading.Thread(target=self._read, args=(node, channel), daemon=True,
-                                 name=f"read-{node.index}").start()
-                return
-            except AgentGone as gone:
-                node.connecting = False
-                self.events.put(("unavailable", node.index, str(gone), True, gone.outcome))
-                return
-            except OrchestratorError as exc:
-                error = str(exc)
-            except Exception as exc:  # a bug in a transport must not kill the job
-                error = f"{node.host}: {exc!r}"
-            if not node.retry:
-                node.connecting = False
-                self.events.put(("unavailable", node.index, error, False, None))
-                return
-            log.info("%s: not reachable yet: %s", node.host, error)
-            time.sleep(delay)
-            delay = min(RECONNECT_MAX, delay * 2)
-        node.connecting = False
+        if self.closing:
+            node.connecting = False
+            return
+        try:
+            channel = self._open(node, node.launch)
+            node.connecting = False
+            # The event goes first: its messages must find the channel installed.
+            self.events.put(("attached", node.index, channel))
+            threading.Thread(target=self._read, args=(node, channel), daemon=True,
+                             name=f"read-{node.index}").start()
+            return
+        except AgentGone as gone:
+            node.connecting = False
+            self.events.put(("unavailable", node.index, str(gone), True, gone.outcome))
+            return
+        except OrchestratorError as exc:
+            error = str(exc)
+        except Exception as exc:  # a bug in a transport must not kill the job
+            error = f"{node.host}: {exc!r}"
+        if not node.retry:
+            node.connecting = False
+            self.events.put(("unavailable", node.index, error, False, None))
+            return
+        log.info("%s: not reachable yet: %s", node.host, error)
+        delay, node.reconnect_delay = node.reconnect_delay, min(RECONNECT_MAX,
+                                                                node.reconnect_delay * 2)
+        timer = threading.Timer(delay, self._queue_connect, args=(node,))
+        timer.daemon = True
+        timer.start()
 
     def _open(self, node: Node, launch: bool) -> Channel:
         spec = self.spec
@@ -171,17 +213,30 @@ class NodePool:
                 update={"connect_timeout": timeout})})
         conn = self.factory(node.spec, spec)
         conn.open()
-        # A handshake that hangs (a wedged sshd, a stopped agent) must not hang us.
-        timer = threading.Timer(max(spec.launch_timeout, 5.0), conn.close)
-        timer.start()
+        # A handshake that hangs (a wedged sshd, a stopped agent) must not hang us: the
+        # pinger closes it at the deadline (one watchdog for all, not a timer per node).
+        with self._connectors_lock:
+            self._handshakes[id(conn)] = (time.monotonic() + max(spec.launch_timeout, 5.0),
+                                          conn)
         try:
             hello, launched = attach_agent(
                 conn, self.job_id, node.index, self.secret, ack=node.acked,
                 launch=self.launch_config() if launch else None)
         finally:
-            timer.cancel()
+            with self._connectors_lock:
+                self._handshakes.pop(id(conn), None)
         node.last_heard = time.monotonic()
         return Channel(conn, next(self._generations), hello, launched, P.Mailbox())
+
+    def _expire_handshakes(self) -> None:
+        now = time.monotonic()
+        with self._connectors_lock:
+            late = [conn for deadline, conn in self._handshakes.values() if deadline < now]
+        for conn in late:
+            try:
+                conn.close()
+            except Exception:
+                pass
 
     def _read(self, node: Node, channel: Channel) -> None:
         conn, gen, mailbox, events = channel.conn, channel.generation, channel.mailbox, \
@@ -248,6 +303,7 @@ class NodePool:
         detach, and keep the workers for controller_grace."""
         health = self.spec.health
         while not self.closing:
+            self._expire_handshakes()
             if time.monotonic() - self.main_tick < health.node_timeout:
                 for node in self.nodes:
                     channel = node.channel

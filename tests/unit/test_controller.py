@@ -2,88 +2,13 @@
 
 from __future__ import annotations
 
-import queue
-from typing import Any
-
 import pytest
 
 from orchestrator.controller import Controller
 from orchestrator.spec import parse_jobspec
 from orchestrator.state import JobState
 from orchestrator.store import Store
-
-
-class FakeAgent:
-    """A NodeConnection whose agent answers from a script: exit codes per attempt and rank.
-
-    ``exits[attempt][rank]`` is an exit code, a signal name, or None (keeps running until
-    stopped). Missing attempts exit 0.
-    """
-
-    def __init__(self, host: str, exits: dict[int, dict[int, Any]], log: list):
-        self.host = host
-        self.exits = exits
-        self.log = log
-        self.inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        self.running: dict[int, int] = {}  # rank -> local_rank of the current attempt
-        self.attempt = 0
-        self.fail_open = False
-        self.protocol = 2
-        self.malformed = False
-        self.drop_port = False
-
-    def open(self) -> None:
-        if self.fail_open:
-            from orchestrator.errors import ConnectError
-
-            raise ConnectError(self.host, "connection refused")
-
-    def send(self, message: dict[str, Any]) -> None:
-        self.log.append((self.host, message))
-        op = message["op"]
-        a = self.attempt
-        if op == "connect":
-            self.inbox.put({"type": "relay", "launched": True})
-        elif op == "attach":
-            self.inbox.put({"type": "hello", "attempt": self.attempt, "hostname": self.host,
-                            "protocol": self.protocol, "workers": [], "pid": 4242})
-        elif op == "free_port" and self.drop_port:
-            self.inbox.put(None)  # the channel breaks before the reply
-        elif op == "free_port":
-            self.inbox.put({"type": "port", "req": message["req"], "port": 29500, "ok": True})
-        elif op == "start":
-            self.attempt = a = message["attempt"]
-            if self.malformed:  # fields of the wrong type, as a broken or hostile agent might
-                self.inbox.put({"type": "started", "attempt": a, "rank": "zero",
-                                "local_rank": 0, "pid": "1234; rm -rf /"})
-                return
-            for w in message["workers"]:
-                self.inbox.put({"type": "started", "attempt": a, "rank": w["rank"],
-                                "local_rank": w["local_rank"], "pid": 1000 + w["rank"]})
-            for w in message["workers"]:
-                outcome = self.exits.get(a, {}).get(w["rank"], 0)
-                if outcome is None:
-                    self.running[w["rank"]] = w["local_rank"]
-                    continue
-                code, sig = (outcome, None) if isinstance(outcome, int) else (None, outcome)
-                self.inbox.put({"type": "output", "attempt": a, "rank": w["rank"],
-                                "stream": "stderr", "lines": [f"boom {w['rank']}"]})
-                self.inbox.put({"type": "exited", "attempt": a, "rank": w["rank"],
-                                "local_rank": w["local_rank"], "exit_code": code, "signal": sig})
-        elif op == "stop":
-            for rank, local in self.running.items():
-                self.inbox.put({"type": "exited", "attempt": a, "rank": rank,
-                                "local_rank": local, "exit_code": None, "signal": "SIGTERM"})
-            self.running = {}
-            self.inbox.put({"type": "stopped", "attempt": a})
-        elif op == "shutdown":
-            self.inbox.put(None)  # the agent exits: its channel closes
-
-    def receive(self) -> dict[str, Any] | None:
-        return self.inbox.get()
-
-    def close(self) -> None:
-        self.inbox.put(None)
+from orchestrator.transport.fake import FakeAgent
 
 
 def run_job(tmp_path, yaml_text: str, exits_by_host: dict[str, dict]) -> tuple[Store, str, list]:

@@ -1,0 +1,274 @@
+"""In-process fake agents that speak the protocol: for the policy tests and for running the
+real controller against thousands of simulated nodes (``benchmarks/bench_scale.py``).
+
+A :class:`FakeAgent` is a NodeConnection whose "agent" answers from a script, in the
+thread that sends to it; a :class:`FakeCluster` is a connection factory that keeps one
+agent per host and, on one driver thread for all of them, sends what real agents send
+unprompted: heartbeats every ``min(heartbeat_interval, 0.5)`` s (as ``agents/node_agent``
+does) and numbered output lines at a rate per rank. It can silence a node (a host that
+died: no message, no reply, no new connection) and end every running worker.
+
+Exits are scripted per attempt and rank: ``exits[attempt][rank]`` is an exit code, a
+signal name, or None (runs until stopped, or until :meth:`FakeCluster.finish`). Missing
+attempts exit 0 at once, unless the cluster says workers run (``FakeCluster(run=True)``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from agents import protocol as P
+from orchestrator.errors import ConnectError
+from orchestrator.spec import JobSpec, NodeSpec
+
+_pids = itertools.count(10_000)
+
+
+@dataclass
+class FakeWorker:
+    rank: int
+    local_rank: int
+    attempt: int
+    lines: int = 0  # output lines sent so far (numbered from 0)
+
+
+class FakeAgent:
+    """One node's agent, answering on its channel from a script (see the module doc)."""
+
+    def __init__(self, host: str, exits: dict[int, dict[int, Any]] | None = None,
+                 log: list[Any] | None = None, cluster: FakeCluster | None = None):
+        self.host = host
+        self.exits = exits or {}
+        self.log = log
+        self.cluster = cluster
+        self.inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.running: dict[int, FakeWorker] = {}  # rank -> worker of the current attempt
+        self.attempt = 0
+        self.seq = 0
+        self.lock = threading.Lock()  # the driver thread and the controller's both send
+        self.attached = False
+        self.dead = False  # a silenced node: says nothing, answers nothing
+        self.instance = f"fake-{next(_pids)}"
+        self.pid = next(_pids)
+        # Faults for the policy tests.
+        self.fail_open = False
+        self.protocol = P.VERSION
+        self.malformed = False
+        self.drop_port = False
+
+    # --- NodeConnection --------------------------------------------------------------------
+    def open(self) -> None:
+        if self.fail_open or self.dead:
+            raise ConnectError(self.host, "connection refused")
+
+    def receive(self) -> dict[str, Any] | None:
+        return self.inbox.get()
+
+    def close(self) -> None:
+        self.attached = False
+        self.inbox.put(None)
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.log is not None:
+            self.log.append((self.host, message))
+        if self.dead:
+            return
+        op = message["op"]
+        with self.lock:
+            handler = getattr(self, f"_op_{op}", None)
+            if handler is not None:
+                handler(message)
+
+    # --- what the agent says ------------------------------------------------------------------
+    def _emit(self, message: dict[str, Any]) -> None:
+        """Put a message on the channel (the caller holds ``lock``); sequenced ones are
+        numbered like a real agent's, so the controller's acks and gap checks run."""
+        if message["type"] in P.SEQUENCED:
+            self.seq += 1
+            message["seq"] = self.seq
+        self.inbox.put(message)
+
+    def _op_connect(self, message: dict[str, Any]) -> None:
+        self.inbox.put({"type": P.RELAY, "launched": True})
+
+    def _op_attach(self, message: dict[str, Any]) -> None:
+        self.attached = True
+        self.inbox.put({"type": P.HELLO, "attempt": self.attempt, "hostname": self.host,
+                        "protocol": self.protocol, "workers": [], "pid": self.pid,
+                        "instance": self.instance})
+
+    def _op_free_port(self, message: dict[str, Any]) -> None:
+        if self.drop_port:
+            self.inbox.put(None)  # the channel breaks before the reply
+        else:
+            self.inbox.put({"type": P.PORT, "req": message["req"], "port": 29500, "ok": True})
+
+    def _op_start(self, message: dict[str, Any]) -> None:
+        self.attempt = a = message["attempt"]
+        self.running = {}
+        if self.malformed:  # fields of the wrong type, as a broken or hostile agent might
+            self._emit({"type": P.STARTED, "attempt": a, "rank": "zero", "local_rank": 0,
+                        "pid": "1234; rm -rf /"})
+            return
+        workers = message["workers"]
+        for w in workers:
+            self._emit({"type": P.STARTED, "attempt": a, "rank": w["rank"],
+                        "local_rank": w["local_rank"], "pid": next(_pids)})
+        runs = self.cluster is not None and self.cluster.run
+        for w in workers:
+            outcome = self.exits.get(a, {}).get(w["rank"], None if runs else 0)
+            if outcome is None:
+                self.running[w["rank"]] = FakeWorker(w["rank"], w["local_rank"], a)
+                continue
+            code, sig = (outcome, None) if isinstance(outcome, int) else (None, outcome)
+            self._emit({"type": P.OUTPUT, "attempt": a, "rank": w["rank"],
+                        "stream": "stderr", "lines": [f"boom {w['rank']}"]})
+            self._emit({"type": P.EXITED, "attempt": a, "rank": w["rank"],
+                        "local_rank": w["local_rank"], "exit_code": code, "signal": sig,
+                        "error_file": None})
+
+    def _op_stop(self, message: dict[str, Any]) -> None:
+        a = message["attempt"]
+        if a == self.attempt:
+            for w in self.running.values():
+                self._emit({"type": P.EXITED, "attempt": a, "rank": w.rank,
+                            "local_rank": w.local_rank, "exit_code": None,
+                            "signal": "SIGTERM", "error_file": None})
+            self.running = {}
+        self._emit({"type": P.STOPPED, "attempt": a})
+
+    def _op_shutdown(self, message: dict[str, Any]) -> None:
+        self.running = {}
+        self.attached = False
+        self.inbox.put(None)  # the agent exits: its channel closes
+
+    # --- driven by FakeCluster (under ``lock``) -----------------------------------------------
+    def beat(self) -> None:
+        if self.attached and not self.dead:
+            self.inbox.put({"type": P.HEARTBEAT, "attempt": self.attempt})
+
+    def print_lines(self, worker: FakeWorker, upto: int) -> None:
+        """Numbered lines up to ``upto`` (exclusive), one output message."""
+        if self.dead or upto <= worker.lines or self.running.get(worker.rank) is not worker:
+            return
+        lines = [f"line {i}" for i in range(worker.lines, upto)]
+        worker.lines = upto
+        self._emit({"type": P.OUTPUT, "attempt": worker.attempt, "rank": worker.rank,
+                    "stream": "stdout", "lines": lines})
+
+    def finish(self) -> None:
+        """Every running worker exits 0."""
+        if self.dead:
+            return
+        for w in self.running.values():
+            self._emit({"type": P.EXITED, "attempt": w.attempt, "rank": w.rank,
+                        "local_rank": w.local_rank, "exit_code": 0, "signal": None,
+                        "error_file": None})
+        self.running = {}
+
+
+@dataclass(order=True)
+class _Due:
+    at: float
+    order: int
+    kind: str = field(compare=False)
+    host: str = field(compare=False)
+
+
+class FakeCluster:
+    """A connection factory of FakeAgents (one per host) and the driver thread that sends
+    their heartbeats and their workers' output.
+
+    ``lines_per_s``: output lines per second per running rank, each its own message (lines
+    printed that far apart travel apart in a real agent too). ``run``: workers run until
+    stopped or :meth:`finish`, instead of exiting 0 at once.
+    """
+
+    def __init__(self, *, heartbeat_interval: float = 1.0, lines_per_s: float = 0.0,
+                 run: bool = False, exits: dict[str, dict[int, dict[int, Any]]] | None = None,
+                 log: list[Any] | None = None, seed: int = 0):
+        self.beat_every = min(heartbeat_interval, 0.5)
+        self.lines_per_s = lines_per_s
+        self.run = run
+        self.exits = exits or {}
+        self.log = log
+        self.agents: dict[str, FakeAgent] = {}
+        self.sent_lines: dict[tuple[int, int], int] = {}  # (attempt, rank) -> lines printed
+        self._random = random.Random(seed)
+        self._heap: list[_Due] = []
+        self._order = itertools.count()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.cpu_s = 0.0  # CPU time of the driver thread (not the controller's)
+        self._thread = threading.Thread(target=self._drive, daemon=True, name="fake-cluster")
+        self._thread.start()
+
+    def __call__(self, node: NodeSpec, spec: JobSpec) -> FakeAgent:
+        with self._lock:
+            old = self.agents.get(node.host)
+            agent = FakeAgent(node.host, self.exits.get(node.host, {}), self.log, self)
+            if old is not None and old.dead:
+                agent.dead = True  # a dead host stays dead
+            self.agents[node.host] = agent
+            if old is None:  # one schedule per host, whichever agent answers there now
+                # Heartbeats spread over the interval, as independent agents' are.
+                self._push(time.monotonic() + self._random.random() * self.beat_every,
+                           "beat", node.host)
+                if self.lines_per_s > 0:
+                    self._push(time.monotonic() + self._random.random() / self.lines_per_s,
+                               "print", node.host)
+        return agent
+
+    def _push(self, at: float, kind: str, host: str) -> None:
+        heapq.heappush(self._heap, _Due(at, next(self._order), kind, host))
+
+    def _drive(self) -> None:
+        start_cpu = time.thread_time()
+        while not self._stop.is_set():
+            now = time.monotonic()
+            due: list[_Due] = []
+            with self._lock:
+                while self._heap and self._heap[0].at <= now:
+                    due.append(heapq.heappop(self._heap))
+                wait = (self._heap[0].at - now) if self._heap else 0.05
+            for item in due:
+                agent = self.agents[item.host]
+                with agent.lock:
+                    if item.kind == "beat":
+                        agent.beat()
+                        nxt = item.at + self.beat_every
+                    else:
+                        for w in list(agent.running.values()):
+                            agent.print_lines(w, w.lines + 1)
+                            self.sent_lines[(w.attempt, w.rank)] = w.lines
+                        nxt = item.at + 1.0 / self.lines_per_s
+                with self._lock:
+                    self._push(max(nxt, now), item.kind, item.host)
+            self.cpu_s = time.thread_time() - start_cpu
+            self._stop.wait(min(max(wait, 0.001), 0.05))
+
+    # --- faults and the end ----------------------------------------------------------------
+    def kill(self, host: str) -> None:
+        """The host dies: its agent goes silent, and no connection to it opens again."""
+        agent = self.agents[host]
+        with agent.lock:
+            agent.dead = True
+
+    def finish(self) -> None:
+        """Every running worker of every live agent exits 0 (after its lines so far)."""
+        for agent in list(self.agents.values()):
+            with agent.lock:
+                for w in agent.running.values():
+                    self.sent_lines[(w.attempt, w.rank)] = w.lines
+                agent.finish()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
