@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Control-plane latency on the namespace cluster (root needed): a trivial job, submit to done,
+on 1, 16, 64 SSH nodes, against plain ``ssh node true`` in the same invocation.
+
+    sudo python benchmarks/bench_latency.py [--nodes 1,16,64] [--reps 3] [--out benchmarks]
+
+- ssh:  ``ssh -F <cluster config> host true`` (a fresh login: key exchange, auth, exec).
+- job:  ``orchestrator.submit`` of ``command: [true]``, one worker per node, on the first N
+        hosts, then ``orchestrator.wait`` (poll 0.2 s, as ``submit --wait``); the time from
+        submit to the terminal state, plus where it went, from the store: submit to the
+        attempt's start (connect, agents, ports), start to the last rank RUNNING... and the
+        last exit to the end (shutdown, linger).
+
+Medians of --reps, interleaved. Writes latency.md, latency.json and latency.png (matplotlib,
+if installed) to --out. The issue's goals: 1 node at most 2.5x ssh; 16 nodes at most 1.4x and
+64 nodes at most 2x one node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import orchestrator  # noqa: E402
+from benchmarks.bench_cluster import load_cluster_module  # noqa: E402
+from orchestrator.store import Store  # noqa: E402
+
+
+def plain_ssh(cluster, i: int) -> float:
+    start = time.monotonic()
+    subprocess.run(["ssh", "-F", str(cluster.ssh_config), cluster.hosts[i].alias, "true"],
+                   check=True, capture_output=True, timeout=60)
+    return time.monotonic() - start
+
+
+def job(cluster, n: int, workdir: Path) -> dict[str, float]:
+    spec = {
+        "name": "latency", "nodes": [{"host": f"root@{h.address}"} for h in cluster.hosts[:n]],
+        "ssh": {"identity_file": str(cluster.client_key),
+                "known_hosts": str(cluster.known_hosts), "connect_timeout": 10},
+        "python": sys.executable, "nproc_per_node": 1, "command": ["true"],
+        "workdir": str(workdir), "launch_timeout": 120,
+    }
+    path = workdir / f"latency-{n}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    start, wall = time.monotonic(), time.time()
+    job_id = orchestrator.submit(path)
+    result = orchestrator.wait(job_id, timeout=300)
+    total = time.monotonic() - start
+    if result["state"] != "SUCCEEDED":
+        raise SystemExit(f"{n} nodes: {result['state']}: {result['failure']}")
+    store = Store()
+    try:
+        record = store.get_job(job_id)
+    finally:
+        store.close()
+    attempt = record.attempts[0]
+    return {"total": total, "to_attempt": attempt.started_at - wall,
+            "attempt": (attempt.ended_at or attempt.started_at) - attempt.started_at,
+            "after": (record.ended_at or 0) - (attempt.ended_at or 0)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", default="1,16,64")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    args = parser.parse_args()
+    sizes = [int(x) for x in args.nodes.split(",")]
+    cl = load_cluster_module()
+    runs: dict[str, list[dict[str, float]]] = {str(n): [] for n in sizes}
+    ssh_runs: list[float] = []
+    with tempfile.TemporaryDirectory() as tmp, cl.Cluster(max(sizes), Path(tmp) / "c") as c:
+        os.environ["ORCHESTRATOR_HOME"] = str(Path(tmp) / "home")  # not the user's jobs
+        work = Path(tmp) / "work"
+        work.mkdir()
+        for _ in range(args.reps):
+            ssh_runs.append(plain_ssh(c, 0))
+            for n in sizes:
+                runs[str(n)].append(job(c, n, work))
+                print(f"{n} nodes: {runs[str(n)][-1]['total']:.2f} s", file=sys.stderr)
+    ssh = statistics.median(ssh_runs)
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
+    one = med[str(sizes[0])]["total"]
+    lines = ["# Control-plane latency on the namespace cluster (medians of "
+             f"{args.reps} runs)", "",
+             f"`sudo python benchmarks/bench_latency.py --nodes {args.nodes} --reps "
+             f"{args.reps}`: a trivial job (`true`, one worker per node) over SSH, submit to "
+             "done through `orchestrator.wait`. Machine: 2 cores, noisy.", "",
+             f"plain `ssh node true`: {ssh:.2f} s", "",
+             "| nodes | submit to done (s) | vs ssh | vs 1 node | submit to attempt start | "
+             "attempt | attempt end to job end |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for n in sizes:
+        m = med[str(n)]
+        lines.append(f"| {n} | {m['total']:.2f} | {m['total'] / ssh:.1f}x | "
+                     f"{m['total'] / one:.2f}x | {m['to_attempt']:.2f} | {m['attempt']:.2f} | "
+                     f"{m['after']:.2f} |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "latency.md").write_text("\n".join(lines) + "\n")
+    (args.out / "latency.json").write_text(json.dumps(
+        {"ssh": ssh_runs, "runs": runs, "medians": med}, indent=2))
+    print("\n".join(lines))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return 0
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(sizes, [med[str(n)]["total"] for n in sizes], "o-",
+            label="orchestrator, submit to done")
+    ax.axhline(ssh, color="grey", linestyle="--", label="plain ssh node true")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("SSH nodes")
+    ax.set_ylabel("seconds")
+    ax.set_title("Trivial job latency (namespace cluster, 2 cores)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(args.out / "latency.png", dpi=100)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
