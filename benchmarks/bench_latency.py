@@ -44,6 +44,18 @@ def plain_ssh(cluster, i: int) -> float:
     return time.monotonic() - start
 
 
+def parallel_ssh(cluster, n: int, command: str) -> float:
+    """The floor for N nodes on this machine: N logins at once, each running ``command``."""
+    start = time.monotonic()
+    procs = [subprocess.Popen(["ssh", "-F", str(cluster.ssh_config), h.alias, command],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for h in cluster.hosts[:n]]
+    for p in procs:
+        if p.wait(timeout=120) != 0:
+            raise SystemExit(f"ssh {command!r} failed")
+    return time.monotonic() - start
+
+
 def job(cluster, n: int, workdir: Path) -> dict[str, float]:
     spec = {
         "name": "latency", "nodes": [{"host": f"root@{h.address}"} for h in cluster.hosts[:n]],
@@ -80,7 +92,10 @@ def main() -> int:
     sizes = [int(x) for x in args.nodes.split(",")]
     cl = load_cluster_module()
     runs: dict[str, list[dict[str, float]]] = {str(n): [] for n in sizes}
+    floors: dict[str, list[dict[str, float]]] = {str(n): [] for n in sizes}
     ssh_runs: list[float] = []
+    # Two Pythons start on each node (the relay, then the agent): the floor runs one.
+    python_start = f"{sys.executable} -c 'import json, socket, threading, subprocess'"
     with tempfile.TemporaryDirectory() as tmp, cl.Cluster(max(sizes), Path(tmp) / "c") as c:
         os.environ["ORCHESTRATOR_HOME"] = str(Path(tmp) / "home")  # not the user's jobs
         work = Path(tmp) / "work"
@@ -88,10 +103,14 @@ def main() -> int:
         for _ in range(args.reps):
             ssh_runs.append(plain_ssh(c, 0))
             for n in sizes:
+                floors[str(n)].append({"ssh": parallel_ssh(c, n, "true"),
+                                       "ssh_python": parallel_ssh(c, n, python_start)})
                 runs[str(n)].append(job(c, n, work))
                 print(f"{n} nodes: {runs[str(n)][-1]['total']:.2f} s", file=sys.stderr)
     ssh = statistics.median(ssh_runs)
     med = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for n, rs in runs.items()}
+    floor = {n: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+             for n, rs in floors.items()}
     one = med[str(sizes[0])]["total"]
     lines = ["# Control-plane latency on the namespace cluster (medians of "
              f"{args.reps} runs)", "",
@@ -100,16 +119,18 @@ def main() -> int:
              "done through `orchestrator.wait`. Machine: 2 cores, noisy.", "",
              f"plain `ssh node true`: {ssh:.2f} s", "",
              "| nodes | submit to done (s) | vs ssh | vs 1 node | submit to attempt start | "
-             "attempt | attempt end to job end |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "attempt | attempt end to job end | floor: N parallel `ssh true` | "
+             "N parallel `ssh python` |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for n in sizes:
-        m = med[str(n)]
+        m, f = med[str(n)], floor[str(n)]
         lines.append(f"| {n} | {m['total']:.2f} | {m['total'] / ssh:.1f}x | "
                      f"{m['total'] / one:.2f}x | {m['to_attempt']:.2f} | {m['attempt']:.2f} | "
-                     f"{m['after']:.2f} |")
+                     f"{m['after']:.2f} | {f['ssh']:.2f} | {f['ssh_python']:.2f} |")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "latency.md").write_text("\n".join(lines) + "\n")
     (args.out / "latency.json").write_text(json.dumps(
-        {"ssh": ssh_runs, "runs": runs, "medians": med}, indent=2))
+        {"ssh": ssh_runs, "runs": runs, "medians": med, "floors": floors}, indent=2))
     print("\n".join(lines))
     try:
         import matplotlib
@@ -122,7 +143,9 @@ def main() -> int:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(sizes, [med[str(n)]["total"] for n in sizes], "o-",
             label="orchestrator, submit to done")
-    ax.axhline(ssh, color="grey", linestyle="--", label="plain ssh node true")
+    ax.plot(sizes, [floor[str(n)]["ssh_python"] for n in sizes], "s--",
+            label="floor: N parallel ssh + python start")
+    ax.axhline(ssh, color="grey", linestyle=":", label="one plain ssh node true")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("SSH nodes")
     ax.set_ylabel("seconds")
