@@ -322,7 +322,6 @@ class Attempt:
     def participants(self) -> list[int]:
         return self._participants
 
-
     # --- the agents' messages ---------------------------------------------------------------
     def handle(self, node_index: int, message: dict[str, Any]) -> None:
         kind = message.get("type")

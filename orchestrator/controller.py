@@ -624,6 +624,7 @@ class Controller:
     def _on_message(self, node: Node, generation: int, message: dict[str, Any]) -> None:
         if node.channel is None or node.channel.generation != generation:
             return  # a channel we already left
+        node.channel.handled += 1
         problem = P.check(message)
         if problem is not None:
             self._reject(node, problem)
@@ -978,7 +979,10 @@ class Controller:
                       health.heartbeat_interval * 1.5)
         for node in self.nodes:
             quiet = now - node.last_heard
-            if node.channel is not None and node.state in LIVE and quiet > silence:
+            channel = node.channel
+            if channel is not None and channel.queued > channel.handled:
+                continue  # its messages wait for us: not silent, we are behind
+            if channel is not None and node.state in LIVE and quiet > silence:
                 self._unreachable(node, f"no message for {quiet:.1f}s")
             if node.state == NodeState.UNREACHABLE and quiet > health.node_timeout:
                 self._lose(node, f"{node.host}: no heartbeat for {health.node_timeout:g}s "

@@ -54,6 +54,11 @@ class Channel:
     hello: dict[str, Any]
     launched: bool
     mailbox: P.Mailbox
+    # Messages its reader queued for the main thread, and how many of them the main thread
+    # handled (one writer each): a node whose messages wait in the queue is not silent, the
+    # controller is behind.
+    queued: int = 0
+    handled: int = 0
 
     def ask(self, op: str, timeout: float | None, **fields: Any) -> dict[str, Any] | None:
         """Send a request on this channel and wait for its reply (None: no reply within
@@ -251,7 +256,10 @@ class NodePool:
                 events.put(("closed", node.index, gen))
                 return
             node.last_heard = time.monotonic()
+            if message.get("type") == P.HEARTBEAT and "seq" not in message:
+                continue  # its only news is last_heard: the main thread need not see it
             if not mailbox.deliver(message):
+                channel.queued += 1
                 events.put(("message", node.index, gen, message))
 
     # --- talking -------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from orchestrator.errors import (
     LaunchError,
     OrchestratorError,
 )
+from orchestrator.nodepool import CONNECT_FANOUT
 from orchestrator.plan import node_address
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.transport import default_connect
@@ -139,7 +140,7 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
             report.error = f"nproc_per_node: gpu, but {node.host} has no GPU"
         sessions[i] = session
 
-    with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes))) as pool:
+    with ThreadPoolExecutor(max_workers=min(CONNECT_FANOUT, len(spec.nodes))) as pool:
         list(pool.map(open_one, range(len(spec.nodes))))
 
     master = spec.nodes[0]
@@ -180,7 +181,7 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
                 reports[i].error = (f"cannot reach {master_addr} on port(s) {shown}: "
                                     f"{answer.get('error')}")
 
-        with ThreadPoolExecutor(max_workers=min(32, len(spec.nodes))) as pool:
+        with ThreadPoolExecutor(max_workers=min(CONNECT_FANOUT, len(spec.nodes))) as pool:
             list(pool.map(probe, sorted(sessions)))
         outside = _reachable_from_here(spec, master_addr, master_port)
     finally:
@@ -255,7 +256,7 @@ def quick_check(spec: JobSpec) -> None:
                         "(add it, or set ssh.host_key_policy: accept-new)")
         return None
 
-    with ThreadPoolExecutor(max_workers=min(32, len(remote))) as pool:
+    with ThreadPoolExecutor(max_workers=min(CONNECT_FANOUT, len(remote))) as pool:
         problems = [p for p in pool.map(one, remote) if p]
     if problems:
         raise LaunchError(problems[0] + (f" (and {len(problems) - 1} more)"
