@@ -480,7 +480,7 @@ def _print_status(data: dict[str, Any]) -> None:
 
 @app.command()
 def ui(
-    port: int = typer.Option(8265, "--port", help="Port to serve on."),
+    port: int = typer.Option(8265, "--port", min=0, max=65535, help="Port to serve on."),
     host: str = typer.Option("127.0.0.1", "--host",
                              help="Address to bind. Off loopback, a token is required."),
 ) -> None:

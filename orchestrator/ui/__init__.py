@@ -188,10 +188,20 @@ def serve(host: str = "127.0.0.1", port: int = 8265, *,
     loopback = is_loopback(host)
     token = None if loopback else (os.environ.get(TOKEN_VAR) or secrets.token_urlsafe(24))
     app = create_app(home, token=token, loopback=loopback)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
-    server = uvicorn.Server(config)
     import socket
 
+    # Bound here, before anything is announced: a port in use is one clear error (OSError).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
     shown = socket.gethostname() if host in ("0.0.0.0", "::") else (
         f"[{host}]" if ":" in host else host)
     if token is None:
@@ -200,4 +210,4 @@ def serve(host: str = "127.0.0.1", port: int = 8265, *,
         announce(f"dashboard: http://{shown}:{port}/?token={token}\n"
                  f"metrics:   http://{shown}:{port}/metrics  (Authorization: Bearer {token})\n"
                  "anyone with this token can read every job's logs: share it as a secret")
-    server.run()
+    server.run(sockets=[sock])
