@@ -280,10 +280,8 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
     try:
         job = store.get_job(check_job_id(job_id))
 
-        def combined(n: int) -> Path:  # attempt 0: the setup phase
-            if n == 0:
-                return store.job_dir(job_id) / "logs" / "setup" / "combined.log"
-            return store.log_dir(job_id, n) / "combined.log"
+        def combined(n: int) -> Path:
+            return _combined_log(store, job_id, n)
 
         first = attempt if attempt is not None else (0 if rank is None else 1)
         last = attempt if attempt is not None else max(job.attempt, first)
@@ -328,8 +326,7 @@ def log_tail(job_id: str, *, rank: int | None = None, attempt: int | None = None
     try:
         job = store.get_job(check_job_id(job_id))
         number = job.attempt if attempt is None else attempt
-        path = (store.job_dir(job_id) / "logs" / "setup" / "combined.log" if number == 0
-                else store.log_dir(job_id, number) / "combined.log")
+        path = _combined_log(store, job_id, number)
         keep = _line_filter(job, rank, None)
     finally:
         store.close()
@@ -350,6 +347,13 @@ def log_tail(job_id: str, *, rank: int | None = None, attempt: int | None = None
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+def _combined_log(store: Store, job_id: str, attempt: int) -> Path:
+    """An attempt's combined log; attempt 0 is the setup phase."""
+    if attempt == 0:
+        return store.job_dir(job_id) / "logs" / "setup" / "combined.log"
+    return store.log_dir(job_id, attempt) / "combined.log"
+
 
 def _controller_view(job: JobRecord) -> dict[str, Any]:
     """The job's controller as this machine sees it. ``alive`` is None when it runs on

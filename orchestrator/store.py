@@ -431,10 +431,15 @@ class Store:
                      fields_by_rank: dict[int, dict[str, Any]]) -> None:
         """Several ranks of one attempt in one transaction (``metrics`` as a dict)."""
         with self._transaction() as db:
-            for rank, fields in fields_by_rank.items():
-                fields = dict(fields)
-                if "metrics" in fields:
-                    fields["metrics_json"] = json.dumps(fields.pop("metrics"))
+            self._update_ranks(db, job_id, attempt, fields_by_rank)
+
+    def _update_ranks(self, db: sqlite3.Connection, job_id: str, attempt: int,
+                      fields_by_rank: dict[int, dict[str, Any]]) -> None:
+        for rank, fields in fields_by_rank.items():
+            fields = dict(fields)
+            if "metrics" in fields:
+                fields["metrics_json"] = json.dumps(fields.pop("metrics"))
+            if fields:
                 self._update(db, "ranks", fields, job_id=job_id, attempt=attempt, rank=rank)
 
     def record_progress(self, job_id: str, attempt: int,
@@ -444,12 +449,7 @@ class Store:
         """Ranks' latest steps and metrics, new samples for the history as (rank, step, at,
         metrics), and the attempt's stragglers when they changed: one transaction."""
         with self._transaction() as db:
-            for rank, fields in fields_by_rank.items():
-                fields = dict(fields)
-                if "metrics" in fields:
-                    fields["metrics_json"] = json.dumps(fields.pop("metrics"))
-                if fields:
-                    self._update(db, "ranks", fields, job_id=job_id, attempt=attempt, rank=rank)
+            self._update_ranks(db, job_id, attempt, fields_by_rank)
             db.executemany(
                 "INSERT INTO samples (job_id, attempt, rank, step, at, metrics_json)"
                 " VALUES (?, ?, ?, ?, ?, ?)",

@@ -10,6 +10,7 @@ and never knows whether a node is a local subprocess or an SSH session; tests pa
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -157,3 +158,20 @@ def agent_payload() -> bytes:
         source = path.read_bytes()
         out += b"%d\n" % len(source) + source
     return out
+
+
+def end_relay_process(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Close a relay child's stdin (EOF: the relay exits; the agent, a daemon, lives on),
+    wait up to ``timeout``, kill it if it lingers, and close its stdout."""
+    if proc.stdin:
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    if proc.stdout:
+        proc.stdout.close()

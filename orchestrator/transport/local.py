@@ -6,7 +6,13 @@ import subprocess
 import sys
 
 from orchestrator.errors import AgentError
-from orchestrator.transport.base import BOOTSTRAP, JsonLines, LineConnection, agent_payload
+from orchestrator.transport.base import (
+    BOOTSTRAP,
+    JsonLines,
+    LineConnection,
+    agent_payload,
+    end_relay_process,
+)
 
 
 class LocalConnection(LineConnection):
@@ -37,15 +43,4 @@ class LocalConnection(LineConnection):
         self._proc = None
         if proc is None:
             return
-        if proc.stdin:
-            try:
-                proc.stdin.close()  # EOF: the relay exits; the agent lives on
-            except OSError:
-                pass
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
+        end_relay_process(proc, timeout=5)

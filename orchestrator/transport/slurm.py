@@ -21,7 +21,13 @@ from collections import deque
 from orchestrator.errors import AgentError
 from orchestrator.slurm import slurm_env
 from orchestrator.spec import JobSpec, NodeSpec
-from orchestrator.transport.base import BOOTSTRAP, JsonLines, LineConnection, agent_payload
+from orchestrator.transport.base import (
+    BOOTSTRAP,
+    JsonLines,
+    LineConnection,
+    agent_payload,
+    end_relay_process,
+)
 
 
 def srun_argv(job_id: str, node: str, python: str) -> list[str]:
@@ -67,18 +73,7 @@ class SlurmConnection(LineConnection):
         self._proc = None
         if proc is None:
             return
-        if proc.stdin:
-            try:
-                proc.stdin.close()  # EOF: the relay exits and the step ends; the agent lives on
-            except OSError:
-                pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout:
-            proc.stdout.close()
+        end_relay_process(proc, timeout=10)
 
 
 class SlurmConnector:
