@@ -55,6 +55,12 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _rusage() -> dict[str, float]:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user_s": r.ru_utime, "sys_s": r.ru_stime,
+            "context_switches": float(r.ru_nvcsw + r.ru_nivcsw)}
+
+
 def _vm_hwm_mib() -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -172,6 +178,9 @@ def simulate(nodes: int, *, nproc: int = 1, lines_per_s: float = 2.0,
         "total_s": span("t0", "end")["s"],
         "total_cores": span("t0", "end")["cores"],
         "fake_cpu_s": cluster.cpu_s,
+        # Where the CPU goes (the whole process, fakes included): kernel time and context
+        # switches are what a thread per channel costs.
+        **_rusage(),
         "peak_rss_mib": _vm_hwm_mib(),
         "threads_max": max(threads),
     })
@@ -220,6 +229,9 @@ KEYS = [("launch_s", "launch: submit to all workers started (s)", "{:.2f}"),
         ("total_cores", "controller CPU, whole job (cores)", "{:.2f}"),
         ("peak_rss_mib", "peak RSS, process incl. fakes (MiB)", "{:.0f}"),
         ("threads_max", "threads (max)", "{:.0f}"),
+        ("user_s", "process CPU, user (s, fakes included)", "{:.1f}"),
+        ("sys_s", "process CPU, kernel (s, fakes included)", "{:.1f}"),
+        ("context_switches", "context switches (process)", "{:.0f}"),
         ("lines", "output lines, each checked in its log", "{:.0f}")]
 
 

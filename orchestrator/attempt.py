@@ -13,6 +13,7 @@ import os
 import shutil
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,7 +73,8 @@ class CappedLog:
     oldest of which is dropped, and counted, when a third one starts. ``close`` puts the
     tail back after a marker that says how much was cut. ``cap`` None: no cap."""
 
-    def __init__(self, path: Path, cap: int | None, state: dict[str, Any] | None = None):
+    def __init__(self, path: Path, cap: int | None, state: dict[str, Any] | None = None,
+                 buffering: int = -1):
         self.path = path
         self.cap = cap
         state = state or {}
@@ -89,8 +91,13 @@ class CappedLog:
             for stray in path.parent.glob(f"{path.stem}.tail*.log"):  # begun after a checkpoint
                 if stray.name not in {self._segment(k).name for k in self.segments}:
                     stray.unlink()
-        self.main = open(path, "ab")  # noqa: SIM115 (kept open while the attempt runs)
+        self.main = open(path, "ab", buffering)  # noqa: SIM115 (open while the attempt runs)
         self.current = open(self._segment(self.segments[-1]), "ab") if self.segments else None  # noqa: SIM115
+        # Sizes counted here, not asked of the files: tell() is a system call, which lets
+        # go of the GIL, and with thousands of busy threads the controller's main thread
+        # waits to get it back after each (a convoy: once per line was most of its time).
+        self.main_size = self.main.tell()
+        self.current_size = self.current.tell() if self.current is not None else 0
 
     def _segment(self, k: int) -> Path:
         return self.path.with_name(f"{self.path.stem}.tail{k}.log")
@@ -100,26 +107,30 @@ class CappedLog:
         the file fills up."""
         if self.cap is None:
             self.main.write(data)
+            self.main_size += len(data)
             return
         while data:
             if self.current is None:  # still in the head
-                room = self.cap // 2 - self.main.tell()
+                room = self.cap // 2 - self.main_size
                 if len(data) <= room:
                     self.main.write(data)
+                    self.main_size += len(data)
                     return
                 cut = data.rfind(b"\n", 0, max(0, room)) + 1
                 self.main.write(data[:cut])
+                self.main_size += cut
                 data = data[cut:]
                 self._next_segment()
                 continue
-            room = self.cap // 4 - self.current.tell()
+            room = self.cap // 4 - self.current_size
             cut = len(data) if len(data) <= room else data.rfind(b"\n", 0, max(0, room)) + 1
             if cut == 0:
-                if self.current.tell() > 0:
+                if self.current_size > 0:
                     self._next_segment()
                     continue
                 cut = data.find(b"\n") + 1 or len(data)  # one line longer than a segment
             self.current.write(data[:cut])
+            self.current_size += cut
             self.segment_lines[self.segments[-1]] += data.count(b"\n", 0, cut)
             data = data[cut:]
             if data:
@@ -132,6 +143,7 @@ class CappedLog:
         self.segments.append(k)
         self.segment_lines[k] = 0
         self.current = open(self._segment(k), "ab")  # noqa: SIM115
+        self.current_size = self.current.tell()
         while len(self.segments) > 2:
             old = self.segments.pop(0)
             path = self._segment(old)
@@ -146,11 +158,11 @@ class CappedLog:
             path.unlink(missing_ok=True)
         self._deletable = []
         out = {}
-        for f, name in ((self.main, self.path.name), (self.current, None)):
+        for f, name, size in ((self.main, self.path.name, self.main_size),
+                              (self.current, None, self.current_size)):
             if f is None:
                 continue
             f.flush()
-            size = f.tell()
             if size != self._synced.get(id(f)):
                 os.fsync(f.fileno())
                 self._synced[id(f)] = size
@@ -184,6 +196,18 @@ class CappedLog:
         if note:
             self.main.write(note.encode())
         self.main.close()
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _sync_pool() -> ThreadPoolExecutor:
+    """Threads that flush and fsync log files at a checkpoint (made at first use, so never
+    before the supervisor forks the controller)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="log-sync")
+    return _pool
 
 
 class LogSink:
@@ -225,8 +249,12 @@ class LogSink:
     def _file(self, name: str) -> CappedLog:
         f = self._files.get(name)
         if f is None:
-            cap = self.combined_cap if name == "combined.log" else self.cap
-            f = self._files[name] = CappedLog(self.directory / name, cap, self._states.get(name))
+            combined = name == "combined.log"
+            # combined.log takes every line: a large buffer, fewer writes (see sizes()).
+            f = self._files[name] = CappedLog(self.directory / name,
+                                              self.combined_cap if combined else self.cap,
+                                              self._states.get(name),
+                                              buffering=1 << 20 if combined else -1)
         return f
 
     def _low_on_space(self) -> bool:
@@ -258,9 +286,18 @@ class LogSink:
 
     def flush(self) -> dict[str, int]:
         sizes = dict(self._restored)
-        for name, f in self._files.items():
-            if name in self._dirty or f._dropped or f._deletable or name not in self._sizes:
+        due = [(name, f) for name, f in self._files.items()
+               if name in self._dirty or f._dropped or f._deletable or name not in self._sizes]
+        if len(due) > 8:
+            # fsync lets go of the GIL and, with thousands of busy threads, waits to get it
+            # back: a few threads waiting at once instead of the main thread once per file.
+            for (name, _), got in zip(due, _sync_pool().map(CappedLog.sizes, (f for _, f in due)),
+                                      strict=True):
+                self._sizes[name] = got
+        else:
+            for name, f in due:
                 self._sizes[name] = f.sizes()
+        for name in self._files:
             sizes.update(self._sizes[name])
         return sizes
 

@@ -65,6 +65,9 @@ log = logging.getLogger("orchestrator.controller")
 POLL = 0.05  # seconds the loop waits for an event before its checks
 PUMP_BUDGET = 0.05  # seconds of messages handled between two checks of cancel and health
 CHECKPOINT_EVERY = 0.05  # seconds between checkpoints while messages arrive
+# How often every node is looked at for silence: a scan of thousands of nodes costs
+# milliseconds, not to be paid on every turn of the loop (20 a second).
+SCAN_EVERY = 0.2
 STOP_MARGIN = 10.0  # beyond the grace period, how long stopping may take before a node is LOST
 SHUTDOWN_WAIT = 10.0  # seconds agents get to stop their workers and exit at the end
 LIVE = (NodeState.CONNECTED, NodeState.RUNNING, NodeState.STOPPED)
@@ -120,6 +123,7 @@ class Controller:
         self._next_cancel_check = 0.0
         self._deadline: float | None = None  # wall clock: max_duration after the start
         self._last_checkpoint = 0.0
+        self._scanned_at = 0.0  # the last look at every node for silence (_check_health)
         self._lingering = False
         self._manifest: sync.Manifest | None = None  # built once, by the first node's sync
         self._manifest_lock = threading.Lock()
@@ -491,10 +495,21 @@ class Controller:
         for node in live:
             self.pool.send(node, {"op": P.STOP, "attempt": attempt.number, "grace": grace})
         deadline = time.monotonic() + grace + STOP_MARGIN
-        while time.monotonic() < deadline:
-            if all(n.index in attempt.stopped_nodes or n.state not in
-                   (NodeState.RUNNING, NodeState.UNREACHABLE) for n in live):
+        # At the deadline, what each node had sent by then (and waits in our queue when the
+        # controller is behind) is still read: its `stopped` may be among it.
+        sent_by_deadline: dict[int, tuple[Channel, int]] | None = None
+        waiting = live
+        while True:
+            waiting = [n for n in waiting if n.index not in attempt.stopped_nodes
+                       and n.state in (NodeState.RUNNING, NodeState.UNREACHABLE)]
+            if not waiting:
                 break
+            if time.monotonic() >= deadline:
+                if sent_by_deadline is None:
+                    sent_by_deadline = {n.index: (n.channel, n.channel.queued)
+                                        for n in waiting if n.channel is not None}
+                if not any(self._still_reading(n, sent_by_deadline) for n in waiting):
+                    break
             self._pump(POLL)
             self._check_health()
             self._checkpoint()
@@ -504,6 +519,13 @@ class Controller:
                     self._set_node(node, NodeState.STOPPED)
                 else:
                     self._lose(node, f"{node.host}: workers did not stop in time")
+
+    @staticmethod
+    def _still_reading(node: Node, marks: dict[int, tuple[Channel, int]]) -> bool:
+        """Whether messages the node sent before a mark (its channel, how many its reader had
+        queued) wait in our queue still."""
+        channel, queued = marks.get(node.index, (None, 0))
+        return channel is not None and node.channel is channel and channel.handled < queued
 
     def _end_attempt(self, result: AttemptResult) -> None:
         attempt = self.current
@@ -973,21 +995,10 @@ class Controller:
 
     def _check_health(self) -> None:
         now = time.monotonic()
-        health = self.spec.health
-        # Silence first makes a node UNREACHABLE (and we reconnect); node_timeout makes it LOST.
-        silence = max(min(health.node_timeout / 2, 3 * health.heartbeat_interval),
-                      health.heartbeat_interval * 1.5)
-        for node in self.nodes:
-            quiet = now - node.last_heard
-            channel = node.channel
-            if channel is not None and channel.queued > channel.handled:
-                continue  # its messages wait for us: not silent, we are behind
-            if channel is not None and node.state in LIVE and quiet > silence:
-                self._unreachable(node, f"no message for {quiet:.1f}s")
-            if node.state == NodeState.UNREACHABLE and quiet > health.node_timeout:
-                self._lose(node, f"{node.host}: no heartbeat for {health.node_timeout:g}s "
-                                 "(health.node_timeout)")
-        hang = health.hang_timeout
+        if now - self._scanned_at >= SCAN_EVERY:
+            self._scanned_at = now
+            self._check_silence(now)
+        hang = self.spec.health.hang_timeout
         attempt = self.current
         if (hang and attempt is not None and self.state == JobState.RUNNING
                 and attempt.failure is None and now - attempt.last_activity > hang):
@@ -1002,6 +1013,22 @@ class Controller:
                 f"(health.hang_timeout)" + (f": {diagnosis}" if diagnosis else ""),
                 stacks=texts, diagnosis=diagnosis,
                 flight_recorder=self._fetch_traces(attempt.number, traces)))
+
+    def _check_silence(self, now: float) -> None:
+        health = self.spec.health
+        # Silence first makes a node UNREACHABLE (and we reconnect); node_timeout makes it LOST.
+        silence = max(min(health.node_timeout / 2, 3 * health.heartbeat_interval),
+                      health.heartbeat_interval * 1.5)
+        for node in self.nodes:
+            quiet = now - node.last_heard
+            channel = node.channel
+            if channel is not None and channel.queued > channel.handled:
+                continue  # its messages wait for us: not silent, we are behind
+            if channel is not None and node.state in LIVE and quiet > silence:
+                self._unreachable(node, f"no message for {quiet:.1f}s")
+            if node.state == NodeState.UNREACHABLE and quiet > health.node_timeout:
+                self._lose(node, f"{node.host}: no heartbeat for {health.node_timeout:g}s "
+                                 "(health.node_timeout)")
 
     def _fetch_traces(self, number: int, traces: dict[str, tuple[Node, str]],
                       budget: float = 20.0, max_bytes: int = 256 * 1024 * 1024,

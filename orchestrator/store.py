@@ -19,12 +19,13 @@ the checkpoint and has the agents replay the rest: every line exactly once.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import sqlite3
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,23 @@ CREATE TABLE IF NOT EXISTS samples (
 CREATE INDEX IF NOT EXISTS samples_by_job ON samples (job_id, attempt, rank);
 """
 # Columns added since the first release, for databases created before them.
+
+
+def _can_batch() -> bool:
+    """Whether this SQLite has UPDATE ... FROM (3.33), MATERIALIZED (3.35) and the JSON
+    functions, with which many rows go in one statement (Store._update_rows)."""
+    if sqlite3.sqlite_version_info < (3, 35, 0):
+        return False
+    try:
+        with closing(sqlite3.connect(":memory:")) as db:
+            db.execute("SELECT value FROM json_each('[1]')").fetchall()
+    except sqlite3.Error:
+        return False
+    return True
+
+
+_BATCH = _can_batch()
+
 _ADDED_COLUMNS = {
     "jobs": {"secret": "TEXT", "controller_host": "TEXT", "controller_since": "REAL",
              "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
@@ -358,22 +376,44 @@ class Store:
         if not changes:
             return
         with self._transaction() as db:
+            states = self._node_states(db, job_id)
+            rows: dict[int, dict[str, Any]] = {}
+            events: list[list[Any]] = []
+            now = time.time()
             for node_index, state, message, given in changes:
+                if node_index not in states:
+                    raise JobNotFoundError(job_id)
                 fields = dict(given)
                 if "info" in fields:
                     fields["info_json"] = json.dumps(fields.pop("info"))
-                row = db.execute("SELECT state FROM nodes WHERE job_id = ? AND node_index = ?",
-                                 (job_id, node_index)).fetchone()
-                if row is None:
-                    raise JobNotFoundError(job_id)
-                current = NodeState(row["state"])
+                current = states[node_index]
                 check_node_transition(current, state)
-                self._update(db, "nodes", {"state": state.value, **fields}, job_id=job_id,
-                             node_index=node_index)
+                states[node_index] = state
+                merged = rows.setdefault(node_index, {})
+                merged.pop("state", None)  # the state goes last: columns keep one order
+                merged.update(fields, state=state.value)
                 if current != state:
-                    db.execute("INSERT INTO node_events (job_id, node_index, at, state, "
-                               "message) VALUES (?, ?, ?, ?, ?)",
-                               (job_id, node_index, time.time(), state.value, message))
+                    events.append([node_index, now, state.value, message])
+            self._update_rows(db, "nodes", "node_index", rows, job_id=job_id)
+            if events and not _BATCH:
+                db.executemany("INSERT INTO node_events (job_id, node_index, at, state, message)"
+                               " VALUES (?, ?, ?, ?, ?)", [(job_id, *e) for e in events])
+            elif events:
+                db.execute("INSERT INTO node_events (job_id, node_index, at, state, message) "
+                           "SELECT ?, json_extract(value, '$[0]'), json_extract(value, '$[1]'), "
+                           "json_extract(value, '$[2]'), json_extract(value, '$[3]') "
+                           "FROM json_each(?)", (job_id, json.dumps(events)))
+
+    @staticmethod
+    def _node_states(db: sqlite3.Connection, job_id: str) -> dict[int, NodeState]:
+        if _BATCH:  # one row back, not one per node (see _update_rows for why that matters)
+            row = db.execute("SELECT json_group_object(node_index, state) AS states FROM nodes "
+                             "WHERE job_id = ?", (job_id,)).fetchone()
+            pairs = json.loads(row["states"]).items()
+        else:
+            pairs = db.execute("SELECT node_index, state FROM nodes WHERE job_id = ?",
+                               (job_id,)).fetchall()
+        return {int(k): NodeState(v) for k, v in pairs}
 
     def set_slurm(self, job_id: str, allocation: dict[str, Any],
                   hosts: list[str] | None = None) -> None:
@@ -393,10 +433,10 @@ class Store:
                  ranks: dict[int, float]) -> None:
         """When each node was last heard and each rank last printed (wall clock)."""
         with self._transaction() as db:
-            db.executemany("UPDATE nodes SET heard_at = ? WHERE job_id = ? AND node_index = ?",
-                           [(t, job_id, i) for i, t in nodes.items()])
-            db.executemany("UPDATE ranks SET output_at = ? WHERE job_id = ? AND attempt = ? "
-                           "AND rank = ?", [(t, job_id, attempt, r) for r, t in ranks.items()])
+            self._update_rows(db, "nodes", "node_index",
+                              {i: {"heard_at": t} for i, t in nodes.items()}, job_id=job_id)
+            self._update_rows(db, "ranks", "rank", {r: {"output_at": t} for r, t in ranks.items()},
+                              job_id=job_id, attempt=attempt)
 
     def checkpoint(self, job_id: str, attempt: int, state: dict[str, Any],
                    acked: dict[int, int]) -> None:
@@ -405,8 +445,8 @@ class Store:
         with self._transaction() as db:
             self._update(db, "attempts", {"checkpoint_json": json.dumps(state)},
                          job_id=job_id, attempt=attempt)
-            db.executemany("UPDATE nodes SET acked_seq = ? WHERE job_id = ? AND node_index = ?",
-                           [(seq, job_id, i) for i, seq in acked.items()])
+            self._update_rows(db, "nodes", "node_index",
+                              {i: {"acked_seq": seq} for i, seq in acked.items()}, job_id=job_id)
 
     def start_attempt(self, job_id: str, attempt: int, master_addr: str, master_port: int,
                       world_size: int, ranks: list[tuple[int, int, int]]) -> None:
@@ -435,12 +475,13 @@ class Store:
 
     def _update_ranks(self, db: sqlite3.Connection, job_id: str, attempt: int,
                       fields_by_rank: dict[int, dict[str, Any]]) -> None:
+        rows = {}
         for rank, fields in fields_by_rank.items():
             fields = dict(fields)
             if "metrics" in fields:
                 fields["metrics_json"] = json.dumps(fields.pop("metrics"))
-            if fields:
-                self._update(db, "ranks", fields, job_id=job_id, attempt=attempt, rank=rank)
+            rows[rank] = fields
+        self._update_rows(db, "ranks", "rank", rows, job_id=job_id, attempt=attempt)
 
     def record_progress(self, job_id: str, attempt: int,
                         fields_by_rank: dict[int, dict[str, Any]],
@@ -480,6 +521,37 @@ class Store:
                  "failure_json": json.dumps(failure) if failure else None},
                 job_id=job_id, attempt=attempt,
             )
+
+    @staticmethod
+    def _update_rows(db: sqlite3.Connection, table: str, key: str,
+                     rows: dict[int, dict[str, Any]], **where: Any) -> None:
+        """UPDATE many rows of ``table`` (``key`` value -> fields, within ``where``): one
+        statement for all rows that set the same columns. Why: SQLite lets go of the GIL
+        for each row it steps through, and with thousands of busy threads (a channel each)
+        getting it back takes a while each time; one statement over a JSON array is one
+        step. Older SQLite (before 3.35): a statement per row."""
+        groups: dict[tuple[str, ...], list[list[Any]]] = {}
+        for k, fields in rows.items():
+            if fields:
+                groups.setdefault(tuple(fields), []).append([k, *fields.values()])
+        conds = " AND ".join(f"{table}.{c} = ?" for c in where)
+        for columns, values in groups.items():
+            finite = all(not isinstance(v, float) or math.isfinite(v)
+                         for row in values for v in row)
+            if not (_BATCH and finite):  # (JSON has no NaN)
+                for k, *vs in values:
+                    Store._update(db, table, dict(zip(columns, vs, strict=True)),
+                                  **where, **{key: k})
+                continue
+            # MATERIALIZED: the rows come from the array, each finding its row by the key;
+            # the other way round (every row of the table against the whole array) is
+            # quadratic, and the planner picks it for a plain json_each in the FROM.
+            cols = ", ".join(f"json_extract(value, '$[{i}]')" for i in range(len(columns) + 1))
+            sets = ", ".join(f"{c} = j.c{i}" for i, c in enumerate(columns))
+            db.execute(f"WITH j(k, {', '.join(f'c{i}' for i in range(len(columns)))}) AS "
+                       f"MATERIALIZED (SELECT {cols} FROM json_each(?)) "
+                       f"UPDATE {table} SET {sets} FROM j WHERE {conds} AND {table}.{key} = j.k",
+                       [json.dumps(values), *where.values()])
 
     @staticmethod
     def _update(db: sqlite3.Connection, table: str, fields: dict[str, Any], **where: Any) -> None:

@@ -3,7 +3,9 @@ real controller against thousands of simulated nodes (``benchmarks/bench_scale.p
 
 A :class:`FakeAgent` is a NodeConnection whose "agent" answers from a script, in the
 thread that sends to it; a :class:`FakeCluster` is a connection factory that keeps one
-agent per host and, on one driver thread for all of them, sends what real agents send
+agent per host, which outlives each connection to it (:class:`FakeLink`) and replays what
+was not acknowledged when one attaches again, and, on one driver thread for all of them,
+sends what real agents send
 unprompted: heartbeats every ``min(heartbeat_interval, 0.5)`` s (as ``agents/node_agent``
 does) and numbered output lines at a rate per rank. It can silence a node (a host that
 died: no message, no reply, no new connection) and end every running worker.
@@ -21,6 +23,7 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +39,7 @@ class FakeWorker:
     rank: int
     local_rank: int
     attempt: int
+    pid: int
     lines: int = 0  # output lines sent so far (numbered from 0)
 
 
@@ -49,11 +53,15 @@ class FakeAgent:
         self.log = log
         self.cluster = cluster
         self.inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        # Sequenced messages the controller has not acknowledged: replayed on the next attach,
+        # as a real agent replays its spool.
+        self.unacked: deque[dict[str, Any]] = deque()
         self.running: dict[int, FakeWorker] = {}  # rank -> worker of the current attempt
         self.attempt = 0
         self.seq = 0
         self.lock = threading.Lock()  # the driver thread and the controller's both send
         self.attached = False
+        self.launched = False  # a relay started this agent once (a later one finds it)
         self.dead = False  # a silenced node: says nothing, answers nothing
         self.instance = f"fake-{next(_pids)}"
         self.pid = next(_pids)
@@ -93,16 +101,28 @@ class FakeAgent:
         if message["type"] in P.SEQUENCED:
             self.seq += 1
             message["seq"] = self.seq
+            self.unacked.append(message)
         self.inbox.put(message)
 
     def _op_connect(self, message: dict[str, Any]) -> None:
-        self.inbox.put({"type": P.RELAY, "launched": True})
+        self.inbox.put({"type": P.RELAY, "launched": not self.launched})
+        self.launched = True
 
     def _op_attach(self, message: dict[str, Any]) -> None:
         self.attached = True
+        workers = [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid, "running": True}
+                   for w in self.running.values()]
         self.inbox.put({"type": P.HELLO, "attempt": self.attempt, "hostname": self.host,
-                        "protocol": self.protocol, "workers": [], "pid": self.pid,
-                        "instance": self.instance})
+                        "protocol": self.protocol, "workers": workers, "pid": self.pid,
+                        "instance": self.instance, "last_seq": self.seq})
+        ack = message.get("ack") or 0
+        for old in self.unacked:
+            if old["seq"] > ack:
+                self.inbox.put(old)
+
+    def _op_ack(self, message: dict[str, Any]) -> None:
+        while self.unacked and self.unacked[0]["seq"] <= message["seq"]:
+            self.unacked.popleft()
 
     def _op_free_port(self, message: dict[str, Any]) -> None:
         if self.drop_port:
@@ -118,14 +138,16 @@ class FakeAgent:
                         "pid": "1234; rm -rf /"})
             return
         workers = message["workers"]
+        pids = {w["rank"]: next(_pids) for w in workers}
         for w in workers:
             self._emit({"type": P.STARTED, "attempt": a, "rank": w["rank"],
-                        "local_rank": w["local_rank"], "pid": next(_pids)})
+                        "local_rank": w["local_rank"], "pid": pids[w["rank"]]})
         runs = self.cluster is not None and self.cluster.run
         for w in workers:
             outcome = self.exits.get(a, {}).get(w["rank"], None if runs else 0)
             if outcome is None:
-                self.running[w["rank"]] = FakeWorker(w["rank"], w["local_rank"], a)
+                self.running[w["rank"]] = FakeWorker(w["rank"], w["local_rank"], a,
+                                                     pids[w["rank"]])
                 continue
             code, sig = (outcome, None) if isinstance(outcome, int) else (None, outcome)
             self._emit({"type": P.OUTPUT, "attempt": a, "rank": w["rank"],
@@ -174,6 +196,38 @@ class FakeAgent:
         self.running = {}
 
 
+class FakeLink:
+    """One connection to a FakeCluster's agent, which outlives it as a real agent daemon
+    outlives its SSH session: the agent speaks on the link last opened; what it says while
+    none is attached is replayed from its unacknowledged messages on the next attach."""
+
+    def __init__(self, agent: FakeAgent):
+        self.agent = agent
+        self.host = agent.host
+        self.inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+
+    def open(self) -> None:
+        agent = self.agent
+        agent.open()
+        with agent.lock:
+            agent.inbox = self.inbox
+
+    def receive(self) -> dict[str, Any] | None:
+        return self.inbox.get()
+
+    def send(self, message: dict[str, Any]) -> None:
+        if self.agent.inbox is self.inbox:  # a link left behind says nothing more
+            self.agent.send(message)
+
+    def close(self) -> None:
+        agent = self.agent
+        with agent.lock:
+            if agent.inbox is self.inbox:
+                agent.attached = False
+                agent.inbox = queue.SimpleQueue()  # nobody listens: the spool keeps it
+        self.inbox.put(None)
+
+
 @dataclass(order=True)
 class _Due:
     at: float
@@ -210,21 +264,19 @@ class FakeCluster:
         self._thread = threading.Thread(target=self._drive, daemon=True, name="fake-cluster")
         self._thread.start()
 
-    def __call__(self, node: NodeSpec, spec: JobSpec) -> FakeAgent:
+    def __call__(self, node: NodeSpec, spec: JobSpec) -> FakeLink:
         with self._lock:
-            old = self.agents.get(node.host)
-            agent = FakeAgent(node.host, self.exits.get(node.host, {}), self.log, self)
-            if old is not None and old.dead:
-                agent.dead = True  # a dead host stays dead
-            self.agents[node.host] = agent
-            if old is None:  # one schedule per host, whichever agent answers there now
+            agent = self.agents.get(node.host)
+            if agent is None:  # one agent per host, for the whole job
+                agent = FakeAgent(node.host, self.exits.get(node.host, {}), self.log, self)
+                self.agents[node.host] = agent
                 # Heartbeats spread over the interval, as independent agents' are.
                 self._push(time.monotonic() + self._random.random() * self.beat_every,
                            "beat", node.host)
                 if self.lines_per_s > 0:
                     self._push(time.monotonic() + self._random.random() / self.lines_per_s,
                                "print", node.host)
-        return agent
+        return FakeLink(agent)
 
     def _push(self, at: float, kind: str, host: str) -> None:
         heapq.heappush(self._heap, _Due(at, next(self._order), kind, host))
