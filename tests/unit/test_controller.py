@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from orchestrator.controller import Controller
@@ -194,3 +196,35 @@ def test_node0_dropping_while_the_port_is_picked_costs_a_restart_not_the_job(tmp
     job = store.get_job("fake-000005")
     assert state == JobState.SUCCEEDED, job.failure
     assert job.restarts == 1 and job.attempt == 1  # no attempt was started on the lost port
+
+
+def test_a_stop_answered_before_the_deadline_counts_though_read_after_it(tmp_path, monkeypatch):
+    """A controller far behind its queue (thousands of nodes) must not call a node that
+    answered `stopped` in time LOST because it read the answer late: that drops the node's
+    channel and, with it, the lines still queued behind."""
+    from orchestrator import controller as controller_module
+
+    monkeypatch.setattr(controller_module, "STOP_MARGIN", 0.3)
+    original = Controller._pump
+    lagged: list[float] = []
+
+    def behind(self, timeout):
+        attempt = self.current
+        if attempt is not None and attempt.stopping and attempt.number == 1:
+            # Busy elsewhere until past the deadline: every `stopped` waits in the queue.
+            lagged.append(time.monotonic())
+            if lagged[-1] - lagged[0] < 0.8:
+                time.sleep(timeout)
+                return
+        original(self, timeout)
+
+    monkeypatch.setattr(Controller, "_pump", behind)
+    exits = {"b": {1: {2: 5, 3: None}}, "a": {1: {0: None, 1: None}}}
+    store, job_id, _ = run_job(tmp_path, SPEC.replace("command: [train]",
+                                                      "command: [train]\nstop_grace_period: 0.1"),
+                               exits)
+    job = store.get_job(job_id)
+    assert lagged, "the stop phase was never reached"
+    assert job.state == JobState.SUCCEEDED and job.attempt == 2, job.failure
+    lost = [e for n in job.nodes for e in n.history if e.state.value == "LOST"]
+    assert lost == []
