@@ -418,6 +418,8 @@ def relay_main() -> int:
         stdout.flush()
 
     first = P.decode(stdin.readline(P.MAX_MESSAGE))
+    if first and first.get("op") == P.HOLD:
+        return holder_main(str(first.get("job_id")), say)
     if not first or first.get("op") != P.CONNECT:
         say({"type": P.ERROR, "message": "expected connect"})
         return 2
@@ -434,7 +436,10 @@ def relay_main() -> int:
             with _lock(directory + ".lock"):
                 sock = _connect_unix(sock_path)  # another relay may have started it meanwhile
                 if sock is None:
-                    _start_agent(directory, outcome, launch)
+                    if launch.get("holder"):  # Slurm: the agent belongs to the holder's step
+                        _start_agent_by_holder(str(first.get("job_id")), index, launch)
+                    else:
+                        _start_agent(directory, outcome, launch)
                     sock = _connect_unix(sock_path)
                     launched = True
         if sock is None:
@@ -454,6 +459,114 @@ def relay_main() -> int:
     say({"type": P.RELAY, "launched": launched})
     _pump(sock, stdin, stdout)
     return 0
+
+
+# --- the holder (Slurm) ------------------------------------------------------------------------
+# Under ProctrackType=proctrack/cgroup, Slurm kills every process of a job step when the
+# step ends, daemon or not: an agent started by a relay's step would die with its channel
+# (a dropped connection, a replaced controller). So, on Slurm, each node runs a *holder*: a
+# step of its own (kept open by the controller, outliving it) that starts the node's agent
+# when a relay asks, so that the agent lives in the holder's step. The holder leaves once
+# its controller has gone (its stdin closed) and no agent it started answers any more; a
+# second holder on the node (a new controller's) waits on standby until the first leaves.
+
+def holder_path(job_id: str) -> str:
+    """The holder's socket on this node (namespaced test nodes share one filesystem: the
+    Slurm node name tells them apart)."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if not JOB_ID_RE.match(job_id) or not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", node):
+        raise ValueError(f"bad job id or node name: {job_id!r} {node!r}")
+    return os.path.join(private_base(), f"{job_id}.holder.{node}.sock")
+
+
+def _start_agent_by_holder(job_id: str, node_index: int, config: dict[str, Any]) -> None:
+    sock = _connect_unix(holder_path(job_id))
+    if sock is None:
+        raise RuntimeError("no holder step of the job on this node (Slurm)")
+    with sock, sock.makefile("rwb") as f:
+        f.write(P.encode({"op": "start", "node_index": node_index, "launch": config}))
+        f.flush()
+        reply = P.decode(f.readline(P.MAX_MESSAGE)) or {}
+    if not reply.get("ok"):
+        raise RuntimeError(f"the holder could not start the agent: {reply.get('error')}")
+
+
+def holder_main(job_id: str, say: Any) -> int:
+    path = holder_path(job_id)
+    started: set[int] = set()
+    controller = threading.Event()  # set once our stdin (the controller's end) closes
+
+    def watch() -> None:
+        try:
+            while os.read(0, 65536):
+                pass
+        except (OSError, ValueError):
+            pass
+        controller.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    server: socket.socket | None = None
+    said = False
+    while True:
+        if server is None:
+            with _lock(path + ".lock"):
+                other = _connect_unix(path)
+                if other is None:
+                    try:
+                        os.unlink(path)  # a dead holder's
+                    except FileNotFoundError:
+                        pass
+                    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    server.bind(path)
+                    server.listen(16)
+                    server.settimeout(1.0)
+                else:
+                    other.close()
+            if not said:
+                say({"type": P.HOLDING, "standby": server is None})
+                said = True
+        if server is None:
+            time.sleep(1.0)
+        else:
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                conn = None
+            if conn is not None:
+                _serve_start(conn, job_id, started)
+        alive = False
+        for index in started:
+            probe = _connect_unix(os.path.join(agent_paths(job_id, index)[0], "agent.sock"))
+            if probe is not None:
+                probe.close()
+                alive = True
+        if controller.is_set() and not alive and (server is not None or not started):
+            if server is not None:
+                server.close()
+                os.unlink(path)
+            return 0
+
+
+def _serve_start(conn: socket.socket, job_id: str, started: set[int]) -> None:
+    conn.settimeout(30.0)
+    with conn, conn.makefile("rwb") as f:
+        try:
+            request = P.decode(f.readline(P.MAX_MESSAGE)) or {}
+            index, launch = request.get("node_index"), request.get("launch")
+            if request.get("op") != "start" or not isinstance(launch, dict) or \
+                    not isinstance(index, int):
+                raise ValueError("expected start")
+            directory, outcome = agent_paths(job_id, index)
+            _start_agent(directory, outcome, launch)
+            started.add(index)
+            reply: dict[str, Any] = {"ok": True}
+        except Exception as exc:  # said to the relay, which tells the controller
+            reply = {"ok": False, "error": str(exc)}
+        try:
+            f.write(P.encode(reply))
+            f.flush()
+        except OSError:
+            pass
 
 
 def _connect_unix(path: str) -> socket.socket | None:

@@ -76,6 +76,7 @@ VERSION = 2
 
 # Controller -> relay / agent.
 CONNECT = "connect"
+HOLD = "hold"  # Slurm: be this node's holder step (agents/node_agent.py)
 ATTACH = "attach"
 ACK = "ack"
 PING = "ping"
@@ -94,6 +95,7 @@ READ_TRACE = "read_trace"  # {path, offset}: a piece of a flight recorder dump
 
 # Relay -> controller.
 RELAY = "relay"
+HOLDING = "holding"  # a holder step serves (or waits on standby) on its node
 GONE = "gone"
 
 # Agent -> controller.

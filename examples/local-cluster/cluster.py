@@ -75,6 +75,7 @@ MUNGED = "/usr/sbin/munged"
 MUNGE_KEY = Path("/etc/munge/munge.key")
 # munged (user munge) must reach its socket's directory, so it cannot live under the 0700
 # cluster directory or registry: a root-owned 0711 tree with one munge-owned dir per cluster.
+CGROUP_RUN = Path("/run/orc-cluster-cgroup")  # <id>: the cgroup hierarchies, bound for slurmd
 MUNGE_RUN = Path("/run/orc-cluster-munge")
 # Each slurmd has its namespace's own port space, so all of them share one port; slurmctld
 # listens in the root namespace, where concurrent clusters need distinct ports.
@@ -165,6 +166,8 @@ class Cluster:
         self.slurm_conf: Path | None = self.dir / "slurm.conf" if slurm else None
         self.slurmctld_port = 0  # chosen with the id, under the registry lock
         self.slurmd_port = SLURMD_PORT if slurm else 0
+        self.proctrack = "cgroup" if os.path.exists("/sys/fs/cgroup/freezer/tasks") else \
+            "linuxproc"
         self._up = False
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -271,6 +274,9 @@ class Cluster:
                                   str(self._munge_dir / "munged.pid"))
                 with contextlib.suppress(Exception):
                     _rmtree(self._munge_dir)
+        if self.slurm and self.id:
+            with contextlib.suppress(Exception):
+                self._release_cgroups()
         if self.bridge:
             with contextlib.suppress(Exception):
                 _run("ip", "link", "del", self.bridge, check=False)
@@ -283,6 +289,23 @@ class Cluster:
             with contextlib.suppress(Exception):
                 (REGISTRY / f"{self.id}.json").unlink(missing_ok=True)
         self._up = False
+
+    def _release_cgroups(self) -> None:
+        """Remove the (empty) cgroups our slurmds made, then unbind the hierarchies."""
+        mounted = self._cgroup_dir
+        if not os.path.ismount(mounted):
+            return
+        for hierarchy in mounted.iterdir():
+            for h in self.hosts:
+                top = hierarchy / f"slurm_{h.name}"
+                if not top.is_dir():
+                    continue
+                for sub, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+                    with contextlib.suppress(OSError):
+                        os.rmdir(sub)  # a cgroup goes once nothing runs in it
+        _run("umount", "--recursive", str(mounted), check=False)
+        with contextlib.suppress(OSError):
+            mounted.rmdir()
 
     def __enter__(self) -> "Cluster":
         return self.up()
@@ -426,6 +449,10 @@ class Cluster:
     def _munge_dir(self) -> Path:
         return MUNGE_RUN / self.id  # the id is 4 hex digits (checked): no path tricks
 
+    @property
+    def _cgroup_dir(self) -> Path:
+        return CGROUP_RUN / self.id  # the id is 4 hex digits (checked): no path tricks
+
     def _slurmd_pidfile(self, h: Host) -> Path:
         return self._slurm_dir / f"slurmd-{h.name}.pid"  # SlurmdPidFile with %n expanded
 
@@ -456,9 +483,11 @@ class Cluster:
             f"SlurmdSpoolDir={d / '%n'}",
             f"SlurmdPidFile={d / 'slurmd-%n.pid'}",
             f"SlurmdLogFile={d / 'slurmd-%n.log'}",
-            # All nodes share the machine's cgroups: no cgroup plugins (and cgroup.conf says
-            # v1 so that slurmd does not go looking for a mount it would not find).
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
+            # Processes tracked as production clusters do, by cgroup (a step that ends takes
+            # every process of it along, daemons too), where cgroup v1's freezer is mounted;
+            # by process tree otherwise. No task plugin: all nodes share this machine's CPUs.
+            f"ProctrackType=proctrack/{self.proctrack}",
+            "TaskPlugin=task/none",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "JobCompType=jobcomp/none",
             "SwitchType=switch/none", "MpiDefault=none", "MailProg=/bin/true",
@@ -486,7 +515,16 @@ class Cluster:
         os.mkdir(self._slurm_dir, 0o700)  # up() removed any earlier one
         _write_file(self.slurm_conf, self.slurm_conf_text(hostname, cpus), 0o644)
         # Next to slurm.conf is where Slurm looks for it.
-        _write_file(self.dir / "cgroup.conf", "CgroupPlugin=cgroup/v1\n", 0o644)
+        cgroup = "CgroupPlugin=cgroup/v1\n"
+        if self.proctrack == "cgroup":
+            # `ip netns exec` mounts a fresh /sys for each slurmd, hiding /sys/fs/cgroup: the
+            # hierarchies are bound (not shared: no unmount travels back) under /run, which
+            # it leaves alone. Each slurmd keeps to slurm_<its node name> in them.
+            self._cgroup_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _run("mount", "--rbind", "/sys/fs/cgroup", str(self._cgroup_dir))
+            _run("mount", "--make-rslave", str(self._cgroup_dir))
+            cgroup += f"CgroupMountpoint={self._cgroup_dir}\n"
+        _write_file(self.dir / "cgroup.conf", cgroup, 0o644)
         self._start_munged(deadline)
         env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "SLURM_CONF": str(self.slurm_conf)}
         _run(SLURMCTLD, "-f", str(self.slurm_conf), env=env, cwd="/")

@@ -17,7 +17,10 @@ from __future__ import annotations
 import subprocess
 import threading
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
+from agents import protocol as P
 from orchestrator.errors import AgentError
 from orchestrator.slurm import slurm_env
 from orchestrator.spec import JobSpec, NodeSpec
@@ -29,22 +32,80 @@ from orchestrator.transport.base import (
     end_relay_process,
 )
 
+HOLDER_TIMEOUT = 60.0  # seconds for a node's holder step to start and say it holds
 
-def srun_argv(job_id: str, node: str, python: str) -> list[str]:
+
+def srun_argv(job_id: str, node: str, python: str, name: str = "orchestrator-agent"
+              ) -> list[str]:
     """The step that runs one node's relay (argv: nothing here passes through a shell)."""
     return ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", "-w", node,
-            "--job-name=orchestrator-agent", "--quiet", python, "-u", "-c", BOOTSTRAP]
+            f"--job-name={name}", "--quiet", python, "-u", "-c", BOOTSTRAP]
+
+
+class Holder:
+    """A node's holder step (``agents/node_agent.holder_main``): the agent is started inside
+    it, not inside the relay's step, so that Slurm's proctrack/cgroup, which kills a step's
+    every process when the step ends, does not take the agent along with a channel. Its
+    srun is in a session of its own and outlives this process: the holder stays while the
+    agents it started live, for a replaced controller to find."""
+
+    def __init__(self, job_id: str, node: str, python: str, orchestrator_job: str):
+        self.node = node
+        self.stderr_tail: deque[str] = deque(maxlen=20)
+        self.proc = subprocess.Popen(
+            srun_argv(job_id, node, python, "orchestrator-holder"), stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=slurm_env(),
+            start_new_session=True)
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        threading.Thread(target=self._drain, args=(self.proc.stderr, True), daemon=True).start()
+        self.proc.stdin.write(agent_payload() + P.encode({"op": P.HOLD,
+                                                           "job_id": orchestrator_job}))
+        self.proc.stdin.flush()  # and kept open: its end is the controller's end
+        self.ready = threading.Event()
+        self.reply: dict[str, Any] | None = None
+        threading.Thread(target=self._drain, args=(self.proc.stdout, False),
+                         daemon=True).start()
+
+    def _drain(self, stream: Any, errors: bool) -> None:
+        for raw in iter(lambda: stream.readline(4096), b""):
+            if errors:
+                self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
+            elif self.reply is None:
+                self.reply = P.decode(raw)
+                self.ready.set()
+        if not errors:
+            self.ready.set()  # it ended (before or after saying so)
+
+    def wait_ready(self, timeout: float) -> None:
+        if not self.ready.wait(timeout):
+            raise AgentError(self.node, f"the holder step did not start within {timeout:g}s")
+        if (self.reply or {}).get("type") != P.HOLDING:
+            tail = " | ".join(list(self.stderr_tail)[-3:])
+            raise AgentError(self.node, "the holder step failed" + (f": {tail}" if tail else ""))
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
 
 
 class SlurmConnection(LineConnection):
     """One node's agent through an ``srun --overlap`` step of the job's allocation."""
 
-    def __init__(self, job_id: str, node: str, python: str):
+    def __init__(self, job_id: str, node: str, python: str,
+                 holder: Callable[[str], None] | None = None):
         self.host = node
         self._argv = srun_argv(job_id, node, python)
+        self._holder = holder
         self._proc: subprocess.Popen[bytes] | None = None
         self._lines: JsonLines | None = None
         self.stderr_tail: deque[str] = deque(maxlen=20)
+
+    def send(self, message: dict[str, Any]) -> None:
+        if message.get("op") == P.CONNECT and message.get("launch") is not None and \
+                self._holder is not None:
+            # An agent to start goes to the holder's step (see Holder).
+            self._holder(str(message.get("job_id")))
+            message = {**message, "launch": {**message["launch"], "holder": True}}
+        super().send(message)
 
     def open(self) -> None:
         try:
@@ -78,10 +139,28 @@ class SlurmConnection(LineConnection):
 
 class SlurmConnector:
     """The connection factory for a job on allocation ``job_id`` (node specs carry the
-    Slurm node names)."""
+    Slurm node names), and the keeper of each node's holder step."""
 
     def __init__(self, job_id: str):
         self.job_id = job_id
+        self._holders: dict[tuple[str, str], Holder] = {}  # (node, the orchestrator's job)
+        self._lock = threading.Lock()
 
     def __call__(self, node: NodeSpec, spec: JobSpec) -> SlurmConnection:
-        return SlurmConnection(self.job_id, node.hostname, spec.python)
+        name, python = node.hostname, spec.python
+        return SlurmConnection(self.job_id, name, python,
+                               holder=lambda job: self.ensure_holder(name, python, job))
+
+    def ensure_holder(self, node: str, python: str, job: str) -> None:
+        """Start the node's holder step for ``job`` (the orchestrator's) unless ours runs:
+        one per node and job in this process."""
+        with self._lock:
+            holder = self._holders.get((node, job))
+            if holder is None or not holder.running():
+                try:
+                    holder = self._holders[(node, job)] = Holder(self.job_id, node, python,
+                                                                 job)
+                except OSError as exc:
+                    raise AgentError(node, f"cannot start the holder step with srun: {exc}"
+                                     ) from exc
+        holder.wait_ready(HOLDER_TIMEOUT)

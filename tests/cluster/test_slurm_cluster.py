@@ -167,6 +167,26 @@ def test_srun_runs_one_task_in_each_namespace(slurm_cluster):
     assert seen == {h.name: (h.netns, h.address) for h in c.hosts}, run.stdout
 
 
+def test_a_daemon_started_by_a_step_dies_with_it_as_in_production(slurm_cluster, tmp_path):
+    """The test cluster tracks processes by cgroup, as production Slurm does: a step that
+    ends takes every process it started along, even one that left its session (setsid) and
+    its parent. What the orchestrator's holder step exists for (transport/slurm.py)."""
+    c = slurm_cluster
+    if c.proctrack != "cgroup":
+        message = "no cgroup v1 freezer on this machine: the cluster runs proctrack/linuxproc"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    pidfile = tmp_path / "daemon.pid"
+    script = (f'setsid sh -c "echo \\$\\$ > {pidfile}; exec sleep 300" '
+              f'< /dev/null > /dev/null 2>&1 & while [ ! -s {pidfile} ]; do sleep 0.05; done')
+    slurm(c, "srun", "-N1", "-w", c.hosts[0].name, "sh", "-c", script)
+    pid = int(pidfile.read_text())
+    wait_for(lambda: not Path(f"/proc/{pid}").exists()
+             or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z",
+             "the step's daemon outlived its step")
+
+
 def read_line(stream: Any, timeout: float = 20) -> bytes:
     """One line from a pipe, or fail after ``timeout`` (a hung step must not hang the test)."""
     sel = selectors.DefaultSelector()

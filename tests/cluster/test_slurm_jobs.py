@@ -83,6 +83,15 @@ def slurm_job_state(c: Cluster, job: str) -> str | None:
     return m.group(1) if m else None
 
 
+def settled_state(c: Cluster, job: str) -> str | None:
+    """The allocation's state once Slurm has finished ending it (COMPLETING lasts while the
+    nodes kill what is left of its steps: KillWait under proctrack/cgroup)."""
+    deadline = time.monotonic() + 30
+    while (state := slurm_job_state(c, job)) == "COMPLETING" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return state
+
+
 def our_allocations(c: Cluster) -> list[str]:
     """Allocations the orchestrator requested that Slurm still lists as pending or running."""
     out = slurm(c, "squeue", "-h", "-t", "PENDING,RUNNING", "-o", "%i %j").stdout
@@ -112,7 +121,7 @@ def test_ddp_collectives_over_three_slurm_nodes(sl, tmp_path):
     assert info["owned"] is True and info["nodes"] == names and info["released"] is True
     assert [n["host"] for n in result["nodes"]] == names
     # Given back before the job was recorded as ended.
-    assert slurm_job_state(sl, info["job_id"]) in ("CANCELLED", "COMPLETED")
+    assert settled_state(sl, info["job_id"]) in ("CANCELLED", "COMPLETED")
     assert our_allocations(sl) == []
     status = cli("status", job_id)
     assert f"slurm job {info['job_id']} (requested by the orchestrator, released): " \
@@ -147,7 +156,7 @@ def test_a_crash_restarts_inside_the_same_allocation(sl, tmp_path):
     assert sorted(seen) == [(r, a) for r in range(6) for a in (1, 2)], lines[:20]
     assert set(seen.values()) == {result["slurm"]["job_id"]}, seen
     assert sum("COLLECTIVES OK" in ln for ln in lines) == 6
-    assert slurm_job_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+    assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
     assert_no_job_processes(job_id)
 
 
@@ -168,7 +177,7 @@ def test_a_killed_controller_resumes_on_the_same_allocation(sl, tmp_path):
     for rank in range(4):  # every line once, printed with or without a controller
         assert [ln.split()[-1] for ln in lines if f"step {rank} " in ln] == \
             [str(i) for i in range(1, 41)]
-    assert slurm_job_state(sl, allocation) in ("CANCELLED", "COMPLETED")
+    assert settled_state(sl, allocation) in ("CANCELLED", "COMPLETED")
     assert our_allocations(sl) == []
     assert_no_job_processes(job_id)
 
@@ -181,7 +190,7 @@ def test_cancel_releases_the_allocation(sl, tmp_path):
     assert slurm_job_state(sl, allocation) == "RUNNING"
     result = orchestrator.cancel(job_id)
     assert result["state"] == "CANCELLED"
-    assert slurm_job_state(sl, allocation) == "CANCELLED"
+    assert settled_state(sl, allocation) == "CANCELLED"
     assert allocation not in our_allocations(sl)
     assert result["slurm"]["released"] is True
     assert_no_job_processes(job_id)
@@ -211,6 +220,11 @@ def test_a_job_inside_an_existing_allocation_leaves_it_alone(sl, tmp_path, monke
         status = cli("status", job_id)
         assert f"slurm job {own} (your own allocation)" in status.stdout, status.stdout
         assert_no_job_processes(job_id)
+        # The agents ran in holder steps (one per node), and those end with the job.
+        wait_for(lambda: not [name for name in slurm(sl, "squeue", "-h", "-s", "-j", own,
+                                                     "-o", "%j").stdout.split()
+                              if name.startswith("orchestrator-")],
+                 timeout=30, what="the job's steps in the user's allocation to end")
     finally:
         slurm(sl, "scancel", own, check=False)
 
@@ -244,7 +258,7 @@ def test_an_allocation_not_granted_in_time_is_cancelled(sl, tmp_path):
     assert re.fullmatch(r"slurm: allocation \d+ not granted within launch_timeout \(3s\); "
                         r"the pending request was cancelled", message), message
     pending = result["slurm"]["job_id"]
-    assert slurm_job_state(sl, pending) == "CANCELLED"
+    assert settled_state(sl, pending) == "CANCELLED"
     assert our_allocations(sl) == [] and result["attempts"] == []
 
 
@@ -257,5 +271,5 @@ def test_cancel_while_the_allocation_is_pending_withdraws_the_request(sl, tmp_pa
     started = time.monotonic()
     result = orchestrator.cancel(job_id)
     assert result["state"] == "CANCELLED" and time.monotonic() - started < 10
-    assert slurm_job_state(sl, pending) == "CANCELLED"
+    assert settled_state(sl, pending) == "CANCELLED"
     assert result["slurm"]["released"] is True and our_allocations(sl) == []
