@@ -103,7 +103,11 @@ class SlurmConnection(LineConnection):
         if message.get("op") == P.CONNECT and message.get("launch") is not None and \
                 self._holder is not None:
             # An agent to start goes to the holder's step (see Holder).
-            self._holder(str(message.get("job_id")))
+            try:
+                self._holder(str(message.get("job_id")))
+            except AgentError:
+                self.close()  # the handshake fails here: nothing else ends our relay's step
+                raise
             message = {**message, "launch": {**message["launch"], "holder": True}}
         super().send(message)
 
