@@ -37,6 +37,18 @@ from orchestrator.transport.base import BOOTSTRAP, JsonLines, LineConnection, ag
 _known_hosts_lock = threading.Lock()
 
 
+def _transport(sock: Any, **kwargs: Any) -> paramiko.Transport:
+    """paramiko's transport, asking for AES-GCM first: it costs the controller 1.7-2.4 ms of
+    CPU per MiB received against 4.0 ms for paramiko's first choice, aes128-ctr
+    (benchmarks/handshake.md). Only the order changes: a server without GCM gets CTR."""
+    transport = paramiko.Transport(sock, **kwargs)
+    options = transport.get_security_options()
+    gcm = tuple(c for c in ("aes256-gcm@openssh.com", "aes128-gcm@openssh.com")
+                if c in options.ciphers)
+    options.ciphers = gcm + tuple(c for c in options.ciphers if c not in gcm)
+    return transport
+
+
 class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
     """Accept a host never seen before and record its key; changed keys stay refused."""
 
@@ -131,7 +143,7 @@ class SSHConnection(LineConnection):
                 look_for_keys=target["key_filename"] is None,
                 allow_agent=target["key_filename"] is None,
                 timeout=timeout, banner_timeout=timeout, auth_timeout=timeout,
-                channel_timeout=timeout,
+                channel_timeout=timeout, transport_factory=_transport,
             )
         except Exception as exc:
             client.close()
