@@ -534,17 +534,20 @@ def holder_main(job_id: str, say: Any) -> int:
                 conn = None
             if conn is not None:
                 _serve_start(conn, job_id, started)
-        alive = False
-        for index in started:
-            probe = _connect_unix(os.path.join(agent_paths(job_id, index)[0], "agent.sock"))
-            if probe is not None:
-                probe.close()
-                alive = True
-        if controller.is_set() and not alive and (server is not None or not started):
+        if controller.is_set() and (server is not None or not started) and \
+                not any(_agent_answers(job_id, index) for index in started):
             if server is not None:
                 server.close()
                 os.unlink(path)
             return 0
+
+
+def _agent_answers(job_id: str, node_index: int) -> bool:
+    probe = _connect_unix(os.path.join(agent_paths(job_id, node_index)[0], "agent.sock"))
+    if probe is None:
+        return False
+    probe.close()
+    return True
 
 
 def _serve_start(conn: socket.socket, job_id: str, started: set[int]) -> None:

@@ -124,6 +124,16 @@ CREATE TABLE IF NOT EXISTS samples (
 CREATE INDEX IF NOT EXISTS samples_by_job ON samples (job_id, attempt, rank);
 """
 # Columns added since the first release, for databases created before them.
+_ADDED_COLUMNS = {
+    "jobs": {"secret": "TEXT", "controller_host": "TEXT", "controller_since": "REAL",
+             "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
+             "controller_pidns": "TEXT", "stacks_requested_at": "REAL",
+             "stacks_json": "TEXT", "stacks_at": "REAL", "slurm_json": "TEXT"},
+    "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL"},
+    "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
+              "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL"},
+    "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT"},
+}
 
 
 def _can_batch() -> bool:
@@ -140,17 +150,6 @@ def _can_batch() -> bool:
 
 
 _BATCH = _can_batch()
-
-_ADDED_COLUMNS = {
-    "jobs": {"secret": "TEXT", "controller_host": "TEXT", "controller_since": "REAL",
-             "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
-             "controller_pidns": "TEXT", "stacks_requested_at": "REAL",
-             "stacks_json": "TEXT", "stacks_at": "REAL", "slurm_json": "TEXT"},
-    "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL"},
-    "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
-              "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL"},
-    "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT"},
-}
 
 
 def default_home() -> Path:

@@ -42,6 +42,13 @@ def srun_argv(job_id: str, node: str, python: str, name: str = "orchestrator-age
             f"--job-name={name}", "--quiet", python, "-u", "-c", BOOTSTRAP]
 
 
+def _keep_tail(proc: subprocess.Popen[bytes], tail: deque[str]) -> None:
+    """srun's stderr (Slurm's errors, a traceback), its last lines kept to explain a failure."""
+    assert proc.stderr is not None
+    for raw in iter(lambda: proc.stderr.readline(4096), b""):  # type: ignore[union-attr]
+        tail.append(raw.decode("utf-8", "replace").rstrip())
+
+
 class Holder:
     """A node's holder step (``agents/node_agent.holder_main``): the agent is started inside
     it, not inside the relay's step, so that Slurm's proctrack/cgroup, which kills a step's
@@ -52,29 +59,27 @@ class Holder:
     def __init__(self, job_id: str, node: str, python: str, orchestrator_job: str):
         self.node = node
         self.stderr_tail: deque[str] = deque(maxlen=20)
+        self.ready = threading.Event()
+        self.reply: dict[str, Any] | None = None
         self.proc = subprocess.Popen(
             srun_argv(job_id, node, python, "orchestrator-holder"), stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=slurm_env(),
             start_new_session=True)
         assert self.proc.stdin is not None and self.proc.stdout is not None
-        threading.Thread(target=self._drain, args=(self.proc.stderr, True), daemon=True).start()
+        threading.Thread(target=_keep_tail, args=(self.proc, self.stderr_tail),
+                         daemon=True).start()
+        threading.Thread(target=self._read_reply, daemon=True).start()
         self.proc.stdin.write(agent_payload() + P.encode({"op": P.HOLD,
                                                            "job_id": orchestrator_job}))
         self.proc.stdin.flush()  # and kept open: its end is the controller's end
-        self.ready = threading.Event()
-        self.reply: dict[str, Any] | None = None
-        threading.Thread(target=self._drain, args=(self.proc.stdout, False),
-                         daemon=True).start()
 
-    def _drain(self, stream: Any, errors: bool) -> None:
-        for raw in iter(lambda: stream.readline(4096), b""):
-            if errors:
-                self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
-            elif self.reply is None:
+    def _read_reply(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in iter(lambda: self.proc.stdout.readline(4096), b""):  # type: ignore[union-attr]
+            if self.reply is None:
                 self.reply = P.decode(raw)
                 self.ready.set()
-        if not errors:
-            self.ready.set()  # it ended (before or after saying so)
+        self.ready.set()  # it ended (before or after saying so)
 
     def wait_ready(self, timeout: float) -> None:
         if not self.ready.wait(timeout):
@@ -119,7 +124,8 @@ class SlurmConnection(LineConnection):
                 start_new_session=True,  # a Ctrl-C at a terminal must not reach srun
             )
             assert self._proc.stdin is not None and self._proc.stdout is not None
-            threading.Thread(target=self._drain_stderr, args=(self._proc,), daemon=True).start()
+            threading.Thread(target=_keep_tail, args=(self._proc, self.stderr_tail),
+                             daemon=True).start()
             self._proc.stdin.write(agent_payload())
             self._proc.stdin.flush()
         except OSError as exc:
@@ -127,11 +133,6 @@ class SlurmConnection(LineConnection):
             raise AgentError(self.host, f"cannot start the agent's step with srun: {exc}"
                              ) from exc
         self._lines = JsonLines(self.host, self._proc.stdout, self._proc.stdin)
-
-    def _drain_stderr(self, proc: subprocess.Popen[bytes]) -> None:
-        assert proc.stderr is not None
-        for raw in iter(lambda: proc.stderr.readline(4096), b""):  # type: ignore[union-attr]
-            self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
 
     def close(self) -> None:
         proc, self._lines = self._proc, None
