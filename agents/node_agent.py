@@ -122,7 +122,8 @@ def _orchestrator_sampler():
         return initialized is not None and initialized()
 
     trigger = os.path.join(sample_dir, "flight-recorder-wanted")
-    dump_prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+    dump_prefix = (os.environ.get("TORCH_FR_DUMP_TEMP_FILE")
+                   or os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
     handled = [0.0]
 
     def dump_flight_recorder():
@@ -346,8 +347,12 @@ def _interface_with_address(ip: str) -> str | None:
 
 def torch_version() -> str | None:
     """torch's version from its dist-info folder's name, without importing it (2 s of CPU)
-    or scanning every distribution (importlib.metadata)."""
-    for entry in sys.path:
+    or scanning every distribution (importlib.metadata). The agent runs isolated (-I), so
+    the places a worker's python also looks (PYTHONPATH, the user's site) are added."""
+    import site
+
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    for entry in [*extra, site.getusersitepackages(), *sys.path]:
         try:
             names = os.listdir(entry or ".")
         except OSError:
@@ -356,6 +361,30 @@ def torch_version() -> str | None:
             if name.startswith("torch-") and name.endswith(".dist-info"):
                 return name[len("torch-"):-len(".dist-info")]
     return None
+
+
+# torch's flight recorder variables: the TORCH_FR_* names since 2.8 (the old TORCH_NCCL_*
+# names still work there, with a deprecation warning in every process that sets them).
+FR_SIZE_NAMES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+FR_DUMP_NAMES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+def flight_recorder_names(torch: str | None) -> tuple[str, str]:
+    """(buffer size, dump file) variable names that this torch reads without a warning."""
+    m = re.match(r"(\d+)\.(\d+)", torch or "")
+    old = m is not None and (int(m[1]), int(m[2])) < (2, 8)
+    return (FR_SIZE_NAMES[1], FR_DUMP_NAMES[1]) if old else (FR_SIZE_NAMES[0], FR_DUMP_NAMES[0])
+
+
+def machine_id() -> str:
+    """This machine, as a short hash: its machine-id and its name (on Slurm, the node's)."""
+    try:
+        with open("/etc/machine-id", encoding="ascii", errors="replace") as f:
+            ident = f.read(64).strip()
+    except OSError:
+        ident = ""
+    name = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    return hashlib.sha256(f"{ident}\0{name}".encode()).hexdigest()[:16]
 
 
 def gpu_count() -> int:
@@ -1246,11 +1275,10 @@ class Agent:
         start_watchdog(self.token, self.directory)  # first: it must inherit no socket
         path = os.path.join(self.directory, "agent.sock")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o177)
-        try:
-            s.bind(path)
-        finally:
-            os.umask(old)
+        # Mode set after the bind (its directory is 0700 anyway), never through the umask:
+        # the agent's umask is what its workers inherit, as from torchrun.
+        s.bind(path)
+        os.chmod(path, 0o600)
         s.listen(16)
         self.listener = s
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -1703,8 +1731,11 @@ class Agent:
             raise ValueError(f"bad setup key {key!r}")
         marks = os.path.join(_cache(), "setup")
         os.makedirs(marks, mode=0o700, exist_ok=True)
-        done = os.path.join(marks, f"{key}.ok")
-        with _lock(os.path.join(marks, f"{key}.lock")):  # one run per key on this machine
+        # The key names the node as the controller does; the machine is added here: nodes
+        # that share a home (NFS, every Slurm site) each run their own setup.
+        marker = f"{key}.{machine_id()}"
+        done = os.path.join(marks, f"{marker}.ok")
+        with _lock(os.path.join(marks, f"{marker}.lock")):  # one run per key and machine
             if os.path.exists(done):
                 self._reply(msg, P.SETUP_DONE, exit_code=0, cached=True, tail=[])
                 return
@@ -1747,13 +1778,19 @@ class Agent:
         self.attempt = attempt
         workdir = os.path.expanduser(msg.get("workdir") or ".")
         self.workdir = workdir
+        # The node's world, as torchrun started here would pass it on: the agent's own
+        # environment, which it never changes (see worker_world()).
         base_env = dict(os.environ)
-        base_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default, unless set here
-        base_env.update(msg.get("env", {}))
-        iface = interface_for(msg["master_addr"]) if msg.get("master_addr") else None
+        base_env.update(msg.get("env") or {})
+        for key, value in (msg.get("defaults") or {}).items():
+            base_env.setdefault(key, value)
+        # Several nodes: gloo and NCCL must not bind the hostname's address (often 127.0.x.1).
+        iface = interface_for(msg["route_to"]) if msg.get("route_to") else None
         for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
             if iface and var not in base_env:
                 base_env[var] = iface
+        if "PWD" in base_env:  # a shell keeps PWD at its cwd: torchrun run from the workdir
+            base_env["PWD"] = os.path.abspath(workdir)
         base_env[TOKEN_VAR] = self.token
         self._flight_recorder_env(base_env, attempt, int(msg.get("flight_recorder") or 0))
         shim = self._worker_module()
@@ -1788,12 +1825,15 @@ class Agent:
             return
         _prune_traces()
         os.makedirs(directory, mode=0o700, exist_ok=True)
-        if "TORCH_FR_BUFFER_SIZE" not in env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
-            env["TORCH_FR_BUFFER_SIZE"] = env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(entries)
+        # One name each, the one this torch reads: setting both the new and the deprecated
+        # name makes every rank print a deprecation warning.
+        size, dump = flight_recorder_names(torch_version())
+        if not any(name in env for name in FR_SIZE_NAMES):
+            env[size] = str(entries)
         env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        prefix = os.path.join(directory, "nccl_trace_rank_")  # torch's own file names
-        env.setdefault("TORCH_FR_DUMP_TEMP_FILE", prefix)
-        env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", env["TORCH_FR_DUMP_TEMP_FILE"])
+        if not any(name in env for name in FR_DUMP_NAMES):
+            env[dump] = os.path.join(directory, "nccl_trace_rank_")  # torch's own file names
+
 
     def _worker_module(self) -> str:
         """A directory holding ``orchestrator_worker.py`` (heartbeat with steps and metrics)

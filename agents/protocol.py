@@ -26,8 +26,13 @@ Controller -> agent (``op``)::
     attach    {secret, ack}         the first line; ``ack`` is the last seq this job has kept
     ack       {seq}                 everything up to seq is kept: the agent may forget it
     ping      {}                    the controller's heartbeat
-    start     {attempt, workdir, master_addr, env, workers: [{rank, local_rank, argv, env}],
-               stop_grace}
+    start     {attempt, workdir, env, defaults, route_to, workers: [{rank, local_rank, argv,
+               env}], stop_grace, flight_recorder}
+              workers start from the agent's own environment (the node's: the login's over
+              SSH, the step's on Slurm, the submitter's on a local node) and umask, plus
+              ``env``, plus ``defaults`` where the node has none of them; with ``route_to``
+              (the master, when the attempt spans several nodes) GLOO/NCCL_SOCKET_IFNAME
+              name the interface toward it, unless set
     stop      {attempt, grace}
     free_port {req, port, range}    (0: pick one; a port: check it; range [lo, hi]: the
                                      first free one of it)
@@ -72,7 +77,7 @@ import threading
 import time
 from typing import Any
 
-VERSION = 2
+VERSION = 3
 
 # Controller -> relay / agent.
 CONNECT = "connect"

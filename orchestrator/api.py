@@ -22,6 +22,7 @@ from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
 from orchestrator.state import FailureCause, JobState
 from orchestrator.store import JobRecord, Store, check_job_id, pid_namespace
+from orchestrator.world import UserWorld
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -76,6 +77,7 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
     (``field.path=value``) change fields of a spec file for this job only; both are
     validated like the file.
     """
+    world = UserWorld.capture()  # first: what torchrun run from here would pass on
     job_spec, directory = _load(spec, spec_dir, env, overrides)
     preflight.quick_check(job_spec)
     allocation, hosts = None, [n.host for n in job_spec.nodes]
@@ -93,7 +95,8 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
         # The agents' secret: a controller proves it to attach to them (also after a restart).
         store.create_job(job_id, job_spec.name, job_spec.model_dump_json(), directory,
                          job_spec.max_restarts, hosts, secret=secrets.token_hex(32),
-                         slurm=allocation.to_dict() if allocation is not None else None)
+                         slurm=allocation.to_dict() if allocation is not None else None,
+                         world=world.to_dict())
         try:
             _start_controller(store, job_id, resume=False)
         except OSError as exc:
@@ -118,15 +121,14 @@ def _check_free_space(store: Store, min_free: int) -> None:
 def _start_controller(store: Store, job_id: str, *, resume: bool) -> int:
     """Start the job's supervised controller, detached; return the supervisor's pid."""
     log_path = store.job_dir(job_id) / "controller.log"
+    # The controller's own settings: none of them reaches a worker, which starts from the
+    # world kept with the job (orchestrator/world.py).
     env = dict(os.environ)
     env["ORCHESTRATOR_HOME"] = str(store.home)
-    # The controller must import this very package, installed or not; it puts the user's
-    # PYTHONPATH back (ORCHESTRATOR_USER_PYTHONPATH) for agents and workers.
-    if "ORCHESTRATOR_USER_PYTHONPATH" not in env:
-        env["ORCHESTRATOR_USER_PYTHONPATH"] = json.dumps(env.get("PYTHONPATH"))
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-    env["PYTHONSAFEPATH"] = "1"  # nothing from the current directory is imported
+    # It must import this very package, installed or not, and nothing from the current
+    # directory (a queue.py beside the spec).
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+    env["PYTHONSAFEPATH"] = "1"
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "ab") as log:
         proc = subprocess.Popen(

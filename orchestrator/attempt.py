@@ -516,7 +516,7 @@ class Attempt:
         node_rank = self.node_ranks[node_index]
         host = self._host(node_index)
         label = self._label(node_index, rank)
-        who = f"rank {rank}" if rank is not None else f"torchrun on node {node_rank}"
+        who = f"rank {rank}" if rank is not None else self.plan.owner(node_rank)
         how = f"exited with code {code}" if code is not None else f"was killed by {sig}"
         error_file = message.get("error_file")
         detail = _error_file_message(error_file)

@@ -56,9 +56,10 @@ from orchestrator.plan import plan_attempt
 from orchestrator.spec import JobSpec
 from orchestrator.state import AttemptOutcome, FailureCause, JobState, NodeState
 from orchestrator.store import Store, pid_namespace
-from orchestrator.transport import default_connect
+from orchestrator.transport import Connector, default_connect
 from orchestrator.transport.base import ConnectionFactory
 from orchestrator.transport.slurm import SlurmConnector
+from orchestrator.world import UserWorld
 
 log = logging.getLogger("orchestrator.controller")
 
@@ -415,7 +416,8 @@ class Controller:
         node_plan = self.current.node_plans[node.index]
         self.pool.send(node, {
             "op": P.START, "attempt": plan.attempt, "workdir": node_plan.workdir,
-            "master_addr": plan.master_addr, "env": node_plan.env,
+            "route_to": node_plan.route_to, "env": node_plan.env,
+            "defaults": node_plan.defaults,
             "workers": [w.to_message() for w in node_plan.workers],
             "stop_grace": self.spec.stop_grace_period,
             "flight_recorder": self.spec.health.flight_recorder,
@@ -812,8 +814,11 @@ class Controller:
                 node_plan = plan_attempt(self.spec, self.job_id, node_indices=[node.index],
                                          spec_dir=self.spec_dir, sync_tree=tree).nodes[0]
                 env = {k: node_plan.env[k] for k in self.spec.env if k in node_plan.env}
+                # Once per node: its name is in the key (nodes may share a home, and with it
+                # the agents' marker directory; the agent adds the machine).
                 key = hashlib.sha256(json.dumps([self.spec.setup_script, tree,
-                                                 node_plan.workdir, env]).encode()).hexdigest()
+                                                 node_plan.workdir, env, node.host]
+                                                ).encode()).hexdigest()
                 reply = channel.ask(P.SETUP, None,  # setups take what they take
                                     key=key[:32], script=self.spec.setup_script, env=env,
                                     workdir=node_plan.workdir)
@@ -1234,14 +1239,18 @@ def _controller_main(job_id: str, resume: bool) -> int:
         secret = secrets.token_hex(16)
         store.update_job(job_id, secret=secret)
     spec = JobSpec.model_validate_json(job.spec_json)
-    connect: ConnectionFactory = default_connect
+    saved = store.world(job_id)
+    # Local relays and Slurm steps start in the submitter's world, never in ours (a job of
+    # an older version kept none: then this process's, as before).
+    world = UserWorld.from_dict(saved) if saved is not None else UserWorld.capture()
+    connect: ConnectionFactory = Connector(world)
     on_end = None
     if spec.slurm is not None:
         allocation = _slurm_allocation(store, job_id, spec)
         if allocation is None:
             return 1  # the job ended (or waits for a resume): recorded already
         spec = slurm.spec_with_nodes(spec, allocation)
-        connect = SlurmConnector(allocation.job_id)
+        connect = SlurmConnector(allocation.job_id, world)
         on_end = lambda: _release(store, job_id, allocation)  # noqa: E731
     controller = Controller(store, job_id, spec, job.spec_dir, connect, secret=secret,
                             resume=resume or job.state != JobState.PENDING, on_end=on_end)
@@ -1403,12 +1412,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_controller(job_id: str, resume: bool) -> int:
-    # Agents and workers get the user's PYTHONPATH back (submit put ours first).
-    user_path = json.loads(os.environ.pop("ORCHESTRATOR_USER_PYTHONPATH", "null"))
-    if user_path is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = user_path
     try:
         return _controller_main(job_id, resume)
     except OrchestratorError as exc:

@@ -1,19 +1,27 @@
 """``${name}`` placeholders in ``command`` items and ``env`` values, filled in per worker.
 
     ${rank} ${local_rank} ${node_rank} ${world_size} ${nnodes} ${job_id} ${attempt}
+    ${master_addr} ${master_port} ${node_start_rank} ${nproc_per_node}
 
 ``$$`` is a literal ``$``; any other ``$`` is kept as it is. With these, a script written
 for ``torch.distributed.launch`` runs unchanged:
-``command: [python3, train.py, "--local_rank=${local_rank}"]``. Pure: no I/O.
+``command: [python3, train.py, "--local_rank=${local_rank}"]``, and so does one that starts
+its own workers on each node (``launch: per-node``): ``--master_addr ${master_addr}
+--master_port ${master_port} --world_size ${world_size} --start_rank ${node_start_rank}
+--num_gpus ${nproc_per_node}``. Pure: no I/O.
 """
 
 from __future__ import annotations
 
 import re
 
-NAMES = ("rank", "local_rank", "node_rank", "world_size", "nnodes", "job_id", "attempt")
-#: Not known before torch's own rendezvous has run (c10d): torchrun assigns them.
-PER_RANK = frozenset({"rank", "local_rank", "world_size"})
+NAMES = ("rank", "local_rank", "node_rank", "world_size", "nnodes", "job_id", "attempt",
+         "master_addr", "master_port", "node_start_rank", "nproc_per_node")
+#: One worker's own: an env value that uses them is filled in per worker.
+PER_RANK = frozenset({"rank", "local_rank"})
+#: Known only when the orchestrator assigns the ranks: not before torch's own rendezvous
+#: has run (c10d: torchrun assigns them).
+STATIC_ONLY = frozenset({"rank", "local_rank", "world_size", "node_start_rank"})
 
 _TOKEN = re.compile(r"\$\$|\$\{([^{}]*)\}|\$\{")
 

@@ -17,6 +17,7 @@ from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.sync import remote_tree_dir
 
 ROLE_NAME = "default"
+TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"  # torchrun's --signals-to-handle default
 # torchrun (c10d mode) starts each tee'd worker line with this; ${rank} is the global rank.
 TORCHRUN_LINE_PREFIX = "[orc-rank ${rank}]:"
 TORCHRUN_LINE_RE = re.compile(r"^\[orc-rank (\d+)\]:\s?")
@@ -46,6 +47,12 @@ class NodePlan:
     workdir: str
     env: dict[str, str]  # common to the node's workers
     workers: tuple[WorkerPlan, ...]
+    # torchrun's defaults for the workers it starts: set unless the node's environment (or
+    # env:) has them. Empty where torchrun itself runs (c10d) or nothing stands in for it.
+    defaults: dict[str, str] = field(default_factory=dict)
+    # The master's address when the attempt spans several nodes: the agent then sets
+    # GLOO/NCCL_SOCKET_IFNAME to the interface that routes there, unless set.
+    route_to: str | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,12 @@ class LaunchPlan:
     world_size: int
     nodes: tuple[NodePlan, ...] = field(default_factory=tuple)
     secrets: frozenset[str] = frozenset()  # env names whose values to_dict() masks
+    launch: str = "per-rank"  # or "per-node": one process per node owns its ranks
+
+    def owner(self, node_rank: int) -> str:
+        """Who runs a node's ranks when no one process is a rank (c10d, per-node)."""
+        what = "torchrun" if self.backend == "c10d" else "the node's process"
+        return f"{what} on node {node_rank}"
 
     def to_dict(self) -> dict[str, Any]:
         """The plan as shown by ``submit --dry-run --json``: secret env values masked."""
@@ -72,6 +85,7 @@ class LaunchPlan:
             "job_id": self.job_id,
             "attempt": self.attempt,
             "backend": self.backend,
+            "launch": self.launch,
             "master_addr": self.master_addr,
             "master_port": self.master_port if self.master_port is not None else "auto",
             "world_size": self.world_size,
@@ -82,6 +96,7 @@ class LaunchPlan:
                     "host": n.host,
                     "workdir": n.workdir,
                     "env": shown(n.env),
+                    "defaults": n.defaults,
                     "workers": [{**w.to_message(), "env": shown(w.env)} for w in n.workers],
                 }
                 for n in self.nodes
@@ -141,6 +156,8 @@ def plan_attempt(
         "TORCHELASTIC_MAX_RESTARTS": str(spec.max_restarts),
         "TORCHELASTIC_RUN_ID": job_id,
         "TORCHELASTIC_USE_AGENT_STORE": "False",
+        # torchrun's launcher sets this in its own environment, which its workers inherit.
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": TORCHRUN_SIGNALS,
         "ORCHESTRATOR_JOB_ID": job_id,
         "ORCHESTRATOR_ATTEMPT": str(attempt),
     }
@@ -151,22 +168,30 @@ def plan_attempt(
     for node_rank, index in enumerate(node_indices):
         node = spec.nodes[index]
         nproc = counts[index]
-        values: dict[str, object] = {"node_rank": node_rank, "nnodes": nnodes, "job_id": job_id,
-                                     "attempt": attempt, "world_size": world_size}
+        values: dict[str, object] = {
+            "node_rank": node_rank, "nnodes": nnodes, "job_id": job_id, "attempt": attempt,
+            "world_size": world_size, "master_addr": master_addr, "master_port": port_text,
+            "node_start_rank": first_rank, "nproc_per_node": nproc}
         user_env = {k: placeholders.expand(v, values) for k, v in spec.env.items()
                     if k not in per_rank_env}
+        defaults: dict[str, str] = {}
         if spec.rendezvous.backend == "c10d":
             # torchrun computes ranks and sizes itself; only our own ids pass through, and
             # the prefix that lets the controller file each output line under its rank.
-            # torchrun tees worker lines to its stdout, a pipe: block-buffered, they would
-            # reach us only when it exits, unless it runs unbuffered (the user may say no).
-            env = {"PYTHONUNBUFFERED": "1", **user_env, "ORCHESTRATOR_JOB_ID": job_id,
+            env = {**user_env, "ORCHESTRATOR_JOB_ID": job_id,
                    "ORCHESTRATOR_ATTEMPT": str(attempt),
                    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": TORCHRUN_LINE_PREFIX}
             command = tuple(placeholders.expand(a, values) for a in spec.command)
             argv, options = _torchrun(spec, command, job_id, attempt, master_addr, port_text,
                                       node_address(node), nproc, is_host=node_rank == 0)
             workers: tuple[WorkerPlan, ...] = (WorkerPlan(None, 0, argv, options),)
+        elif spec.launch == "per-node":
+            # One process owns the node's ranks (it starts its workers itself): the job's
+            # shape, no rank of its own; nothing of torchrun's stands in for it.
+            env = {**user_env, **common, "GROUP_RANK": str(node_rank),
+                   "LOCAL_WORLD_SIZE": str(nproc)}
+            workers = (WorkerPlan(None, 0, tuple(placeholders.expand(a, values)
+                                                 for a in spec.command), {}),)
         else:
             env = {**user_env, **common, "GROUP_RANK": str(node_rank),
                    "LOCAL_WORLD_SIZE": str(nproc)}
@@ -174,16 +199,29 @@ def plan_attempt(
                 _worker(spec, first_rank + local, local, values, per_rank_env)
                 for local in range(nproc)
             )
+            defaults = torchrun_defaults(nproc)
         first_rank += nproc
         workdir = spec.workdir
         if node.is_local:
             workdir = os.path.normpath(os.path.join(spec_dir, os.path.expanduser(workdir)))
         elif spec.sync is not None:  # the synced copy, at the workdir's place inside it
             workdir = synced_workdir(spec, spec_dir, sync_tree or "<tree>")
-        nodes.append(NodePlan(index, node_rank, node.host, workdir, env, workers))
+        nodes.append(NodePlan(index, node_rank, node.host, workdir, env, workers, defaults,
+                              master_addr if nnodes > 1 else None))
 
     return LaunchPlan(job_id, attempt, restart_count, spec.rendezvous.backend, master_addr,
-                      master_port, world_size, tuple(nodes), spec.secret_names)
+                      master_port, world_size, tuple(nodes), spec.secret_names, spec.launch)
+
+
+def torchrun_defaults(nproc: int) -> dict[str, str]:
+    """What torchrun gives its workers unless its own environment has it: NCCL errors tear
+    the process down instead of hanging until the collective timeout, and, with several
+    workers on the node, one OpenMP thread each (``torch/distributed/run.py``,
+    ``local_elastic_agent._start_workers``)."""
+    out = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    if nproc > 1:
+        out["OMP_NUM_THREADS"] = "1"
+    return out
 
 
 def synced_workdir(spec: JobSpec, spec_dir: str, tree: str) -> str:
@@ -214,8 +252,10 @@ def _torchrun(spec: JobSpec, command_in: tuple[str, ...], job_id: str, attempt: 
     every local user can read command lines in ``ps``."""
     command = list(command_in)
     python_first = os.path.basename(command[0]).startswith("python")
-    launcher = [command[0], "-m", "torch.distributed.run"] if python_first else [
-        spec.python, "-m", "torch.distributed.run", "--no-python"]
+    # -u: torchrun tees worker lines to its stdout, a pipe, which would hold them until it
+    # exits; the flag is torchrun's alone (PYTHONUNBUFFERED would reach its workers).
+    launcher = [command[0], "-u", "-m", "torch.distributed.run"] if python_first else [
+        spec.python, "-u", "-m", "torch.distributed.run", "--no-python"]
     script = command[1:] if python_first else command
     options = {
         "PET_NNODES": f"{spec.min_nodes}:{spec.max_nodes}",
@@ -247,9 +287,13 @@ def describe(plan: LaunchPlan) -> str:
     for n in plan.nodes:
         lines.append(f"  node {n.node_rank} ({n.host}) workdir {n.workdir}")
         for w in n.workers:
-            rank = "torchrun" if w.rank is None else f"rank {w.rank}"
-            lines.append(f"    {rank} (local {w.local_rank}): {shlex.join(w.argv)}")
-            if w.rank is None:
+            if w.rank is not None:
+                lines.append(f"    rank {w.rank} (local {w.local_rank}): {shlex.join(w.argv)}")
+            elif plan.backend != "c10d":
+                lines.append(f"    node process ({n.env['LOCAL_WORLD_SIZE']} ranks): "
+                             f"{shlex.join(w.argv)}")
+            else:
+                lines.append(f"    torchrun (local {w.local_rank}): {shlex.join(w.argv)}")
                 pet = " ".join(f"{k}={v}" for k, v in w.env.items() if k.startswith("PET_"))
                 lines.append(f"      torchrun options (environment): {pet}")
     return "\n".join(lines)

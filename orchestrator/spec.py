@@ -267,6 +267,9 @@ class SyncSpec(_Model):
     exclude: tuple[str, ...] = Field(default=(), description=".gitignore-style globs")
     keep: Annotated[StrictInt, Field(ge=1)] = Field(
         default=5, description="synced trees kept on each node (older ones are pruned)")
+    max_bytes: Annotated[StrictInt, Field(ge=1)] | None = Field(
+        default=1024 ** 3, description="a larger tree is refused before anything starts, "
+        "naming its largest directories (null: no limit)")
 
 
 class LogsSpec(_Model):
@@ -364,6 +367,10 @@ class JobSpec(_Model):
     nnodes: str | StrictInt | None = Field(
         default=None, description='"MIN:MAX", "N" or N; default: every node')
     command: tuple[str, ...] = Field(description="argv, or a string split like a shell does")
+    launch: Literal["per-rank", "per-node"] = Field(
+        default="per-rank", description='"per-rank": the command once per rank, with '
+        "torchrun's environment; \"per-node\": once per node, a process that starts the "
+        "node's nproc_per_node workers itself (torch.multiprocessing.spawn)")
     workdir: PathText = Field(default=".", description="relative to the spec file")
     sync: SyncSpec | None = Field(
         default=None, description="a directory shipped to SSH nodes, by content; their "
@@ -498,6 +505,10 @@ class JobSpec(_Model):
                 raise _FieldError("hostfile", "give nodes or hostfile, not both", self.hostfile)
             raise _FieldError("hostfile", "is expanded into nodes by load_jobspec() and "
                               "parse_jobspec(); validate the YAML through them", self.hostfile)
+        if self.launch == "per-node" and self.rendezvous.backend == "c10d":
+            raise _FieldError("launch", "per-node starts your own process on each node; "
+                              "rendezvous.backend c10d starts torchrun there: choose one",
+                              self.launch)
         if self.slurm is not None:
             if self.nodes:
                 raise _FieldError("slurm", "give nodes or slurm, not both (Slurm chooses the "
@@ -544,11 +555,16 @@ class JobSpec(_Model):
                 names = placeholders.names_in(text)
             except ValueError as exc:
                 raise _FieldError(field, str(exc), text) from None
-            early = names & placeholders.PER_RANK
+            early = names & placeholders.STATIC_ONLY
             if early and self.rendezvous.backend == "c10d":
                 raise _FieldError(field, f"${{{sorted(early)[0]}}} is not known before torch's "
                                   "c10d rendezvous; read it from the environment (RANK, "
                                   "LOCAL_RANK, WORLD_SIZE)", text)
+            one = names & {"rank", "local_rank"}
+            if one and self.launch == "per-node":
+                raise _FieldError(field, f"${{{sorted(one)[0]}}}: with launch: per-node one "
+                                  "process owns all the ranks of its node; pass "
+                                  "${node_start_rank} and ${nproc_per_node}", text)
 
     @property
     def warnings(self) -> list[str]:

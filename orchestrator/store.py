@@ -60,7 +60,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     stacks_requested_at REAL,
     stacks_json TEXT,
     stacks_at REAL,
-    slurm_json TEXT
+    slurm_json TEXT,
+    world_json TEXT
 );
 CREATE TABLE IF NOT EXISTS nodes (
     job_id TEXT NOT NULL,
@@ -128,7 +129,8 @@ _ADDED_COLUMNS = {
     "jobs": {"secret": "TEXT", "controller_host": "TEXT", "controller_since": "REAL",
              "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
              "controller_pidns": "TEXT", "stacks_requested_at": "REAL",
-             "stacks_json": "TEXT", "stacks_at": "REAL", "slurm_json": "TEXT"},
+             "stacks_json": "TEXT", "stacks_at": "REAL", "slurm_json": "TEXT",
+             "world_json": "TEXT"},
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
               "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL"},
@@ -326,14 +328,19 @@ class Store:
     # --- writes (submit) -----------------------------------------------------------------
     def create_job(self, job_id: str, name: str, spec_json: str, spec_dir: str,
                    max_restarts: int, hosts: list[str], secret: str | None = None,
-                   slurm: dict[str, Any] | None = None) -> None:
+                   slurm: dict[str, Any] | None = None,
+                   world: dict[str, Any] | None = None) -> None:
+        """A new PENDING job. ``world`` is the submitter's environment and umask
+        (orchestrator.world), kept for the workers: it may hold secrets, like ``env:``."""
         check_job_id(job_id)
         with self._transaction() as db:
             db.execute(
                 "INSERT INTO jobs (job_id, name, state, spec_json, spec_dir, submitted_at,"
-                " max_restarts, secret, slurm_json) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " max_restarts, secret, slurm_json, world_json)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (job_id, name, JobState.PENDING.value, spec_json, spec_dir, time.time(),
-                 max_restarts, secret, json.dumps(slurm) if slurm is not None else None),
+                 max_restarts, secret, json.dumps(slurm) if slurm is not None else None,
+                 json.dumps(world) if world is not None else None),
             )
             db.executemany(
                 "INSERT INTO nodes (job_id, node_index, host, state) VALUES (?, ?, ?, ?)",
@@ -601,6 +608,15 @@ class Store:
         finally:
             self._db.execute("COMMIT")
         return job
+
+    def world(self, job_id: str) -> dict[str, Any] | None:
+        """The submitter's world kept with the job (None for jobs of older versions). Read
+        only by the job's controller: it is never part of a status."""
+        row = self._db.execute("SELECT world_json FROM jobs WHERE job_id = ?",
+                               (check_job_id(job_id),)).fetchone()
+        if row is None:
+            raise JobNotFoundError(job_id)
+        return json.loads(row["world_json"]) if row["world_json"] else None
 
     def list_jobs(self) -> list[JobRecord]:
         rows = self._db.execute("SELECT * FROM jobs ORDER BY submitted_at, job_id").fetchall()

@@ -4,14 +4,25 @@ from __future__ import annotations
 
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.transport.base import NodeConnection
+from orchestrator.world import UserWorld
 
 
-def default_connect(node: NodeSpec, spec: JobSpec) -> NodeConnection:
-    """The transport for a node: a local subprocess, or an SSH session."""
-    if node.is_local:
-        from orchestrator.transport.local import LocalConnection
+class Connector:
+    """The transport for each node: a local subprocess, or an SSH session. Local relays
+    start in ``world`` (the submitter's; None: this process's)."""
 
-        return LocalConnection(node.host)
-    from orchestrator.transport.ssh import SSHConnection  # paramiko only when needed
+    def __init__(self, world: UserWorld | None = None):
+        self.world = world
 
-    return SSHConnection(node, spec)
+    def __call__(self, node: NodeSpec, spec: JobSpec) -> NodeConnection:
+        if node.is_local:
+            from orchestrator.transport.local import LocalConnection
+
+            return LocalConnection(node.host, self.world)
+        from orchestrator.transport.ssh import SSHConnection  # paramiko only when needed
+
+        return SSHConnection(node, spec)
+
+
+#: In the calling process's own world (``check``, tests).
+default_connect = Connector()

@@ -38,6 +38,13 @@ BOOTSTRAP = (
 )
 
 
+# How the agent's interpreter runs on every transport: isolated (-I: no PYTHON* variables,
+# no user site, no current directory on sys.path, so nothing in a home or a PYTHONPATH
+# shadows the stdlib modules the agent imports) and unbuffered. Only the agent's own
+# interpreter: its environment, which workers start from, is left as it is.
+AGENT_PYTHON_FLAGS = ("-I", "-u")
+
+
 class NodeConnection(Protocol):
     """One channel to a node's agent."""
 

@@ -1,4 +1,8 @@
-"""LocalConnection: the channel to an agent on this machine, for ``host: local``."""
+"""LocalConnection: the channel to an agent on this machine, for ``host: local``.
+
+The relay (and so the agent it starts, and the workers) runs in the submitter's world
+(environment and umask, see orchestrator/world.py), not in the controller's.
+"""
 
 from __future__ import annotations
 
@@ -7,29 +11,36 @@ import sys
 
 from orchestrator.errors import AgentError
 from orchestrator.transport.base import (
+    AGENT_PYTHON_FLAGS,
     BOOTSTRAP,
     JsonLines,
     LineConnection,
     agent_payload,
     end_relay_process,
 )
+from orchestrator.world import UserWorld
 
 
 class LocalConnection(LineConnection):
-    """Runs the relay as a subprocess; its stderr is the controller's (controller.log)."""
+    """Runs the relay as a subprocess; its stderr is the controller's (controller.log).
+    ``world`` None: this process's own environment and umask."""
 
-    def __init__(self, host: str = "local"):
+    def __init__(self, host: str = "local", world: UserWorld | None = None):
         self.host = host
+        self._world = world
         self._proc: subprocess.Popen[bytes] | None = None
         self._lines: JsonLines | None = None
 
     def open(self) -> None:
         try:
+            world = self._world
             self._proc = subprocess.Popen(
-                [sys.executable, "-u", "-c", BOOTSTRAP],
+                [sys.executable, *AGENT_PYTHON_FLAGS, "-c", BOOTSTRAP],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 start_new_session=True,  # a Ctrl-C at a terminal must not reach it
+                env=dict(world.env) if world is not None else None,
+                umask=world.umask if world is not None else -1,
             )
             assert self._proc.stdin is not None and self._proc.stdout is not None
             self._proc.stdin.write(agent_payload())

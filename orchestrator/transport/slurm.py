@@ -25,12 +25,14 @@ from orchestrator.errors import AgentError
 from orchestrator.slurm import slurm_env
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.transport.base import (
+    AGENT_PYTHON_FLAGS,
     BOOTSTRAP,
     JsonLines,
     LineConnection,
     agent_payload,
     end_relay_process,
 )
+from orchestrator.world import UserWorld
 
 HOLDER_TIMEOUT = 60.0  # seconds for a node's holder step to start and say it holds
 
@@ -39,7 +41,17 @@ def srun_argv(job_id: str, node: str, python: str, name: str = "orchestrator-age
               ) -> list[str]:
     """The step that runs one node's relay (argv: nothing here passes through a shell)."""
     return ["srun", f"--jobid={job_id}", "--overlap", "--nodes=1", "--ntasks=1", "-w", node,
-            f"--job-name={name}", "--quiet", python, "-u", "-c", BOOTSTRAP]
+            f"--job-name={name}", python, *AGENT_PYTHON_FLAGS, "-c", BOOTSTRAP]
+
+
+def _srun(argv: list[str], world: UserWorld | None) -> subprocess.Popen[bytes]:
+    """srun, in the submitter's world: a step's tasks get srun's environment (--export=ALL)
+    and umask, as under ``srun torchrun`` typed in that shell; never the controller's."""
+    return subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        env=slurm_env(world.env if world is not None else None),
+        umask=world.umask if world is not None else -1,
+        start_new_session=True)  # a Ctrl-C at a terminal must not reach srun
 
 
 def _keep_tail(proc: subprocess.Popen[bytes], tail: deque[str]) -> None:
@@ -56,15 +68,13 @@ class Holder:
     srun is in a session of its own and outlives this process: the holder stays while the
     agents it started live, for a replaced controller to find."""
 
-    def __init__(self, job_id: str, node: str, python: str, orchestrator_job: str):
+    def __init__(self, job_id: str, node: str, python: str, orchestrator_job: str,
+                 world: UserWorld | None = None):
         self.node = node
         self.stderr_tail: deque[str] = deque(maxlen=20)
         self.ready = threading.Event()
         self.reply: dict[str, Any] | None = None
-        self.proc = subprocess.Popen(
-            srun_argv(job_id, node, python, "orchestrator-holder"), stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=slurm_env(),
-            start_new_session=True)
+        self.proc = _srun(srun_argv(job_id, node, python, "orchestrator-holder"), world)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         threading.Thread(target=_keep_tail, args=(self.proc, self.stderr_tail),
                          daemon=True).start()
@@ -96,10 +106,11 @@ class SlurmConnection(LineConnection):
     """One node's agent through an ``srun --overlap`` step of the job's allocation."""
 
     def __init__(self, job_id: str, node: str, python: str,
-                 holder: Callable[[str], None] | None = None):
+                 holder: Callable[[str], None] | None = None, world: UserWorld | None = None):
         self.host = node
         self._argv = srun_argv(job_id, node, python)
         self._holder = holder
+        self._world = world
         self._proc: subprocess.Popen[bytes] | None = None
         self._lines: JsonLines | None = None
         self.stderr_tail: deque[str] = deque(maxlen=20)
@@ -118,11 +129,7 @@ class SlurmConnection(LineConnection):
 
     def open(self) -> None:
         try:
-            self._proc = subprocess.Popen(
-                self._argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, env=slurm_env(),
-                start_new_session=True,  # a Ctrl-C at a terminal must not reach srun
-            )
+            self._proc = _srun(self._argv, self._world)
             assert self._proc.stdin is not None and self._proc.stdout is not None
             threading.Thread(target=_keep_tail, args=(self._proc, self.stderr_tail),
                              daemon=True).start()
@@ -146,15 +153,17 @@ class SlurmConnector:
     """The connection factory for a job on allocation ``job_id`` (node specs carry the
     Slurm node names), and the keeper of each node's holder step."""
 
-    def __init__(self, job_id: str):
+    def __init__(self, job_id: str, world: UserWorld | None = None):
         self.job_id = job_id
+        self.world = world  # the submitter's: steps start in it (None: this process's)
         self._holders: dict[tuple[str, str], Holder] = {}  # (node, the orchestrator's job)
         self._lock = threading.Lock()
 
     def __call__(self, node: NodeSpec, spec: JobSpec) -> SlurmConnection:
         name, python = node.hostname, spec.python
         return SlurmConnection(self.job_id, name, python,
-                               holder=lambda job: self.ensure_holder(name, python, job))
+                               holder=lambda job: self.ensure_holder(name, python, job),
+                               world=self.world)
 
     def ensure_holder(self, node: str, python: str, job: str) -> None:
         """Start the node's holder step for ``job`` (the orchestrator's) unless ours runs:
@@ -164,7 +173,7 @@ class SlurmConnector:
             if holder is None or not holder.running():
                 try:
                     holder = self._holders[(node, job)] = Holder(self.job_id, node, python,
-                                                                 job)
+                                                                 job, self.world)
                 except OSError as exc:
                     raise AgentError(node, f"cannot start the holder step with srun: {exc}"
                                      ) from exc

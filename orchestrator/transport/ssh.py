@@ -32,7 +32,13 @@ from orchestrator.errors import (
     TransportError,
 )
 from orchestrator.spec import JobSpec, NodeSpec
-from orchestrator.transport.base import BOOTSTRAP, JsonLines, LineConnection, agent_payload
+from orchestrator.transport.base import (
+    AGENT_PYTHON_FLAGS,
+    BOOTSTRAP,
+    JsonLines,
+    LineConnection,
+    agent_payload,
+)
 
 _known_hosts_lock = threading.Lock()
 
@@ -177,7 +183,7 @@ class SSHConnection(LineConnection):
             assert transport is not None
             transport.set_keepalive(15)
             channel = transport.open_session(timeout=self._spec.ssh.connect_timeout)
-            command = f"{shlex.quote(self._spec.python)} -u -c {shlex.quote(BOOTSTRAP)}"
+            command = shlex.join([self._spec.python, *AGENT_PYTHON_FLAGS, "-c", BOOTSTRAP])
             channel.exec_command(command)
             stdin = channel.makefile_stdin("wb")
             stdin.write(agent_payload())

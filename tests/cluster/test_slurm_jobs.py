@@ -29,6 +29,12 @@ from tests.helpers import (
     wait_for_output,
     write_spec,
 )
+from tests.worker_world import (
+    SLURM_ALLOCATION_SHELL,
+    SLURM_STEP_OF_ALLOCATION,
+    differences,
+    load_worlds,
+)
 
 from .conftest import local_cluster
 from .test_slurm_cluster import _require_slurm, assert_all_gone, daemon_pids, slurm
@@ -273,3 +279,71 @@ def test_cancel_while_the_allocation_is_pending_withdraws_the_request(sl, tmp_pa
     assert result["state"] == "CANCELLED" and time.monotonic() - started < 10
     assert settled_state(sl, pending) == "CANCELLED"
     assert result["slurm"]["released"] is True and our_allocations(sl) == []
+
+
+def test_a_slurm_workers_world_is_srun_torchruns(sl, tmp_path):
+    """The step's world, as ``srun torchrun ...`` from the submitting shell gives it: that
+    shell's environment and umask (srun passes them on), plus the step's SLURM_*."""
+    workdir = tmp_path / "project"
+    workdir.mkdir()
+    reference_dir, ours_dir = tmp_path / "torchrun", tmp_path / "ours"
+    reference_dir.mkdir()
+    ours_dir.mkdir()
+    world = str(WORKERS / "world.py")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PYTEST_", "ORCHESTRATOR_AGENT"))
+           and k not in ("PYTHONUNBUFFERED", "PYTHONSAFEPATH", "OMP_NUM_THREADS")}
+    env.update(MY_SETTING="on", PWD=str(workdir))
+    spec = slurm_spec(tmp_path, [PYTHON, world, str(ours_dir)], nodes=1, workdir=str(workdir))
+    run = subprocess.run([PYTHON, "-m", "orchestrator", "submit", str(spec), "--wait"],
+                         capture_output=True, text=True, timeout=180, cwd=workdir, env=env,
+                         umask=0o027)
+    assert run.returncode == 0, run.stderr
+    job_id = run.stderr.split()[run.stderr.split().index("submitted") + 1]
+    node = orchestrator.status(job_id)["slurm"]["nodes"][0]
+    typed = subprocess.run(
+        ["srun", "-N1", "-n1", "-w", node, f"--chdir={workdir}", PYTHON, "-m",
+         "torch.distributed.run", "--standalone", "--nproc-per-node=2", world,
+         str(reference_dir)], capture_output=True, text=True, timeout=180, cwd=workdir,
+        env=env, umask=0o027)
+    assert typed.returncode == 0, typed.stderr[-2000:]
+    reference, ours = load_worlds(reference_dir), load_worlds(ours_dir)
+    assert sorted(ours) == sorted(reference) == [0, 1]
+    slurm_values = frozenset(k for k in reference[0]["env"] if k.startswith("SLURM_"))
+    for rank in (0, 1):
+        problems = differences(reference[rank], ours[rank], also_differ=slurm_values,
+                               may_lack=SLURM_ALLOCATION_SHELL,
+                               may_add=SLURM_STEP_OF_ALLOCATION)
+        assert problems == [], "\n".join(problems)
+    assert ours[0]["umask"] == 0o027 and ours[0]["env"]["MY_SETTING"] == "on"
+    assert ours[0]["env"]["SLURMD_NODENAME"] == node
+    assert_no_job_processes(job_id)
+
+
+def test_a_two_file_script_and_a_per_node_launcher_on_slurm(sl, tmp_path):
+    import shutil
+
+    shutil.copytree(ROOT / "tests" / "projects" / "twofile", tmp_path / "proj")
+    spec = slurm_spec(tmp_path, [PYTHON, "train.py"], nodes=2, workdir=str(tmp_path / "proj"))
+    job_id = orchestrator.submit(spec)
+    result = orchestrator.wait(job_id, timeout=180)
+    lines = list(orchestrator.logs(job_id))
+    assert result["state"] == "SUCCEEDED", (result["failure"], lines[-10:])
+    assert sorted(ln.split("] ", 1)[1] for ln in lines if "two-file" in ln) == [
+        f"two-file rank {r}/4 sum 60" for r in range(4)]
+    assert_no_job_processes(job_id)
+    command = [PYTHON, str(ROOT / "examples" / "per_node_spawn.py"),
+               "--master_addr", "${master_addr}", "--master_port", "${master_port}",
+               "--world_size", "${world_size}", "--start_rank", "${node_start_rank}",
+               "--num_gpus", "${nproc_per_node}"]
+    job_id = orchestrator.submit(slurm_spec(tmp_path, command, launch="per-node"))
+    result = orchestrator.wait(job_id, timeout=180)
+    lines = list(orchestrator.logs(job_id))
+    assert result["state"] == "SUCCEEDED", (result["failure"], lines[-10:])
+    found = {int(m.group(2)): (m.group(1), m.group(3)) for ln in lines
+             if (m := re.match(r"\[([^:]+):node\d\] per-node rank (\d)/6 local \d "
+                               r"final weights (\w+)", ln))}
+    assert {r: n for r, (n, _) in found.items()} == {
+        r: sl.slurm_nodes[r // 2] for r in range(6)}, lines[-10:]
+    assert len({d for _, d in found.values()}) == 1
+    assert_no_job_processes(job_id)

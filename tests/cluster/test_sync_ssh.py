@@ -91,3 +91,55 @@ def test_a_failing_setup_fails_the_job_without_a_restart(cluster, home, tmp_path
     assert failure["exit_code"] == 3 and "no such requirement" in failure["stderr_tail"]
     assert failure["host"].startswith("root@10.231.") and result["restarts"] == 0
     assert_no_job_processes(job_id)
+
+
+VERIFY = """import hashlib, json, os, sys
+expected = json.load(open(sys.argv[1]))
+seen = {}
+for top, _, files in os.walk("."):
+    for name in files:
+        rel = os.path.relpath(os.path.join(top, name), ".")
+        if rel != ".orchestrator-manifest.json":
+            seen[rel] = hashlib.sha256(open(rel, "rb").read()).hexdigest()
+print("verified", len(seen), "complete" if seen == expected else "DIFFERENT", flush=True)
+"""
+
+
+def test_nodes_sharing_a_home_each_run_setup_and_all_get_the_new_tree(cluster, home, tmp_path):
+    """The namespace nodes share one filesystem, as nodes mounting one NFS home do: setup
+    runs once per node (3 times), and 3 nodes building the same new tree into one shared
+    cache at once all get a complete copy."""
+    import hashlib
+    import json
+
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    expected = {}
+    for i in range(120):  # new content: no node has any of it yet
+        rel = f"pkg{i % 6}/file{i}.bin"
+        data = secrets.token_bytes(2048 + i * 97)
+        (proj / rel).parent.mkdir(exist_ok=True)
+        (proj / rel).write_bytes(data)
+        expected[rel] = hashlib.sha256(data).hexdigest()
+    (proj / "verify.py").write_text(VERIFY)
+    expected["verify.py"] = hashlib.sha256(VERIFY.encode()).hexdigest()
+    (tmp_path / "expected.json").write_text(json.dumps(expected))
+    runs = tmp_path / "setup-runs"
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, "verify.py", str(tmp_path / "expected.json")],
+        nproc_per_node=1, sync="proj", workdir="proj",
+        setup=[f'echo "$SSH_CONNECTION" | cut -d" " -f3 >> {runs}']))
+    result = orchestrator.wait(job_id, timeout=180)
+    lines = list(orchestrator.logs(job_id))
+    assert result["state"] == "SUCCEEDED", (result["failure"], lines[-10:])
+    assert sorted(runs.read_text().split()) == sorted(h.address for h in cluster.hosts)
+    verified = [ln.split("] ", 1)[1] for ln in lines if "] verified" in ln]
+    assert verified == [f"verified {len(expected)} complete"] * 3, lines[-10:]
+    assert all(n["sync"]["done"] for n in result["nodes"])
+    assert_no_job_processes(job_id)
+    again = orchestrator.submit(cluster_spec(  # the same setup again: done on every node
+        cluster, tmp_path, [PYTHON, "verify.py", str(tmp_path / "expected.json")],
+        nproc_per_node=1, sync="proj", workdir="proj",
+        setup=[f'echo "$SSH_CONNECTION" | cut -d" " -f3 >> {runs}']))
+    assert orchestrator.wait(again, timeout=180)["state"] == "SUCCEEDED"
+    assert len(runs.read_text().split()) == 3

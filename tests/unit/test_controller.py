@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from agents import protocol as P
 from orchestrator.controller import Controller
 from orchestrator.spec import parse_jobspec
 from orchestrator.state import JobState
@@ -116,14 +117,15 @@ def test_agent_of_another_protocol_fails_the_launch_naming_the_node(tmp_path):
 
     def connect(node, _spec):
         agent = FakeAgent(node.host, {}, [])
-        agent.protocol = 1 if node.host == "b" else 2
+        agent.protocol = 1 if node.host == "b" else P.VERSION
         return agent
 
     state = Controller(store, "fake-000003", spec, str(tmp_path), connect).run()
     job = store.get_job("fake-000003")
     assert state == JobState.FAILED and job.failure["cause"] == "LAUNCH_FAILED"
     message = job.failure["message"]
-    assert message.startswith("b: ") and "protocol 1" in message and "speaks 2" in message
+    assert message.startswith("b: ") and "protocol 1" in message
+    assert f"speaks {P.VERSION}" in message
     assert "\n" not in message
 
 

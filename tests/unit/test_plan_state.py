@@ -56,7 +56,9 @@ def test_c10d_plan_runs_torchrun_once_per_node():
     plan = plan_attempt(spec, "demo-abc123", attempt=2)
     assert [len(n.workers) for n in plan.nodes] == [1, 1, 1]
     argv = plan.nodes[0].workers[0].argv
-    assert argv[:3] == ("python", "-m", "torch.distributed.run")
+    # -u: torchrun's own output unbuffered, without PYTHONUNBUFFERED reaching its workers.
+    assert argv[:4] == ("python", "-u", "-m", "torch.distributed.run")
+    assert "PYTHONUNBUFFERED" not in plan.nodes[0].env
     env = plan.nodes[0].workers[0].env
     assert env["PET_NNODES"] == "2:3" and env["PET_NPROC_PER_NODE"] == "2"
     assert env["PET_RDZV_ENDPOINT"] == "n0.example:29400" and env["PET_RDZV_ID"] == "demo-abc123-2"
@@ -127,3 +129,34 @@ def test_gpu_counts_differ_per_node_and_ranks_follow_them():
                          "command: [python, t.py]\nrendezvous: {backend: c10d}\n")
     plan = plan_attempt(c10d, "j-1", nprocs={0: 2, 1: 8})
     assert [n.workers[0].env["PET_NPROC_PER_NODE"] for n in plan.nodes] == ["2", "8"]
+
+
+def test_per_node_plan_runs_one_process_per_node_with_its_ranks_on_the_command_line():
+    spec = parse_jobspec(SPEC + "launch: per-node\n").model_copy(update={"command": (
+        "python", "spawn.py", "--master_addr", "${master_addr}", "--master_port",
+        "${master_port}", "--world_size", "${world_size}", "--start_rank",
+        "${node_start_rank}", "--num_gpus", "${nproc_per_node}")})
+    plan = plan_attempt(spec, "demo-abc123", master_port=29555)
+    assert [len(n.workers) for n in plan.nodes] == [1, 1, 1]
+    argvs = [n.workers[0].argv for n in plan.nodes]
+    assert [a[3] for a in argvs] == ["n0.example"] * 3 and {a[5] for a in argvs} == {"29555"}
+    assert [(a[7], a[9], a[11]) for a in argvs] == [("6", "0", "2"), ("6", "2", "2"),
+                                                     ("6", "4", "2")]
+    node = plan.nodes[1]
+    assert node.workers[0].rank is None and "RANK" not in node.env
+    assert node.env["WORLD_SIZE"] == "6" and node.env["GROUP_RANK"] == "1"
+    assert node.defaults == {}  # nothing of torchrun's stands in for the user's launcher
+    assert plan.owner(1) == "the node's process on node 1"
+    assert "node process (2 ranks): python spawn.py" in describe(plan)
+
+
+def test_static_plan_gives_torchruns_defaults_and_the_route_only_across_nodes():
+    spec = parse_jobspec(SPEC)
+    plan = plan_attempt(spec, "demo-abc123", master_port=1)
+    assert plan.nodes[0].defaults == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                                      "OMP_NUM_THREADS": "1"}
+    assert plan.nodes[0].env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == \
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    assert {n.route_to for n in plan.nodes} == {"n0.example"}
+    one = plan_attempt(spec, "demo-abc123", master_port=1, node_indices=[2])
+    assert one.nodes[0].route_to is None  # one node: nothing crosses a network

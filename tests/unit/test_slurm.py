@@ -138,7 +138,9 @@ def test_the_agent_step_is_an_argv_without_secrets():
     argv = srun_argv("12", "n3", "/opt/py/bin/python3")
     assert argv[:7] == ["srun", "--jobid=12", "--overlap", "--nodes=1", "--ntasks=1", "-w",
                         "n3"]
-    assert argv[-4:] == ["/opt/py/bin/python3", "-u", "-c", BOOTSTRAP]
+    # -I: the agent's interpreter isolated (none of the user's PYTHON* settings, no cwd on
+    # sys.path); the step's environment, which workers start from, is left as it is.
+    assert argv[-5:] == ["/opt/py/bin/python3", "-I", "-u", "-c", BOOTSTRAP]
 
 
 def test_an_allocation_we_run_inside_of_must_be_large_enough(monkeypatch):

@@ -1,0 +1,2 @@
+def double(x: float) -> float:
+    return 2 * x
