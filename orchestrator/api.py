@@ -85,9 +85,11 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
         slurm.quick_check(job_spec)
         allocation = slurm.existing_allocation(job_spec)  # submitted inside an allocation
         hosts = [n.host for n in slurm.spec_with_nodes(job_spec, allocation).nodes]
-    if job_spec.sync is not None:  # a bad symlink or an unreadable file: said now, not later
-        sync.build_manifest(os.path.join(directory, os.path.expanduser(job_spec.sync.path)),
-                            job_spec.sync.exclude)
+    manifest = None
+    if job_spec.sync is not None:  # a bad symlink, an unreadable file, too much: said now
+        manifest = sync.build_manifest(
+            os.path.join(directory, os.path.expanduser(job_spec.sync.path)),
+            job_spec.sync.exclude, job_spec.sync.max_bytes)
     store = Store(home)
     try:
         _check_free_space(store, job_spec.logs.min_free_bytes)
@@ -97,6 +99,8 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
                          job_spec.max_restarts, hosts, secret=secrets.token_hex(32),
                          slurm=allocation.to_dict() if allocation is not None else None,
                          world=world.to_dict())
+        if manifest is not None:  # hashed once: the controller ships this very tree
+            manifest.save(store.job_dir(job_id) / sync.MANIFEST_FILE)
         try:
             _start_controller(store, job_id, resume=False)
         except OSError as exc:

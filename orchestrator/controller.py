@@ -852,11 +852,12 @@ class Controller:
             if self._manifest is None:
                 assert self.spec.sync is not None
                 root = os.path.join(self.spec_dir, os.path.expanduser(self.spec.sync.path))
-                saved = self.store.job_dir(self.job_id) / "sync-manifest.json"
-                if saved.exists():
+                saved = self.store.job_dir(self.job_id) / sync.MANIFEST_FILE
+                if saved.exists():  # submit hashed it
                     self._manifest = sync.Manifest.load(saved, root)
                 else:
-                    self._manifest = sync.build_manifest(root, self.spec.sync.exclude)
+                    self._manifest = sync.build_manifest(root, self.spec.sync.exclude,
+                                                         self.spec.sync.max_bytes)
                     self._manifest.save(saved)
             return self._manifest
 

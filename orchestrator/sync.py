@@ -4,26 +4,30 @@ A *manifest* lists every file to ship (relative path, sha256, size, executable b
 hash names the tree. On a node, files live once in a blob cache by content, and each tree is
 built from them under ``~/.cache/orchestrator/sync/<tree>`` (the agent does that, see
 ``agents/node_agent.py``): a node receives only the blobs it does not have, so an unchanged
-tree costs one manifest and no file contents. ``.gitignore`` at the root, the spec's
-``exclude`` globs and ``.git/`` are left out. A symlink is shipped as the file it points to
-when that is inside the tree, and refused when it points outside; an unreadable file is
-refused too, both before anything starts.
+tree costs one manifest and no file contents. What is shipped is what git tracks or would
+track (``shipped_files``: git itself in a work tree, every .gitignore on the way otherwise),
+less the spec's ``exclude`` globs. A symlink is shipped as the file it points to when that
+is inside the tree, and refused when it points outside; an unreadable file and a tree over
+``sync.max_bytes`` are refused too, all before anything starts.
 """
 
 from __future__ import annotations
 
-import fnmatch
 import hashlib
 import json
 import os
 import stat
+import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pathspec import GitIgnoreSpec
 
 from orchestrator.errors import LaunchError
 
 CHUNK = 1024 * 1024  # bytes of a blob per message
 CACHE = "~/.cache/orchestrator"  # on the node, expanded by the agent
+MANIFEST_FILE = "sync-manifest.json"  # kept in the job's directory: the tree is hashed once
 
 
 @dataclass(frozen=True)
@@ -63,83 +67,160 @@ class Manifest:
         return cls(Path(root).resolve(), entries)
 
 
-class _Ignore:
-    """The common subset of .gitignore: globs, ``**``, a leading ``/`` anchoring to the
-    root, a trailing ``/`` for directories only, ``!`` to take a pattern back."""
-
-    def __init__(self, patterns: list[str]):
-        self.rules: list[tuple[bool, bool, bool, str]] = []
-        for raw in patterns:
-            line = raw.rstrip("\n").rstrip()
-            if not line or line.startswith("#"):
-                continue
-            negate = line.startswith("!")
-            line = line[1:] if negate else line
-            dir_only = line.endswith("/")
-            line = line.rstrip("/")
-            anchored = "/" in line
-            self.rules.append((negate, dir_only, anchored, line.lstrip("/")))
-
-    def ignored(self, rel: str, is_dir: bool) -> bool:
-        result = False
-        name = rel.rsplit("/", 1)[-1]
-        for negate, dir_only, anchored, pattern in self.rules:
-            if dir_only and not is_dir:
-                continue
-            target = rel if anchored else name
-            if fnmatch.fnmatchcase(target, pattern) or (
-                    "**" in pattern and fnmatch.fnmatchcase(rel, pattern.replace("**/", "*"))):
-                result = not negate
-        return result
-
-
-def build_manifest(root: str | os.PathLike[str], exclude: tuple[str, ...] = ()) -> Manifest:
-    """Walk ``root`` and hash what would be shipped; LaunchError names a symlink that leaves
-    the tree or a file that cannot be read."""
+def build_manifest(root: str | os.PathLike[str], exclude: tuple[str, ...] = (),
+                   max_bytes: int | None = None) -> Manifest:
+    """Hash what would be shipped from ``root``: what git tracks or would track there (see
+    ``shipped_files``), less ``exclude``. LaunchError names a symlink that leaves the tree, a
+    file that cannot be read, or a tree over ``max_bytes`` (with its largest directories),
+    the last before a single file is hashed."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise LaunchError(f"sync: {root} is not a directory")
-    patterns = [".git/"]
-    gitignore = root / ".gitignore"
-    if gitignore.is_file():
-        patterns += gitignore.read_text(errors="replace").splitlines()
-    patterns += list(exclude)
-    ignore = _Ignore(patterns)
-    manifest = Manifest(root)
-    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
-        here = Path(dirpath)
-        rel_dir = here.relative_to(root).as_posix()
-        rel_dir = "" if rel_dir == "." else rel_dir + "/"
-        kept = []
-        for d in sorted(dirnames):
-            full = here / d
-            if ignore.ignored(rel_dir + d, True):
-                continue
-            if full.is_symlink():
-                _inside(root, full)
+    excluded = GitIgnoreSpec.from_lines([".git/", *exclude])
+    found: list[tuple[str, Path, os.stat_result]] = []
+    for rel in shipped_files(root):
+        if excluded.match_file(rel):
+            continue
+        full = root / rel
+        if full.is_symlink():
+            target = _inside(root, full)
+            if target.is_dir():
                 raise LaunchError(f"sync: {full} is a symlink to a directory; ship the "
                                   "directory itself or exclude it")
-            kept.append(d)
-        dirnames[:] = kept
-        for f in sorted(filenames):
-            rel = rel_dir + f
-            if ignore.ignored(rel, False):
-                continue
-            full = here / f
-            target = _inside(root, full) if full.is_symlink() else full
-            try:
-                st = target.stat()
-                if not stat.S_ISREG(st.st_mode):
-                    continue  # sockets, fifos: nothing to ship
-                digest = hashlib.sha256()
-                with open(target, "rb") as fh:
-                    for block in iter(lambda: fh.read(CHUNK), b""):
-                        digest.update(block)
-            except OSError as exc:
-                raise LaunchError(f"sync: cannot read {full}: {exc.strerror or exc}") from None
-            manifest.entries.append(Entry(rel, digest.hexdigest(), st.st_size,
-                                          bool(st.st_mode & 0o111)))
+        else:
+            target = full
+        try:
+            st = target.stat()
+        except OSError as exc:
+            raise LaunchError(f"sync: cannot read {full}: {exc.strerror or exc}") from None
+        if stat.S_ISREG(st.st_mode):  # sockets, fifos: nothing to ship
+            found.append((rel, target, st))
+    total = sum(st.st_size for _, _, st in found)
+    if max_bytes is not None and total > max_bytes:
+        raise LaunchError(f"sync: {root} holds {_size(total)} to ship, more than "
+                          f"sync.max_bytes ({_size(max_bytes)}); largest: "
+                          f"{_largest(found)}. Exclude what the job does not need "
+                          "(.gitignore, sync.exclude) or raise sync.max_bytes")
+    manifest = Manifest(root)
+    for rel, target, st in found:
+        digest = hashlib.sha256()
+        try:
+            with open(target, "rb") as fh:
+                for block in iter(lambda: fh.read(CHUNK), b""):
+                    digest.update(block)
+        except OSError as exc:
+            raise LaunchError(f"sync: cannot read {root / rel}: {exc.strerror or exc}") from None
+        manifest.entries.append(Entry(rel, digest.hexdigest(), st.st_size,
+                                      bool(st.st_mode & 0o111)))
     return manifest
+
+
+def shipped_files(root: Path) -> list[str]:
+    """Every file under ``root`` that git tracks or would track, relative, sorted: ``git
+    ls-files --cached --others --exclude-standard`` where ``root`` is in a git work tree
+    (nested .gitignore files, negations, .git/info/exclude, the user's global excludes;
+    a submodule or a nested repository is listed the same way inside), else a walk that
+    reads every .gitignore on the way with pathspec's implementation of git's rules."""
+    listed = _git_files(root)
+    if listed is None:
+        return _walk(root)
+    out = []
+    for rel in listed:
+        full = root / rel
+        if full.is_dir() and not full.is_symlink():  # a submodule or a nested repository
+            out += [f"{rel}/{inner}" for inner in shipped_files(full)]
+        elif os.path.lexists(full):  # not a tracked file deleted since
+            out.append(rel)
+    return sorted(out)
+
+
+def _git_files(root: Path) -> list[str] | None:
+    """What git lists under ``root``, or None when it is not in a work tree (or no git)."""
+    try:
+        inside = subprocess.run(["git", "-C", str(root), "rev-parse", "--is-inside-work-tree"],
+                                capture_output=True, text=True, timeout=30)
+        if inside.returncode != 0 or inside.stdout.strip() != "true":
+            return None
+        listed = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached",
+                                 "--others", "--exclude-standard"],
+                                capture_output=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if listed.returncode != 0:
+        return None
+    names = listed.stdout.decode("utf-8", "surrogateescape").split("\0")
+    return sorted({n.rstrip("/") for n in names if n})
+
+
+def _walk(root: Path) -> list[str]:
+    """Files under ``root`` that the .gitignore files on the way leave in."""
+    rules: list[str] = []
+    spec = GitIgnoreSpec.from_lines([".git/"])
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        rel_dir = here.relative_to(root).as_posix()
+        rel_dir = "" if rel_dir == "." else rel_dir
+        gitignore = here / ".gitignore"
+        if gitignore.is_file():
+            rules += _rebase(gitignore.read_text(errors="replace").splitlines(), rel_dir)
+            spec = GitIgnoreSpec.from_lines([".git/", *rules])
+        prefix = f"{rel_dir}/" if rel_dir else ""
+        # An ignored directory is not entered: nothing below it can be taken back (git).
+        dirnames[:] = sorted(d for d in dirnames if not spec.match_file(f"{prefix}{d}/"))
+        out += [prefix + f for f in filenames if not spec.match_file(prefix + f)]
+    return sorted(out)
+
+
+def _rebase(lines: list[str], directory: str) -> list[str]:
+    """A .gitignore's patterns from ``directory``, as patterns relative to the tree's root:
+    one with a slash (not at its end) is anchored to its directory, one without matches at
+    any depth below it."""
+    if not directory:
+        return lines
+    out = []
+    for raw in lines:
+        line = raw.rstrip()
+        if not line or line.startswith("#"):
+            continue
+        negate = line.startswith("!")
+        pattern = line[1:] if negate else line
+        anchored = "/" in pattern.rstrip("/")
+        rebased = f"{directory}/{pattern.lstrip('/')}" if anchored else \
+            f"{directory}/**/{pattern}"
+        out.append(("!" if negate else "") + rebased)
+    return out
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def _largest(found: list[tuple[str, Path, os.stat_result]], count: int = 3) -> str:
+    """The largest directories (the first two levels) and files at the top, by size."""
+    sizes: dict[str, int] = {}
+    for rel, _, st in found:
+        parts = rel.split("/")
+        for depth in (1, 2):
+            if len(parts) > depth:
+                key = "/".join(parts[:depth]) + "/"
+                sizes[key] = sizes.get(key, 0) + st.st_size
+        if len(parts) == 1:
+            sizes[rel] = st.st_size
+    # Of a directory and the one inside it that holds all of it, the deeper says more.
+    shown = sorted(sizes.items(), key=lambda kv: (-kv[1], -kv[0].count("/")))
+    picked: list[tuple[str, int]] = []
+    for name, size in shown:
+        if any(name.startswith(p) or p.startswith(name) for p, _ in picked):
+            continue
+        picked.append((name, size))
+        if len(picked) == count:
+            break
+    return ", ".join(f"{name} {_size(size)}" for name, size in picked)
 
 
 def _inside(root: Path, link: Path) -> Path:

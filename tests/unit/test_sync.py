@@ -99,3 +99,73 @@ def test_pruning_keeps_recent_trees_and_anything_used_within_the_hour(tmp_path, 
     assert left == sorted([trees[0].name, trees[6].name, trees[7].name])
     assert fresh.exists()  # too young to go
     assert sorted(p.name[-1] for p in blobs.iterdir() if p != fresh) == ["0", "6", "7"]
+
+
+NESTED = {
+    "train.py": "x", ".gitignore": "*.log\n!keep.log\n/out/\n",
+    "keep.log": "k", "run.log": "r", "out/model.pt": "m", "src/out/gen.py": "g",
+    "data/.gitignore": "big/\nraw-*\n!raw-keep.txt\n", "data/small.csv": "s",
+    "data/big/shard0.bin": "b", "data/raw-a.txt": "a", "data/raw-keep.txt": "k",
+    "data/nested/big/inside.txt": "i", "data/nested/deeper/raw-b.txt": "b",
+    "pkg/.gitignore": "/generated.py\nsub/cache.txt\n", "pkg/generated.py": "g",
+    "pkg/x/generated.py": "kept: the pattern is anchored to pkg/",
+    "pkg/sub/cache.txt": "c", "pkg/sub/code.py": "c",
+}
+# What git itself ships from NESTED (checked against `git ls-files` below).
+SHIPPED = [".gitignore", "data/.gitignore", "data/raw-keep.txt", "data/small.csv",
+           "keep.log", "pkg/.gitignore", "pkg/sub/code.py", "pkg/x/generated.py",
+           "src/out/gen.py", "train.py"]
+
+
+def test_nested_gitignores_and_negations_as_git_reads_them(tmp_path):
+    root = tree(tmp_path / "plain", NESTED)
+    assert [e.path for e in build_manifest(root).entries] == SHIPPED
+
+
+def test_a_git_work_tree_ships_what_git_tracks_or_would_track(tmp_path):
+    import subprocess
+
+    root = tree(tmp_path / "repo", NESTED)
+    git = ["git", "-C", str(root), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (root / ".git" / "info" / "exclude").write_text("train.py\n")  # git's own exclude file
+    subprocess.run([*git, "add", "-f", "run.log"], check=True)  # tracked though ignored
+    subprocess.run([*git, "commit", "-qm", "x"], check=True)
+    expected = sorted({*SHIPPED, "run.log"} - {"train.py"})
+    assert [e.path for e in build_manifest(root).entries] == expected
+    (root / "pkg" / "sub" / "code.py").unlink()  # tracked? no: deleted untracked files go
+    assert "pkg/sub/code.py" not in [e.path for e in build_manifest(root).entries]
+
+
+def test_a_large_ignored_directory_is_never_read_and_max_bytes_refuses_naming_the_largest(
+        tmp_path):
+    import time
+
+    root = tree(tmp_path / "proj", {"train.py": "x", "data/.gitignore": "huge/\n"})
+    (root / "data" / "huge").mkdir()
+    with open(root / "data" / "huge" / "all.bin", "wb") as f:
+        f.truncate(4 * 1024 ** 3)  # sparse: 4 GiB that cost nothing, unless read
+    started = time.monotonic()
+    assert [e.path for e in build_manifest(root, max_bytes=1024).entries] == [
+        "data/.gitignore", "train.py"]
+    (root / "data" / ".gitignore").unlink()
+    (root / "ckpt").mkdir()
+    (root / "ckpt" / "last.pt").write_bytes(b"w" * 5000)
+    with pytest.raises(LaunchError) as refused:
+        build_manifest(root, max_bytes=1024 ** 3)
+    message = str(refused.value)
+    assert "4.0 GiB to ship, more than sync.max_bytes (1.0 GiB)" in message, message
+    assert "largest: data/huge/ 4.0 GiB, ckpt/ 4.9 KiB, train.py 1 B" in message, message
+    assert time.monotonic() - started < 3  # refused before hashing a byte of it
+
+
+def test_submit_refuses_a_tree_over_max_bytes_before_recording_anything(home, tmp_path):
+    import orchestrator
+    from tests.helpers import write_spec
+
+    root = tree(tmp_path / "proj", {"train.py": "x", "data/blob.bin": "y" * 4096})
+    spec = write_spec(tmp_path, {"nodes": [{"host": "local"}], "command": ["true"],
+                                 "sync": {"path": str(root), "max_bytes": 1024}})
+    with pytest.raises(LaunchError, match=r"more than sync.max_bytes .*largest: data/ 4.0 KiB"):
+        orchestrator.submit(spec)
+    assert orchestrator.list_jobs() == []
