@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orchestrator import preflight, slurm, sync
+from orchestrator import logfiles, preflight, slurm, sync
 from orchestrator.errors import JobEndedError, LaunchError
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
@@ -278,41 +278,37 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
          attempt: int | None = None, tail: int | None = None, follow: bool = False,
          home: str | os.PathLike[str] | None = None, poll: float = 0.2) -> Iterator[str]:
     """Yield log lines ``[host:rank] text`` of a job: the setup (``[host:setup]``) and
-    every attempt, or one attempt.
+    every attempt, or one attempt. ``rank`` reads that rank's own file; ``node`` the lines of
+    that node's ranks. Where lines were cut (``logs.max_bytes_per_rank``) or not written
+    (``logs.min_free_bytes``), a line ``[orchestrator] N lines ...`` says so, in place.
 
     ``follow`` keeps yielding new lines, moving on to new attempts, until the job ends.
     """
     store = Store(home)
     try:
         job = store.get_job(check_job_id(job_id))
-
-        def combined(n: int) -> Path:
-            return _combined_log(store, job_id, n)
-
         first = attempt if attempt is not None else (0 if rank is None else 1)
         last = attempt if attempt is not None else max(job.attempt, first)
-        keep = _line_filter(job, rank, node)
-        cursors = {n: _Cursor(combined(n)) for n in range(first, last + 1)}
+        streams = {n: _Stream(store, job, n, rank, node) for n in range(first, last + 1)}
         lines: Iterator[str] = (line for n in range(first, last + 1)
-                                for line in cursors[n].read() if keep(line))
+                                for line in streams[n].read(job))
         if tail is not None:
             lines = iter(deque(lines, maxlen=max(0, tail)))
         yield from lines
         if not follow:
             return
-        current, cursor = last, cursors[last]
+        current, stream = last, streams[last]
         next_liveness_check = time.monotonic() + 2.0
         while True:
             job = store.get_job(job_id)
             if not job.state.is_terminal() and time.monotonic() >= next_liveness_check:
                 _ensure_controller(store, job_id)
                 next_liveness_check = time.monotonic() + 2.0
-            keep = _line_filter(job, rank, node)
-            new = [line for line in cursor.read() if keep(line)]
+            new = stream.read(job)
             yield from new
             if attempt is None and job.attempt > current:
                 current += 1
-                cursor = _Cursor(combined(current))
+                stream = _Stream(store, job, current, rank, node)
                 continue
             if job.state.is_terminal() and not new:
                 return
@@ -325,41 +321,24 @@ def log_tail(job_id: str, *, rank: int | None = None, attempt: int | None = None
              lines: int = 200, max_bytes: int = 4 * 1024 * 1024,
              home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """The last ``lines`` lines of one attempt (default: the current one), read from the end
-    of its combined log (at most ``max_bytes`` of it, so a poll costs the same whatever the
-    log's size): ``{"attempt", "lines", "partial"}``; ``partial`` when the read stopped at
-    ``max_bytes`` before finding enough lines."""
+    of its log (the rank's own with ``rank``), at most ``max_bytes`` of it, so a poll costs
+    the same whatever the log's size; cut markers and not-written notes included:
+    ``{"attempt", "lines", "partial"}``; ``partial`` when the read stopped at ``max_bytes``
+    before finding enough lines."""
     store = Store(home)
     try:
         job = store.get_job(check_job_id(job_id))
         number = job.attempt if attempt is None else attempt
-        path = _combined_log(store, job_id, number)
-        keep = _line_filter(job, rank, None)
+        stream = _Stream(store, job, number, rank, None)
     finally:
         store.close()
-    try:
-        with open(path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            start = max(0, size - max_bytes)
-            f.seek(start)
-            data = f.read(size - start)
-    except OSError:
-        return {"attempt": number, "lines": [], "partial": False}
-    if start > 0:
-        data = data[data.find(b"\n") + 1:]  # a line cut by the window is not shown
-    data = data[:data.rfind(b"\n") + 1]  # nor a line still being written
-    found = [line for line in data.decode("utf-8", "replace").splitlines() if keep(line)]
+    found, partial = logfiles.tail_lines(stream.path, lines, max_bytes, stream.keep)
+    found = [stream.shown(line) for line in found] + stream.notes(job)
     return {"attempt": number, "lines": found[-lines:] if lines > 0 else [],
-            "partial": start > 0 and len(found) < lines}
+            "partial": partial}
 
 
 # --- helpers ---------------------------------------------------------------------------------
-
-def _combined_log(store: Store, job_id: str, attempt: int) -> Path:
-    """An attempt's combined log; attempt 0 is the setup phase."""
-    if attempt == 0:
-        return store.job_dir(job_id) / "logs" / "setup" / "combined.log"
-    return store.log_dir(job_id, attempt) / "combined.log"
-
 
 def _controller_view(job: JobRecord) -> dict[str, Any]:
     """The job's controller as this machine sees it. ``alive`` is None when it runs on
@@ -476,42 +455,62 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
     }
 
 
-def _line_filter(job: JobRecord, rank: int | None, node: int | None) -> Any:
-    if rank is None and node is None:
-        return lambda line: True
-    labels: set[str] | None = None
-    if node is not None:
-        index = {n.node_rank: n.node_index for n in job.nodes if n.node_rank is not None}
-        node_index = index.get(node, -1)
-        labels = {str(r.rank) for r in job.ranks if r.node_index == node_index}
-        labels.add(f"node{node}")
-    if rank is not None:
-        labels = {str(rank)} if labels is None else labels & {str(rank)}
-    wanted = labels or set()
+class _Stream:
+    """One attempt's lines as ``logs`` shows them: the rank's own file (``rank``), or the
+    combined one, filtered to a node's ranks (``node``); attempt 0 is the setup."""
 
-    def keep(line: str) -> bool:
-        head = line.split("] ", 1)[0]
-        return head.rsplit(":", 1)[-1] in wanted
+    def __init__(self, store: Store, job: JobRecord, attempt: int, rank: int | None,
+                 node: int | None):
+        if attempt == 0:
+            self.directory = store.job_dir(job.job_id) / "logs" / "setup"
+        else:
+            self.directory = store.log_dir(job.job_id, attempt)
+        self.rank, self.attempt = rank, attempt
+        self.path = self.directory / (f"rank-{rank}.log" if rank is not None and attempt
+                                      else "combined.log")
+        self.follower = logfiles.Follower(self.path)
+        self.labels = _node_labels(job, node) if node is not None else None
+        self._noted = 0
+        self._host: str | None = None
 
-    return keep
+    def keep(self, line: str) -> bool:
+        if self.rank is not None:
+            return self.attempt > 0  # the setup's lines belong to no rank
+        if self.labels is None or line.startswith("[orchestrator] "):
+            return True  # a marker says what happened to every rank's lines
+        return line.split("] ", 1)[0].rsplit(":", 1)[-1] in self.labels
+
+    def shown(self, line: str) -> str:
+        """A line of a rank's own file, as in the combined log: with its host and rank."""
+        if self.rank is None:
+            return line
+        if self._host is None:
+            self._host = logfiles.labels(self.directory).get(str(self.rank), "?")
+        return f"[{self._host}:{self.rank}] {line}"
+
+    def read(self, job: JobRecord) -> list[str]:
+        out = [self.shown(line) for line in self.follower.read() if self.keep(line)]
+        return out + self.notes(job)
+
+    def notes(self, job: JobRecord) -> list[str]:
+        """While the attempt runs, what the disk had no room for (its files say it once they
+        close), each time the count grows."""
+        counts, floor = logfiles.not_written(self.directory)
+        if self.rank is not None:
+            count = counts.get(str(self.rank), 0)
+        else:
+            count = sum(v for k, v in counts.items() if self.labels is None or k in self.labels)
+        if count <= self._noted or not self.keep("[orchestrator] "):
+            return []
+        self._noted = count
+        return [self.shown(logfiles.not_written_note(count, floor))]
 
 
-class _Cursor:
-    """Reads the complete lines a log file gained since the last read."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = 0
-
-    def read(self) -> Iterator[str]:
-        try:
-            f = open(self.path, "rb")
-        except OSError:
-            return
-        with f:
-            f.seek(self.offset)
-            for raw in f:
-                if not raw.endswith(b"\n"):
-                    return  # half-written: the next read gets it whole
-                self.offset += len(raw)
-                yield raw[:-1].decode("utf-8", "replace")
+def _node_labels(job: JobRecord, node: int) -> set[str]:
+    """The labels of the lines of the node with node rank ``node``: its ranks, and its own
+    (torchrun's, or a per-node launcher's)."""
+    index = {n.node_rank: n.node_index for n in job.nodes if n.node_rank is not None}
+    node_index = index.get(node, -1)
+    labels = {str(r.rank) for r in job.ranks if r.node_index == node_index}
+    labels.add(f"node{node}")
+    return labels

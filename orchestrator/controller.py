@@ -48,9 +48,10 @@ from typing import Any
 
 from agents import protocol as P
 from orchestrator import slurm, sync
-from orchestrator.attempt import Attempt, AttemptResult, Failure, LogSink
+from orchestrator.attempt import Attempt, AttemptResult, Failure
 from orchestrator.diagnosis import diagnose
 from orchestrator.errors import LaunchError, OrchestratorError, SpecError
+from orchestrator.logfiles import LogSink
 from orchestrator.nodepool import Channel, Node, NodePool
 from orchestrator.plan import plan_attempt
 from orchestrator.spec import JobSpec

@@ -62,3 +62,66 @@ def test_low_disk_stops_logging_and_counts_what_was_not_written(tmp_path):
     assert sink.stderr["0"][-1] == "boom"  # the failure message still has its tail
     assert not (tmp_path / "rank-0.log").exists() or "4 lines not written" in \
         (tmp_path / "rank-0.log").read_text()
+
+
+def accounted(lines_read):
+    """Line numbers read, and lines said to be cut, from a reader's output."""
+    numbers, cut = [], 0
+    for ln in lines_read:
+        if ln.startswith("[orchestrator] ") and " cut here" in ln:
+            cut += int(ln.split()[1])
+        else:
+            numbers.append(int(ln.split()[1]))
+    return numbers, cut
+
+
+def test_a_follower_reads_every_line_or_a_marker_counting_it_across_cuts_and_the_close(
+        tmp_path):
+    from orchestrator.logfiles import Follower
+
+    sink = LogSink(tmp_path, cap=4096)
+    follower, seen = Follower(tmp_path / "rank-0.log"), []
+    total = 0
+    for burst in range(40):
+        # Bursts of different sizes, read in between: some are read as they come, some are
+        # cut (their segment dropped) before the reader comes back.
+        for _ in range(7 if burst % 3 else 300):
+            sink.write("h", "0", "stdout", [f"line {total}"])
+            total += 1
+        sink.flush()
+        sink.state()
+        seen += follower.read()
+    sink.close()
+    seen += follower.read()
+    numbers, cut = accounted(seen)
+    assert numbers == sorted(numbers) and len(set(numbers)) == len(numbers)
+    assert len(numbers) + cut == total and numbers[-1] == total - 1
+    assert cut > 0 and follower.read() == []
+    # Each marker stands exactly where its lines were: numbers before it + its count = next.
+    expected = 0
+    for ln in seen:
+        if ln.startswith("[orchestrator] "):
+            expected += int(ln.split()[1])
+        else:
+            assert int(ln.split()[1]) == expected
+            expected += 1
+
+
+def test_reading_a_cut_log_while_it_runs_and_after_shows_the_marker_with_its_count(tmp_path):
+    from orchestrator.logfiles import Follower, tail_lines
+
+    sink = LogSink(tmp_path, cap=4096)
+    for i in range(1500):
+        sink.write("h", "0", "stdout", [f"line {i}"])
+    sink.flush()
+    running = Follower(tmp_path / "rank-0.log").read()
+    numbers, cut = accounted(running)
+    assert cut > 0 and len(numbers) + cut == 1500 and numbers[-1] == 1499
+    last, partial = tail_lines(tmp_path / "rank-0.log", 5, 1 << 20)
+    assert [int(ln.split()[1]) for ln in last] == list(range(1495, 1500)) and not partial
+    everything, _ = tail_lines(tmp_path / "rank-0.log", 10 ** 6, 1 << 20)
+    assert accounted(everything) == (numbers, cut)
+    sink.close()
+    assert accounted(Follower(tmp_path / "rank-0.log").read()) == (numbers, cut)
+    after, _ = tail_lines(tmp_path / "rank-0.log", 10 ** 6, 1 << 20)
+    assert accounted(after) == (numbers, cut)

@@ -1,0 +1,542 @@
+"""Log files: written by the controller (LogSink, CappedLog), read by everyone else (Follower,
+tail_lines), with no silent gap between the two.
+
+Each rank's output goes to ``rank-<label>.log`` and, prefixed ``[host:label] ``, to
+``combined.log``. A capped log keeps its head (the first half of the cap) in its file and,
+once that is full, its tail in segments beside it (``<stem>.tail<k>.log``, the oldest dropped
+and counted as cut when a third starts); when the attempt ends the kept tail is put back into
+the file after a marker that says how much was cut. While a log is cut, a small sidecar
+(``<file>.cut.json``, rewritten only when a segment starts, is dropped, or the file closes)
+says where the head ends, which segments hold which lines and, once closed, where the tail
+went: so a reader shows the marker with its count at the place lines were cut, follows lines
+into the segments while the attempt runs, and finds its place again after the close.
+Lines not written because the disk was below ``logs.min_free_bytes`` are counted per label
+in ``not-written.json`` while the attempt runs, and noted at the end of each file when it
+closes. ``labels.json`` says on which host each label ran.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+STDERR_TAIL = 20  # lines of a failing rank's stderr kept for the failure message
+NOT_WRITTEN = "not-written.json"
+LABELS = "labels.json"
+
+
+def cut_marker(lines: int, cut_bytes: int | None, cap: int | None) -> str:
+    """The line that stands where lines were cut (no newline)."""
+    size = f" ({cut_bytes} bytes)" if cut_bytes is not None else ""
+    return (f"[orchestrator] {lines} lines{size} cut here: this log keeps its first and last "
+            f"part, {cap} bytes in all (logs.max_bytes_per_rank)")
+
+
+def not_written_note(lines: int, min_free: int | None) -> str:
+    """The line that says how many lines the disk had no room for (no newline)."""
+    floor = f"less than {min_free} bytes" if min_free is not None else "too little space"
+    return (f"[orchestrator] {lines} lines not written: {floor} free on this filesystem "
+            "(logs.min_free_bytes)")
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".cut.json")
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data))
+    os.replace(tmp, path)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class CappedLog:
+    """One log file that keeps its first half of ``cap`` bytes and, past that, the last
+    quarter to half: lines go to tail segments beside it (``<stem>.tail<k>.log``), the
+    oldest of which is dropped, and counted, when a third one starts. ``close`` puts the
+    tail back after a marker that says how much was cut. ``cap`` None: no cap. The sidecar
+    (see the module's docstring) tells readers the layout while it is cut."""
+
+    def __init__(self, path: Path, cap: int | None, state: dict[str, Any] | None = None,
+                 buffering: int = -1):
+        self.path = path
+        self.cap = cap
+        state = state or {}
+        self.segments: list[int] = [int(k) for k in state.get("segments", [])]
+        self.segment_lines = {int(k): int(v) for k, v in state.get("segment_lines", {}).items()}
+        self.cut_lines = int(state.get("cut_lines", 0))
+        self.cut_bytes = int(state.get("cut_bytes", 0))
+        self.head_lines = int(state.get("head_lines", 0))
+        self.head_bytes = state.get("head_bytes")
+        # The number of each segment's first line in the whole output (head line 0 is 0).
+        self.starts = {int(k): int(v) for k, v in state.get("starts", {}).items()}
+        # A dropped segment's file goes only once a checkpoint has counted it as cut: a
+        # replaced controller must not count the replayed lines twice.
+        self._synced: dict[int, int] = {}  # file -> size at its last fsync
+        self._dropped: list[Path] = []  # not yet in any state()
+        self._deletable: list[Path] = []  # in the last state(): gone at the next flush
+        if path.exists():  # a new file has no strays: no scan of a directory of 1000s
+            for stray in path.parent.glob(f"{path.stem}.tail*.log"):  # begun after a checkpoint
+                if stray.name not in {self._segment(k).name for k in self.segments}:
+                    stray.unlink()
+        self.main = open(path, "ab", buffering)  # noqa: SIM115 (open while the attempt runs)
+        self.current = open(self._segment(self.segments[-1]), "ab") if self.segments else None  # noqa: SIM115
+        # Sizes counted here, not asked of the files: tell() is a system call, which lets
+        # go of the GIL, and with thousands of busy threads the controller's main thread
+        # waits to get it back after each (a convoy: once per line was most of its time).
+        self.main_size = self.main.tell()
+        self.current_size = self.current.tell() if self.current is not None else 0
+        if self.segments:
+            self._restore_layout()
+        else:
+            _sidecar(path).unlink(missing_ok=True)  # one begun after the checkpoint
+
+    def _restore_layout(self) -> None:
+        """After a checkpoint of an older version: what its state did not hold yet."""
+        if self.head_bytes is None:
+            self.head_bytes = self.main_size
+            with open(self.path, "rb") as f:
+                self.head_lines = sum(block.count(b"\n") for block in iter(
+                    lambda: f.read(1 << 20), b""))
+        if not all(k in self.starts for k in self.segments):
+            start = self.head_lines + self.cut_lines
+            for k in self.segments:
+                self.starts[k] = start
+                start += self.segment_lines.get(k, 0)
+        self._write_layout()
+
+    def _segment(self, k: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}.tail{k}.log")
+
+    def write(self, data: bytes) -> None:
+        """Whole lines (``data`` ends with a newline); split at line ends where a part of
+        the file fills up."""
+        if self.cap is None:
+            self.main.write(data)
+            self.main_size += len(data)
+            return
+        while data:
+            if self.current is None:  # still in the head
+                room = self.cap // 2 - self.main_size
+                if len(data) <= room:
+                    self.main.write(data)
+                    self.main_size += len(data)
+                    self.head_lines += data.count(b"\n")
+                    return
+                cut = data.rfind(b"\n", 0, max(0, room)) + 1
+                self.main.write(data[:cut])
+                self.main_size += cut
+                self.head_lines += data.count(b"\n", 0, cut)
+                data = data[cut:]
+                self._next_segment()
+                continue
+            room = self.cap // 4 - self.current_size
+            cut = len(data) if len(data) <= room else data.rfind(b"\n", 0, max(0, room)) + 1
+            if cut == 0:
+                if self.current_size > 0:
+                    self._next_segment()
+                    continue
+                cut = data.find(b"\n") + 1 or len(data)  # one line longer than a segment
+            self.current.write(data[:cut])
+            self.current_size += cut
+            self.segment_lines[self.segments[-1]] += data.count(b"\n", 0, cut)
+            data = data[cut:]
+            if data:
+                self._next_segment()
+
+    def _next_segment(self) -> None:
+        if self.current is not None:
+            self.current.close()
+        else:
+            self.head_bytes = self.main_size
+        k = self.segments[-1] + 1 if self.segments else 0
+        self.starts[k] = self.head_lines + self.cut_lines + sum(
+            self.segment_lines[j] for j in self.segments)
+        self.segments.append(k)
+        self.segment_lines[k] = 0
+        self.current = open(self._segment(k), "ab")  # noqa: SIM115
+        self.current_size = self.current.tell()
+        while len(self.segments) > 2:
+            old = self.segments.pop(0)
+            path = self._segment(old)
+            self.cut_bytes += path.stat().st_size
+            self.cut_lines += self.segment_lines.pop(old)
+            self.starts.pop(old, None)
+            self._dropped.append(path)
+        self._write_layout()
+
+    def _write_layout(self) -> None:
+        """The sidecar while the tail is in segments (rewritten per segment, not per line)."""
+        _write_json(_sidecar(self.path), {
+            "closed": False, "cap": self.cap, "head_bytes": self.head_bytes,
+            "head_lines": self.head_lines, "cut_lines": self.cut_lines,
+            "cut_bytes": self.cut_bytes, "segments": [[k, self.starts[k]] for k in self.segments]})
+
+    def sizes(self) -> dict[str, int]:
+        """Flushed and on disk (fsync): a checkpoint records these sizes, and then the
+        agents forget what they sent, so the bytes must survive a crash of this host."""
+        for path in self._deletable:
+            path.unlink(missing_ok=True)
+        self._deletable = []
+        out = {}
+        for f, name, size in ((self.main, self.path.name, self.main_size),
+                              (self.current, None, self.current_size)):
+            if f is None:
+                continue
+            f.flush()
+            if size != self._synced.get(id(f)):
+                os.fsync(f.fileno())
+                self._synced[id(f)] = size
+            out[name or self._segment(self.segments[-1]).name] = size
+        return out
+
+    def state(self) -> dict[str, Any]:
+        """For the checkpoint, taken after sizes()."""
+        self._deletable += self._dropped
+        self._dropped = []
+        return {"segments": list(self.segments), "segment_lines": dict(self.segment_lines),
+                "cut_lines": self.cut_lines, "cut_bytes": self.cut_bytes,
+                "head_lines": self.head_lines, "head_bytes": self.head_bytes,
+                "starts": dict(self.starts)}
+
+    def close(self, note: str | None = None) -> None:
+        """Put the kept tail back after the marker; then ``note``, if any."""
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+        marker = b""
+        if self.cut_lines:
+            marker = (cut_marker(self.cut_lines, self.cut_bytes, self.cap) + "\n").encode()
+            self.main.write(marker)
+        tail = []
+        for k in self.segments:
+            with open(self._segment(k), "rb") as f:
+                tail.append([k, self.starts.get(k, 0), os.fstat(f.fileno()).st_size])
+                shutil.copyfileobj(f, self.main)
+        if note:
+            self.main.write(note.encode())
+        self.main.close()
+        if self.segments:  # where a reader that was in a segment finds its place again
+            _write_json(_sidecar(self.path), {
+                "closed": True, "cap": self.cap, "head_bytes": self.head_bytes,
+                "head_lines": self.head_lines, "cut_lines": self.cut_lines,
+                "marker_bytes": len(marker), "tail": tail})
+        for k in self.segments:
+            self._segment(k).unlink()
+        for path in self._dropped + self._deletable:
+            path.unlink(missing_ok=True)
+        self.segments = []
+
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def _sync_pool() -> ThreadPoolExecutor:
+    """Threads that flush and fsync log files at a checkpoint (made at first use, so never
+    before the supervisor forks the controller)."""
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(max_workers=16, thread_name_prefix="log-sync")
+    return _pool
+
+
+class LogSink:
+    """Each rank's output, written in batches to ``rank-<label>.log`` and ``combined.log``.
+
+    Writes are buffered; :meth:`flush` returns every file's size, which the controller
+    records in its checkpoint. Opening with ``sizes`` cuts every file back to its recorded
+    size, so that what the agents replay after a checkpoint is written exactly once. Each
+    rank's log is capped at ``cap`` bytes (CappedLog; ``combined.log`` at ``cap`` times the
+    ranks). When the filesystem has less than ``min_free`` bytes free, logging stops (the
+    state database shares that filesystem) and the lines not written are counted.
+    """
+
+    def __init__(self, directory: Path, sizes: dict[str, int] | None = None, *,
+                 cap: int | None = None, ranks: int = 1, min_free: int = 0,
+                 state: dict[str, Any] | None = None):
+        directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self.directory = directory
+        self._restored = dict(sizes or {})  # files this process has not reopened keep these
+        if sizes is not None:
+            for path in directory.glob("*.log"):
+                with open(path, "r+b") as f:
+                    f.truncate(min(sizes.get(path.name, 0), path.stat().st_size))
+        self.cap = cap
+        self.combined_cap = None if cap is None else cap * max(1, ranks)
+        self.min_free = min_free
+        state = state or {}
+        self._states: dict[str, Any] = dict(state.get("files", {}))
+        self.not_written: dict[str, int] = dict(state.get("not_written", {}))
+        self._not_written_shown: dict[str, int] = {}
+        self.labels: dict[str, str] = dict(_read_json(directory / LABELS) or {})
+        self._labels_shown = len(self.labels)
+        self._files: dict[str, CappedLog] = {}
+        # Only files written since the last checkpoint are flushed and asked for their state:
+        # with thousands of ranks, most are quiet between two checkpoints.
+        self._dirty: set[str] = set()
+        self._sizes: dict[str, dict[str, int]] = {}  # file -> its last sizes()
+        self.stderr: dict[str, deque[str]] = {}
+        self._since_check = 0
+        self.full = self._low_on_space()
+
+    def _file(self, name: str) -> CappedLog:
+        f = self._files.get(name)
+        if f is None:
+            combined = name == "combined.log"
+            # combined.log takes every line: a large buffer, fewer writes (see sizes()).
+            f = self._files[name] = CappedLog(self.directory / name,
+                                              self.combined_cap if combined else self.cap,
+                                              self._states.get(name),
+                                              buffering=1 << 20 if combined else -1)
+        return f
+
+    def _low_on_space(self) -> bool:
+        try:
+            st = os.statvfs(self.directory)
+        except OSError:
+            return False
+        return st.f_bavail * st.f_frsize < self.min_free
+
+    def write(self, host: str, label: str, stream: str, lines: list[str]) -> None:
+        if not lines:
+            return
+        if label not in self.labels:
+            self.labels[label] = host
+        if stream == "stderr":
+            self.stderr.setdefault(label, deque(maxlen=STDERR_TAIL)).extend(lines[-STDERR_TAIL:])
+        if self.full:
+            self.not_written[label] = self.not_written.get(label, 0) + len(lines)
+            return
+        body = ("\n".join(lines) + "\n").encode()
+        name = f"rank-{label}.log"
+        self._file(name).write(body)
+        self._dirty.add(name)
+        self._dirty.add("combined.log")
+        prefix = f"[{host}:{label}] "
+        self._file("combined.log").write("".join([prefix + ln + "\n" for ln in lines]).encode())
+        self._since_check += len(body)
+        if self._since_check > 4 * 1024 * 1024:  # statvfs is cheap, but not per line
+            self._since_check = 0
+            self.full = self._low_on_space()
+
+    def flush(self) -> dict[str, int]:
+        sizes = dict(self._restored)
+        due = [(name, f) for name, f in self._files.items()
+               if name in self._dirty or f._dropped or f._deletable or name not in self._sizes]
+        if len(due) > 8:
+            # fsync lets go of the GIL and, with thousands of busy threads, waits to get it
+            # back: a few threads waiting at once instead of the main thread once per file.
+            for (name, _), got in zip(due, _sync_pool().map(CappedLog.sizes, (f for _, f in due)),
+                                      strict=True):
+                self._sizes[name] = got
+        else:
+            for name, f in due:
+                self._sizes[name] = f.sizes()
+        for name in self._files:
+            sizes.update(self._sizes[name])
+        # For readers: new labels, and what the disk had no room for (rare changes only).
+        if len(self.labels) != self._labels_shown:
+            _write_json(self.directory / LABELS, self.labels)
+            self._labels_shown = len(self.labels)
+        if self.not_written != self._not_written_shown:
+            _write_json(self.directory / NOT_WRITTEN,
+                        {"min_free": self.min_free, "lines": self.not_written})
+            self._not_written_shown = dict(self.not_written)
+        return sizes
+
+    def state(self) -> dict[str, Any]:
+        """For the checkpoint, taken after flush()."""
+        for name in self._dirty:
+            f = self._files.get(name)
+            if f is not None:
+                self._states[name] = f.state()
+        for name, f in self._files.items():
+            if name not in self._states:
+                self._states[name] = f.state()
+        self._dirty = set()
+        return {"files": dict(self._states), "not_written": self.not_written}
+
+    def close(self) -> None:
+        for name, f in self._files.items():
+            label = name[len("rank-"):-len(".log")] if name.startswith("rank-") else None
+            count = sum(self.not_written.values()) if label is None else \
+                self.not_written.get(label, 0)
+            note = not_written_note(count, self.min_free) + "\n" if count else None
+            f.close(note)
+        self._files = {}
+        if self.labels and len(self.labels) != self._labels_shown:
+            _write_json(self.directory / LABELS, self.labels)
+        (self.directory / NOT_WRITTEN).unlink(missing_ok=True)  # noted in the files now
+
+
+# --- reading --------------------------------------------------------------------------------
+
+class Follower:
+    """Reads one log file's lines as they are written, across the head, the tail segments
+    and the close (see the module's docstring), with a cut marker, naming how many lines,
+    wherever lines were cut before this reader saw them."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.line = 0  # the number (in the whole output) of the next line to read
+        self.segment: int | None = None  # reading this tail segment, else the file itself
+        self.offset = 0  # in the segment, or in the file
+        self.plain = False  # past the head of a closed file: just its remaining bytes
+
+    def read(self) -> list[str]:
+        """Every complete line written since the last read (cut markers included)."""
+        out: list[str] = []
+        while self._step(_read_json(_sidecar(self.path)), out):
+            pass
+        return out
+
+    def _step(self, layout: dict[str, Any] | None, out: list[str]) -> bool:
+        """Read what one source has; True when the reader moved on (call again)."""
+        if layout is None or self.plain or (self.segment is None and
+                                            self.offset < int(layout["head_bytes"])):
+            end = None if layout is None or self.plain else int(layout["head_bytes"])
+            got, self.offset = _lines(self.path, self.offset, end)
+            self.line += len(got)
+            out += got
+            at_head_end = end is not None and self.offset >= end
+            return bool(got) and not at_head_end or at_head_end
+        if layout["closed"]:
+            return self._into_closed(layout, out)
+        starts = {int(k): int(s) for k, s in layout["segments"]}
+        if self.segment not in starts:  # past the head, or its segment was dropped meanwhile
+            first = min(starts, key=starts.get)  # type: ignore[arg-type]
+            self._cut(starts[first] - self.line, layout, out)
+            self.segment, self.offset, self.line = first, 0, starts[first]
+            return True
+        got, self.offset = _lines(self._segment_path(self.segment), self.offset, None)
+        self.line += len(got)
+        out += got
+        after = [k for k in starts if k > self.segment]
+        if after and self.line >= starts[min(after)]:  # that one is complete: the next
+            self.segment, self.offset = min(after), 0
+            return True
+        return bool(got)
+
+    def _into_closed(self, layout: dict[str, Any], out: list[str]) -> bool:
+        """The file closed while this reader was past its head: the kept tail now follows the
+        marker in the file itself."""
+        base = int(layout["head_bytes"]) + int(layout["marker_bytes"])
+        tail = [(int(k), int(s), int(n)) for k, s, n in layout["tail"]]
+        before = 0
+        for k, _, size in tail:
+            if k == self.segment:
+                self.offset = base + before + self.offset
+                break
+            before += size
+        else:  # its segment was dropped before the close
+            first = tail[0][1] if tail else self.line
+            self._cut(first - self.line, layout, out)
+            self.offset, self.line = base, max(self.line, first)
+        self.plain, self.segment = True, None
+        return True
+
+    def _cut(self, count: int, layout: dict[str, Any], out: list[str]) -> None:
+        if count > 0:
+            out.append(cut_marker(count, None, layout.get("cap")))
+            self.line += count
+
+    def _segment_path(self, k: int) -> Path:
+        return self.path.with_name(f"{self.path.stem}.tail{k}.log")
+
+
+def _lines(path: Path, offset: int, end: int | None) -> tuple[list[str], int]:
+    """Complete lines of ``path`` from ``offset`` (up to ``end``), and the new offset."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115
+    except OSError:
+        return [], offset
+    with f:
+        f.seek(offset)
+        data = f.read() if end is None else f.read(max(0, end - offset))
+    cut = data.rfind(b"\n") + 1
+    if cut == 0:
+        return [], offset
+    return data[:cut - 1].decode("utf-8", "replace").split("\n"), offset + cut
+
+
+def not_written(directory: Path) -> tuple[dict[str, int], int | None]:
+    """Lines per label that a running attempt's disk had no room for, and the floor."""
+    data = _read_json(directory / NOT_WRITTEN) or {}
+    return {str(k): int(v) for k, v in (data.get("lines") or {}).items()}, data.get("min_free")
+
+
+def labels(directory: Path) -> dict[str, str]:
+    """The host each label's lines came from."""
+    return {str(k): str(v) for k, v in (_read_json(directory / LABELS) or {}).items()}
+
+
+def tail_lines(path: Path, count: int, max_bytes: int,
+               keep: Callable[[str], bool] = lambda _: True) -> tuple[list[str], bool]:
+    """The last ``count`` lines of a log that ``keep`` accepts (a cut marker where lines were
+    cut), read from the end: at most ``max_bytes``, so that a poll costs the same whatever the
+    log's size. Returns the lines and whether the read stopped at ``max_bytes`` first."""
+    layout = _read_json(_sidecar(path))
+    parts: list[tuple[Path, int, int | None] | str] = [(path, 0, None)]
+    if layout is not None and not layout["closed"]:
+        parts = [(path, 0, int(layout["head_bytes"]))]
+        first = min((int(s) for _, s in layout["segments"]), default=0)
+        cut = first - int(layout["head_lines"])
+        if cut > 0:
+            parts.append(cut_marker(cut, None, layout.get("cap")))
+        parts += [(path.with_name(f"{path.stem}.tail{int(k)}.log"), 0, None)
+                  for k, _ in sorted(layout["segments"])]
+    found: deque[str] = deque(maxlen=max(0, count))
+    budget, partial = max_bytes, False
+    for part in reversed(parts):
+        if len(found) >= count:
+            break
+        if isinstance(part, str):
+            if keep(part):
+                found.appendleft(part)
+            continue
+        lines, used, stopped = _read_back(*part, budget)
+        budget -= used
+        for line in reversed(lines):
+            if len(found) >= count:
+                break
+            if keep(line):
+                found.appendleft(line)
+        if stopped:
+            partial = len(found) < count
+            break
+    return list(found), partial
+
+
+def _read_back(path: Path, start: int, end: int | None, budget: int
+               ) -> tuple[list[str], int, bool]:
+    """The complete lines of ``path`` between ``start`` and ``end`` that fit in the last
+    ``budget`` bytes; the bytes read; whether the budget ended the read."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115
+    except OSError:
+        return [], 0, False
+    with f:
+        size = f.seek(0, os.SEEK_END)
+        stop = size if end is None else min(end, size)
+        begin = max(start, stop - max(0, budget))
+        f.seek(begin)
+        data = f.read(stop - begin)
+    stopped = begin > start
+    if stopped:
+        data = data[data.find(b"\n") + 1:]  # a line cut by the window is not shown
+    data = data[:data.rfind(b"\n") + 1]  # nor a line still being written
+    text = data.decode("utf-8", "replace")
+    return (text[:-1].split("\n") if text else []), stop - begin, stopped
+
