@@ -484,9 +484,9 @@ class _Stream:
         """A line of a rank's own file, as in the combined log: with its host and rank."""
         if self.rank is None:
             return line
-        if self._host is None:
-            self._host = logfiles.labels(self.directory).get(str(self.rank), "?")
-        return f"[{self._host}:{self.rank}] {line}"
+        if self._host is None:  # known once the controller has written the rank's lines
+            self._host = logfiles.labels(self.directory).get(str(self.rank))
+        return f"[{self._host or '?'}:{self.rank}] {line}"
 
     def read(self, job: JobRecord) -> list[str]:
         out = [self.shown(line) for line in self.follower.read() if self.keep(line)]

@@ -12,7 +12,7 @@ went: so a reader shows the marker with its count at the place lines were cut, f
 into the segments while the attempt runs, and finds its place again after the close.
 Lines not written because the disk was below ``logs.min_free_bytes`` are counted per label
 in ``not-written.json`` while the attempt runs, and noted at the end of each file when it
-closes. ``labels.json`` says on which host each label ran.
+closes. ``labels`` says on which host each label ran.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 STDERR_TAIL = 20  # lines of a failing rank's stderr kept for the failure message
 NOT_WRITTEN = "not-written.json"
-LABELS = "labels.json"
+LABELS = "labels"
 
 
 def cut_marker(lines: int, cut_bytes: int | None, cap: int | None) -> str:
@@ -280,8 +280,7 @@ class LogSink:
         self._states: dict[str, Any] = dict(state.get("files", {}))
         self.not_written: dict[str, int] = dict(state.get("not_written", {}))
         self._not_written_shown: dict[str, int] = {}
-        self.labels: dict[str, str] = dict(_read_json(directory / LABELS) or {})
-        self._labels_shown = len(self.labels)
+        self.labels = labels(directory)
         self._files: dict[str, CappedLog] = {}
         # Only files written since the last checkpoint are flushed and asked for their state:
         # with thousands of ranks, most are quiet between two checkpoints.
@@ -312,8 +311,10 @@ class LogSink:
     def write(self, host: str, label: str, stream: str, lines: list[str]) -> None:
         if not lines:
             return
-        if label not in self.labels:
+        if label not in self.labels:  # before its first line can reach the file
             self.labels[label] = host
+            with open(self.directory / LABELS, "a", encoding="utf-8") as f:
+                f.write(f"{label} {host}\n")
         if stream == "stderr":
             self.stderr.setdefault(label, deque(maxlen=STDERR_TAIL)).extend(lines[-STDERR_TAIL:])
         if self.full:
@@ -332,6 +333,11 @@ class LogSink:
             self.full = self._low_on_space()
 
     def flush(self) -> dict[str, int]:
+        # For readers: what the disk had no room for (rare changes only).
+        if self.not_written != self._not_written_shown:
+            _write_json(self.directory / NOT_WRITTEN,
+                        {"min_free": self.min_free, "lines": self.not_written})
+            self._not_written_shown = dict(self.not_written)
         sizes = dict(self._restored)
         due = [(name, f) for name, f in self._files.items()
                if name in self._dirty or f._dropped or f._deletable or name not in self._sizes]
@@ -346,14 +352,6 @@ class LogSink:
                 self._sizes[name] = f.sizes()
         for name in self._files:
             sizes.update(self._sizes[name])
-        # For readers: new labels, and what the disk had no room for (rare changes only).
-        if len(self.labels) != self._labels_shown:
-            _write_json(self.directory / LABELS, self.labels)
-            self._labels_shown = len(self.labels)
-        if self.not_written != self._not_written_shown:
-            _write_json(self.directory / NOT_WRITTEN,
-                        {"min_free": self.min_free, "lines": self.not_written})
-            self._not_written_shown = dict(self.not_written)
         return sizes
 
     def state(self) -> dict[str, Any]:
@@ -376,8 +374,6 @@ class LogSink:
             note = not_written_note(count, self.min_free) + "\n" if count else None
             f.close(note)
         self._files = {}
-        if self.labels and len(self.labels) != self._labels_shown:
-            _write_json(self.directory / LABELS, self.labels)
         (self.directory / NOT_WRITTEN).unlink(missing_ok=True)  # noted in the files now
 
 
@@ -478,8 +474,14 @@ def not_written(directory: Path) -> tuple[dict[str, int], int | None]:
 
 
 def labels(directory: Path) -> dict[str, str]:
-    """The host each label's lines came from."""
-    return {str(k): str(v) for k, v in (_read_json(directory / LABELS) or {}).items()}
+    """The host each label's lines came from (``labels``: a line "label host" per label,
+    appended before the label's first line is written)."""
+    try:
+        text = (directory / LABELS).read_text(encoding="utf-8")
+    except OSError:
+        return {}
+    whole = text[:text.rfind("\n") + 1]  # not a line still being written
+    return dict(line.split(" ", 1) for line in whole.splitlines() if " " in line)
 
 
 def tail_lines(path: Path, count: int, max_bytes: int,
