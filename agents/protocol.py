@@ -81,7 +81,7 @@ VERSION = 3
 
 # Controller -> relay / agent.
 CONNECT = "connect"
-HOLD = "hold"  # Slurm: be this node's holder step (agents/node_agent.py)
+HOLD = "hold"  # Slurm: be this node's holder step (agents/holder.py)
 ATTACH = "attach"
 ACK = "ack"
 PING = "ping"

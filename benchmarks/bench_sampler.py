@@ -32,7 +32,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from agents.node_agent import SITECUSTOMIZE  # noqa: E402
+from agents import source  # noqa: E402
+
+SITECUSTOMIZE = source("agents.shims.sitecustomize")
 
 LOOP = r"""
 import os, socket, time

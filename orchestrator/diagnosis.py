@@ -74,7 +74,7 @@ def diagnose(stacks: dict[int, str]) -> str:
 
 # --- stragglers ------------------------------------------------------------------------------
 # Each rank's sampler reports how often its main thread was seen inside a collective over the
-# last 30 s (agents/node_agent.SITECUSTOMIZE). Under synchronous collectives every rank steps at
+# last 30 s (agents/shims/sitecustomize.py). Under synchronous collectives every rank steps at
 # the pace of the slowest, so step rates cannot tell; but the fast ranks spend the difference
 # waiting in the collective, and the slow one hardly waits at all.
 STRAGGLER_MIN_SAMPLES = 100  # 10 s at the default 10 samples a second

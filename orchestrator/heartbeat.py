@@ -20,24 +20,6 @@ touch it.
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-from typing import Any
+from agents.shims.orchestrator_worker import heartbeat
 
-
-def heartbeat(step: int | None = None, **metrics: Any) -> None:
-    """Mark this worker alive, optionally with its step and numeric metrics. A no-op when
-    not run by the orchestrator."""
-    path = os.environ.get("ORCHESTRATOR_HEARTBEAT_FILE")
-    if not path:
-        return
-    if step is None and not metrics:
-        Path(path).touch()
-        return
-    record = {"step": None if step is None else int(step),
-              "metrics": {str(k): float(v) for k, v in metrics.items()}}
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(record))
-    os.replace(tmp, path)
+__all__ = ["heartbeat"]

@@ -3,7 +3,7 @@
 A *manifest* lists every file to ship (relative path, sha256, size, executable bit); its own
 hash names the tree. On a node, files live once in a blob cache by content, and each tree is
 built from them under ``~/.cache/orchestrator/sync/<tree>`` (the agent does that, see
-``agents/node_agent.py``): a node receives only the blobs it does not have, so an unchanged
+``agents/cache.py``): a node receives only the blobs it does not have, so an unchanged
 tree costs one manifest and no file contents. What is shipped is what git tracks or would
 track (``shipped_files``: git itself in a work tree, every .gitignore on the way otherwise),
 less the spec's ``exclude`` globs. A symlink is shipped as the file it points to when that

@@ -1,10 +1,10 @@
 """The NodeConnection protocol: how the controller reaches one node's agent.
 
-A connection is a *channel* to a node: it starts the relay of ``agents/node_agent.py``
-(shipped with ``agents/protocol.py`` over the channel itself, so nothing is installed on the
-node) and carries JSON lines both ways. Closing a channel ends the relay, never the agent:
-the agent lives on its node until the controller tells it to shut down, or until no
-controller has attached for ``health.controller_grace``. The controller receives a factory
+A connection is a *channel* to a node: it starts the relay of the agent (``agents/``,
+shipped over the channel itself, so nothing is installed on the node) and carries JSON
+lines both ways. Closing a channel ends the relay, never the agent: the agent lives on its
+node until the controller tells it to shut down, or until no controller has attached for
+``health.controller_grace``. The controller receives a factory
 and never knows whether a node is a local subprocess or an SSH session; tests pass their own.
 """
 
@@ -13,29 +13,30 @@ from __future__ import annotations
 import subprocess
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import IO, Any, Protocol
 
-import agents.node_agent
-import agents.protocol
+import agents
 from agents import protocol as P
 from agents.protocol import MAX_MESSAGE, decode, encode
 from orchestrator.errors import AgentError
 from orchestrator.spec import JobSpec, NodeSpec
 
-AGENT_SOURCE_PATH = Path(agents.node_agent.__file__)
-PROTOCOL_SOURCE_PATH = Path(agents.protocol.__file__)
-
-# Run by ``python3 -u -c``: reads two length-prefixed sources from stdin (the protocol
-# module, then the agent), registers the first as ``agents.protocol`` and runs the second.
-# The rest of stdin is then the channel's JSON lines.
-BOOTSTRAP = (
-    "import sys,types;b=sys.stdin.buffer;r=lambda:b.read(int(b.readline()));"
-    "a=types.ModuleType('agents');a.__path__=[];p=types.ModuleType('agents.protocol');"
-    "exec(compile(r(),'agents/protocol.py','exec'),p.__dict__);a.protocol=p;"
-    "sys.modules.update({'agents':a,'agents.protocol':p});sys.argv=['orchestrator-agent'];"
-    "exec(compile(r(),'agents/node_agent.py','exec'),{'__name__':'__main__'})"
-)
+# Run by ``python3 -I -u -c``: reads the agent's modules from stdin (a count, then for each
+# "name length" and its source), serves them to ``import`` from memory ahead of anything
+# installed on the node (another version of this package, say), and runs agents.main. The
+# rest of stdin is then the channel's JSON lines.
+BOOTSTRAP = """import sys,importlib.util as u
+b=sys.stdin.buffer;m={}
+for _ in range(int(b.readline())):n,k=b.readline().split();m[n.decode()]=b.read(int(k))
+P={n.rpartition('.')[0] for n in m}
+class F:
+ def find_spec(s,n,p=None,t=None):
+  return u.spec_from_loader(n,s,is_package=n in P)if n in m else None
+ def create_module(s,spec):return None
+ def exec_module(s,d):
+  d.__shipped__=m;exec(compile(m[d.__name__],d.__name__.replace('.','/')+'.py','exec'),d.__dict__)
+sys.meta_path.insert(0,F());sys.argv=['orchestrator-agent']
+import agents.main;sys.exit(agents.main.main())"""
 
 
 # How the agent's interpreter runs on every transport: isolated (-I: no PYTHON* variables,
@@ -159,12 +160,19 @@ def attach_agent(conn: NodeConnection, job_id: str, node_index: int, secret: str
 
 
 def agent_payload() -> bytes:
-    """What BOOTSTRAP reads from stdin: the protocol module and the agent, length-prefixed."""
-    out = b""
-    for path in (PROTOCOL_SOURCE_PATH, AGENT_SOURCE_PATH):
-        source = path.read_bytes()
-        out += b"%d\n" % len(source) + source
-    return out
+    """What BOOTSTRAP reads from stdin: every module of the agent, named and length-prefixed
+    (read once per process: they do not change under a running controller)."""
+    global _payload
+    if _payload is None:
+        out = [b"%d\n" % len(agents.MODULES)]
+        for name in agents.MODULES:
+            source = agents.source(name).encode()
+            out.append(b"%s %d\n" % (name.encode(), len(source)) + source)
+        _payload = b"".join(out)
+    return _payload
+
+
+_payload: bytes | None = None
 
 
 def end_relay_process(proc: subprocess.Popen[bytes], timeout: float) -> None:

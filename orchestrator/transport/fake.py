@@ -6,7 +6,7 @@ thread that sends to it; a :class:`FakeCluster` is a connection factory that kee
 agent per host, which outlives each connection to it (:class:`FakeLink`) and replays what
 was not acknowledged when one attaches again, and, on one driver thread for all of them,
 sends what real agents send
-unprompted: heartbeats every ``min(heartbeat_interval, 0.5)`` s (as ``agents/node_agent``
+unprompted: heartbeats every ``min(heartbeat_interval, 0.5)`` s (as ``agents/agent.py``
 does) and numbered output lines at a rate per rank. It can silence a node (a host that
 died: no message, no reply, no new connection) and end every running worker.
 

@@ -62,7 +62,7 @@ def _keep_tail(proc: subprocess.Popen[bytes], tail: deque[str]) -> None:
 
 
 class Holder:
-    """A node's holder step (``agents/node_agent.holder_main``): the agent is started inside
+    """A node's holder step (``agents/holder.py``): the agent is started inside
     it, not inside the relay's step, so that Slurm's proctrack/cgroup, which kills a step's
     every process when the step ends, does not take the agent along with a channel. Its
     srun is in a session of its own and outlives this process: the holder stays while the

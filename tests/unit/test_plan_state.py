@@ -98,7 +98,7 @@ def test_token_sweep_revalidates_each_pid_before_killing(monkeypatch):
     import subprocess
     import sys
 
-    import agents.node_agent as agent
+    import agents.processes as agent
 
     token = "t0ken-under-test"
     stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])

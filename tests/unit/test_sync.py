@@ -73,7 +73,7 @@ def test_pruning_keeps_recent_trees_and_anything_used_within_the_hour(tmp_path, 
     import json
     import time
 
-    import agents.node_agent as agent
+    import agents.cache as agent
 
     monkeypatch.setenv("HOME", str(tmp_path))
     base = tmp_path / ".cache" / "orchestrator" / "sync"
@@ -93,7 +93,7 @@ def test_pruning_keeps_recent_trees_and_anything_used_within_the_hour(tmp_path, 
         trees.append(tree)
     fresh = blobs / ("aa" + "f" * 62)  # uploaded a moment ago, no tree built from it yet
     fresh.write_text("y")
-    agent._prune_trees(str(base), 2, str(trees[0]))
+    agent.prune_trees(str(base), 2, str(trees[0]))
     left = sorted(p.name for p in base.iterdir() if not p.name.startswith("."))
     # kept: the 2 most recent (7, 6, both recent anyway) and the current one (0)
     assert left == sorted([trees[0].name, trees[6].name, trees[7].name])

@@ -6,7 +6,10 @@ import os
 import subprocess
 import sys
 
-from agents.node_agent import SITECUSTOMIZE, WORKER_MODULE
+from agents import source
+
+SITECUSTOMIZE = source("agents.shims.sitecustomize")
+WORKER_MODULE = source("agents.shims.orchestrator_worker")
 
 
 def test_the_shims_compile():

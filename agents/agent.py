@@ -1,0 +1,518 @@
+"""The agent: a daemon (its own session, stdio on /dev/null) that owns one job's workers on
+one node.
+
+It listens on ``<private dir>/agent.sock``, in a 0700 directory of the user, and serves one
+controller at a time after it proves the job's secret. It outlives every channel: while no
+controller is attached it keeps the workers running for ``controller_grace`` seconds,
+spooling every message to a bounded file, and replays what the controller has not
+acknowledged when one attaches again. When the grace ends it stops the workers (SIGTERM to
+each group, a grace period, SIGKILL, the token sweep), records the outcome beside its
+directory, removes the directory and exits.
+
+Commands arrive on the main loop (``OPS``, one handler each); slow ones (stop, stacks,
+sync, setup) run aside so that heartbeats keep flowing, and a request always gets a reply.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import os
+import queue
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agents import cache, stacks
+from agents import protocol as P
+from agents.netinfo import free_port, gpu_count, interface_for, torch_version
+from agents.outbox import Outbox
+from agents.paths import close_socket, traces
+from agents.processes import kill_token_processes, processes_with_token, signal_name, start_watchdog
+from agents.workers import Worker, spawn, worker_env
+
+ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
+
+
+class Agent:
+    def __init__(self, directory: str, outcome_path: str, config: dict[str, Any]):
+        self.directory = directory
+        self.outcome_path = outcome_path
+        self.secret = str(config["secret"])
+        self.job_id = os.path.basename(directory).rsplit(".", 1)[0]
+        self.node_index = int(os.path.basename(directory).rsplit(".", 1)[1])
+        self.instance = secrets.token_hex(8)  # tells a controller this is not an older agent
+        self.stop_grace = float(config.get("stop_grace") or 2.0)
+        self.heartbeat_interval = float(config.get("heartbeat_interval") or 1.0)
+        self.node_timeout = float(config.get("node_timeout") or 5.0)
+        grace = config.get("controller_grace")
+        self.controller_grace = None if grace is None else float(grace)
+        spool_max = config.get("spool_max_bytes")
+        self.outbox = Outbox(os.path.join(directory, "spool"),
+                             None if spool_max is None else int(spool_max))
+        self.outbox.hello = self._hello
+        self.token = secrets.token_hex(16)
+        # SimpleQueue: put() is safe in a signal handler, Queue.put() can deadlock there.
+        self.events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.workers: list[Worker] = []
+        self.attempt = 0
+        self.traces_dir: str | None = None  # this attempt's flight recorder dumps
+        self.last_heard = time.monotonic()
+        self._stop_lock = threading.Lock()
+        self.listener: socket.socket | None = None
+        self.preflight_listeners: list[socket.socket] = []
+        self.workdir: str | None = None  # the running attempt's (a synced tree is kept fresh)
+        self._slow: queue.SimpleQueue[tuple[Callable[[dict[str, Any]], None],
+                                            dict[str, Any]]] | None = None
+        self._touched = 0.0
+
+    # --- start ---------------------------------------------------------------------------
+    def listen(self) -> None:
+        start_watchdog(self.token, self.directory)  # first: it must inherit no socket
+        path = os.path.join(self.directory, "agent.sock")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # Mode set after the bind (its directory is 0700 anyway), never through the umask:
+        # the agent's umask is what its workers inherit, as from torchrun.
+        s.bind(path)
+        os.chmod(path, 0o600)
+        s.listen(16)
+        self.listener = s
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda signum, _frame: self.events.put(("signal", signum)))
+        threading.Thread(target=self._accept, daemon=True).start()
+        threading.Thread(target=self.outbox.run, daemon=True).start()
+
+    def _accept(self) -> None:
+        assert self.listener is not None
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """One controller connection: prove the secret, then read its commands."""
+        reader = conn.makefile("rb")
+        conn.settimeout(ATTACH_TIMEOUT)
+        try:
+            first = P.decode(reader.readline(P.MAX_MESSAGE))
+        except OSError:
+            first = None
+        if first is None:
+            close_socket(conn)
+            return
+        ok = (first.get("op") == P.ATTACH
+              and hmac.compare_digest(str(first.get("secret", "")).encode(),
+                                      self.secret.encode()))
+        if not ok:
+            close_socket(conn)
+            return
+        conn.settimeout(None)
+        self.last_heard = time.monotonic()
+        ack = first.get("ack")
+        self.outbox.attach(conn, ack if isinstance(ack, int) else 0)
+        try:
+            for raw in iter(lambda: reader.readline(P.MAX_MESSAGE), b""):
+                self.last_heard = time.monotonic()  # here: a slow op must not make pings late
+                msg = P.decode(raw)
+                if msg is None:
+                    continue
+                op = msg.get("op")
+                if op == P.ACK:
+                    seq = msg.get("seq")
+                    if isinstance(seq, int):
+                        self.outbox.ack(seq)
+                elif op != P.PING:
+                    self.events.put(("command", msg))
+        except OSError:
+            pass
+        self.outbox.detach(conn)
+
+    def _hello(self) -> dict[str, Any]:
+        return {
+            "type": P.HELLO, "protocol": P.VERSION, "hostname": socket.gethostname(),
+            "python": sys.version.split()[0], "torch": torch_version(), "gpus": gpu_count(),
+            "pid": os.getpid(), "instance": self.instance, "attempt": self.attempt,
+            "last_seq": self.outbox.seq,
+            "workers": [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.proc.pid,
+                         "running": w.proc.poll() is None} for w in list(self.workers)],
+        }
+
+    # --- main loop -------------------------------------------------------------------------
+    def run(self) -> int:
+        next_beat = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now >= next_beat:
+                next_beat = now + min(self.heartbeat_interval, 0.5)
+                if self._tick(now):
+                    return 3
+            try:
+                kind, msg = self.events.get(timeout=max(0.0, next_beat - time.monotonic()))
+            except queue.Empty:
+                continue
+            if kind == "signal":
+                self.finish(f"signal {signal_name(msg)}")
+                return 128 + msg
+            op = msg.get("op")
+            if op == P.SHUTDOWN:
+                self.finish(None)
+                return 0
+            handler = OPS.get(str(op))
+            if handler is None:
+                self.outbox.put({"type": P.ERROR, "attempt": self.attempt,
+                                 "message": f"unknown op {op!r}"})
+                continue
+            try:
+                handler(self, msg)
+            except Exception as exc:  # report, never die: the controller decides
+                self._failed(msg, exc)
+
+    def _failed(self, msg: dict[str, Any], exc: Exception) -> None:
+        op = msg.get("op")
+        if isinstance(msg.get("req"), int):  # a request: its asker must hear now
+            self._reply(msg, P.FAILED, error=f"{op}: {exc!r}")
+        else:
+            self.outbox.put({"type": P.ERROR, "attempt": self.attempt,
+                             "message": f"{op}: {exc!r}"})
+
+    def _tick(self, now: float) -> bool:
+        """Heartbeat, progress, silence and grace checks. True: the agent gave up."""
+        if self.workdir and self.workers and now - self._touched > 60:
+            self._touched = now
+            try:  # a tree in use must not look unused to another job's pruning
+                os.utime(cache.tree_root(self.workdir))
+            except OSError:
+                pass
+        conn = self.outbox.current()
+        if conn is not None:
+            if now - self.last_heard > self.node_timeout:
+                self.outbox.detach(conn)  # silent controller: as if the channel dropped
+            else:
+                self.outbox.put({"type": P.HEARTBEAT, "attempt": self.attempt})
+                beat, ranks = self._worker_progress()
+                if beat or ranks:  # every rank of this node in one message
+                    self.outbox.put({"type": P.PROGRESS, "attempt": self.attempt,
+                                     "beat": beat, "ranks": ranks})
+        since = self.outbox.detached_since
+        if (since is not None and self.controller_grace is not None
+                and now - since > self.controller_grace):
+            self.finish(f"no controller for {self.controller_grace:g}s (controller_grace)")
+            return True
+        return False
+
+    def finish(self, reason: str | None) -> None:
+        """Stop the workers, record why (unless the controller asked), remove our state."""
+        running = [w.rank for w in self.workers if w.proc.poll() is None]
+        self.stop_workers(grace=self.stop_grace)
+        if reason is not None:
+            outcome = {"reason": reason, "at": time.time(), "attempt": self.attempt,
+                       "stopped_ranks": running, "last_seq": self.outbox.seq}
+            try:
+                fd = os.open(self.outcome_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC |
+                             os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "w", encoding="utf-8") as f:
+                    json.dump(outcome, f)
+            except OSError:
+                pass
+        self.outbox.close()
+        if self.listener is not None:
+            self.listener.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        try:
+            os.unlink(self.directory + ".lock")
+        except OSError:
+            pass
+
+    def _worker_progress(self) -> tuple[bool, dict[str, Any]]:
+        """Whether any worker called heartbeat() since the last look; the step and metrics
+        those that gave them wrote (see agents/shims/orchestrator_worker.py), and new sampler
+        reports."""
+        touched, ranks = False, dict[str, dict[str, Any]]()
+        for w in list(self.workers):
+            if w.rank is not None:
+                waits = self._waits(w)
+                if waits is not None:  # not a sign of life: a hung rank's sampler goes on
+                    ranks.setdefault(str(w.rank), {})["waits"] = waits
+            try:
+                st = os.stat(w.heartbeat_file)
+            except OSError:
+                continue
+            if st.st_mtime <= w.heartbeat_seen:
+                continue
+            w.heartbeat_seen, touched = st.st_mtime, True
+            if st.st_size and w.rank is not None:
+                try:
+                    with open(w.heartbeat_file, encoding="utf-8") as f:
+                        record = json.loads(f.read(16384))
+                except (OSError, ValueError, RecursionError):
+                    continue  # half a record, or not ours: the next look will do
+                if isinstance(record, dict):
+                    ranks.setdefault(str(w.rank), {}).update(
+                        step=record.get("step"), metrics=record.get("metrics") or {},
+                        at=st.st_mtime)
+        return touched, ranks
+
+    def _waits(self, w: Worker) -> list[int] | None:
+        """[samples, of them waiting in a collective] from the rank's sampler, when new."""
+        path = os.path.join(self.directory, f"attempt-{w.attempt}", f"waits-{w.rank}.json")
+        try:
+            mtime = os.stat(path).st_mtime
+            if mtime <= w.waits_seen:
+                return None
+            with open(path, encoding="utf-8") as f:
+                record = json.loads(f.read(4096))
+            w.waits_seen = mtime
+            return [int(record["samples"]), int(record["waiting"])]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+            return None
+
+    def _reply(self, msg: dict[str, Any], type_: str, **fields: Any) -> None:
+        self.outbox.put({"type": type_, "req": msg.get("req"), "attempt": self.attempt,
+                         **fields})
+
+    def aside(self, handler: Callable[[dict[str, Any]], None], msg: dict[str, Any]) -> None:
+        """Run ``handler`` on the one thread for slow ops, in order (hashing and copying can
+        take long: heartbeats go on meanwhile)."""
+        if self._slow is None:
+            self._slow = queue.SimpleQueue()
+            threading.Thread(target=self._slow_worker, daemon=True).start()
+        self._slow.put((handler, msg))
+
+    def _slow_worker(self) -> None:
+        assert self._slow is not None
+        while True:
+            handler, msg = self._slow.get()
+            try:
+                handler(msg)
+            except Exception as exc:
+                self._failed(msg, exc)
+
+    def on_thread(self, handler: Callable[[dict[str, Any]], None],
+                  msg: dict[str, Any]) -> None:
+        """Run ``handler`` on a thread of its own (it may take minutes); it always replies."""
+        def run() -> None:
+            try:
+                handler(msg)
+            except Exception as exc:  # the controller waits for an answer: always give one
+                self._failed(msg, exc)
+
+        threading.Thread(target=run, daemon=True).start()
+
+    # --- ops: ports and reachability (run and preflight) ------------------------------------
+    def op_free_port(self, msg: dict[str, Any]) -> None:
+        """A port free now: ``port`` (0: any), or the first free one of ``range`` [lo, hi]."""
+        low, high = (int(x) for x in (msg.get("range") or (msg.get("port", 0),) * 2))
+        # From a random place in the range: jobs launching together on one master should
+        # not all take its first port.
+        start = secrets.randbelow(high - low + 1) if high > low else 0
+        for i in range(high - low + 1):
+            port, ok = free_port(low + (start + i) % (high - low + 1))
+            if ok:
+                break
+        self._reply(msg, P.PORT, port=port, ok=ok)
+
+    def op_listen(self, msg: dict[str, Any]) -> None:
+        """Hold listening sockets on ``port`` (0: any), or on every free port of ``ports``,
+        so that peers can test that they reach them (preflight)."""
+        for s in self.preflight_listeners:
+            s.close()
+        self.preflight_listeners = []
+        wanted = msg.get("ports") or [msg.get("port", 0)]
+        busy, error = [], None
+        for port in wanted:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", int(port)))
+                s.listen(64)
+            except OSError as exc:
+                s.close()
+                busy.append(port)
+                error = str(exc)
+                continue
+            self.preflight_listeners.append(s)
+        ports = [s.getsockname()[1] for s in self.preflight_listeners]
+        self._reply(msg, P.LISTENING, port=ports[0] if ports else msg.get("port"),
+                    ports=ports, busy=busy, ok=bool(ports), error=error)
+
+    def op_probe(self, msg: dict[str, Any]) -> None:
+        """Report the interface toward ``address`` and whether ``address:port`` (or each of
+        ``ports``) accepts TCP."""
+        address = str(msg["address"])
+        ports = [int(p) for p in (msg.get("ports") or [msg["port"]])]
+        timeout = float(msg.get("timeout", 3))
+        errors: dict[int, str] = {}
+
+        def one(port: int) -> None:
+            try:
+                with socket.create_connection((address, port), timeout=timeout):
+                    pass
+            except OSError as exc:
+                errors[port] = str(exc)
+
+        threads = [threading.Thread(target=one, args=(p,)) for p in ports]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        self._reply(msg, P.PROBE_RESULT, interface=interface_for(address),
+                    reachable=not errors, unreachable=sorted(errors),
+                    error=next(iter(errors.values()), None))
+
+    # --- ops: stacks and flight recorder (see orchestrator/hang.py) -------------------------
+    def op_stacks(self, msg: dict[str, Any]) -> None:
+        """Each live rank's Python stack: py-spy (needs ptrace), else the faulthandler hook
+        every worker registered at start. On a thread: py-spy takes its time."""
+        self.on_thread(self._stacks, msg)
+
+    def _stacks(self, msg: dict[str, Any]) -> None:
+        targets = stacks.rank_pids(list(self.workers), self.token)
+        wanted = bool(msg.get("flight_recorder")) and bool(targets)
+        found: dict[str, dict[str, Any]] = {}
+        threads = [threading.Thread(target=lambda r=r, p=p: found.__setitem__(
+            str(r), stacks.one_stack(p, r, self.directory, self.attempt))) for r, p in targets]
+        for t in threads:
+            t.start()
+        # One deadline for both, inside the controller's: a late reply is a lost one.
+        deadline = time.monotonic() + float(msg.get("timeout", 15))
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        dumps = {}
+        if wanted:
+            # After the stacks: a rank's first dump imports parts of torch (a second or more
+            # of CPU), which would show in them. Each rank's sampler looks for this file ten
+            # times a second.
+            asked_at = time.time()
+            stack_dir = os.path.join(self.directory, f"attempt-{self.attempt}")
+            with open(os.path.join(stack_dir, "flight-recorder-wanted"), "w"):
+                pass
+            dumps = stacks.trace_files(self.traces_dir or "", stack_dir,
+                                       [r for r, _ in targets], asked_at, deadline)
+        self._reply(msg, P.STACKS, stacks=found, traces=dumps)
+
+    def op_read_trace(self, msg: dict[str, Any]) -> None:
+        """A piece (up to 1 MiB, base64) of a flight recorder dump under this user's traces
+        directory; nothing else is readable this way."""
+        root = os.path.realpath(traces()) + os.sep
+        path = os.path.realpath(str(msg.get("path")))
+        if not path.startswith(root):
+            raise PermissionError(f"not a flight recorder dump: {msg.get('path')!r}")
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            f.seek(int(msg.get("offset") or 0))
+            data = f.read(1024 * 1024)
+        self._reply(msg, P.TRACE_CHUNK, data=base64.b64encode(data).decode(), size=size)
+
+    # --- ops: code and setup on the node (see orchestrator/prepare.py) ----------------------
+    def op_sync_missing(self, msg: dict[str, Any]) -> None:
+        self.aside(lambda m: self._reply(m, P.SYNC_MISSING,
+                                         missing=cache.missing_blobs(list(m.get("blobs", [])))),
+                   msg)
+
+    def op_sync_put(self, msg: dict[str, Any]) -> None:
+        def put(m: dict[str, Any]) -> None:
+            error = cache.put_chunk(str(m["sha"]), int(m["offset"]), m["data"],
+                                    bool(m.get("last")), m.get("part", 0))
+            self._reply(m, P.SYNC_PUT, ok=error is None,
+                        **({"error": error} if error else {}))
+
+        self.aside(put, msg)
+
+    def op_sync_build(self, msg: dict[str, Any]) -> None:
+        self.aside(lambda m: self._reply(m, P.SYNC_BUILT, path=cache.build_tree(
+            str(m["tree"]), m["files"], int(m.get("keep", 5)))), msg)
+
+    def op_setup(self, msg: dict[str, Any]) -> None:
+        """Run the job's setup script once per key on this machine (skipped when that key
+        succeeded before); its output streams as ``setup_output`` while it runs."""
+        def setup(m: dict[str, Any]) -> None:
+            code, cached, tail = cache.run_setup(
+                str(m["key"]), str(m["script"]), str(m.get("workdir") or "."),
+                dict(m.get("env") or {}), self.token,
+                lambda lines: self.outbox.put_live(P.SETUP_OUTPUT, lines), P.MAX_LINE)
+            self._reply(m, P.SETUP_DONE, exit_code=code, cached=cached, tail=tail)
+
+        self.on_thread(setup, msg)
+
+    # --- ops: workers ----------------------------------------------------------------------
+    def op_start(self, msg: dict[str, Any]) -> None:
+        attempt = int(msg["attempt"])
+        if attempt <= self.attempt:
+            return  # already started (a controller re-sent it after reattaching)
+        self.stop_workers(grace=float(msg.get("stop_grace", 5.0)))
+        self.attempt = attempt
+        workdir = os.path.expanduser(msg.get("workdir") or ".")
+        self.workdir = workdir
+        base_env, self.traces_dir = worker_env(msg, self.token, self.directory, self.job_id,
+                                               workdir)
+        attempt_dir = os.path.join(self.directory, f"attempt-{attempt}")
+        for spec in msg["workers"]:
+            try:
+                proc, spec = spawn(spec, base_env, attempt_dir, workdir)
+            except Exception as exc:  # the controller must hear of every rank, or it waits
+                error = f"{spec['argv'][0]}: {getattr(exc, 'strerror', None) or exc}"
+                self.outbox.put({"type": P.SPAWN_FAILED, "attempt": attempt,
+                                 "rank": spec.get("rank"), "local_rank": spec.get("local_rank"),
+                                 "error": error})
+                continue
+            # "started" is queued before the first output line can be read.
+            self.outbox.put({"type": P.STARTED, "attempt": attempt, "rank": spec.get("rank"),
+                             "local_rank": spec.get("local_rank"), "pid": proc.pid})
+            worker = Worker(self.outbox, attempt, spec, proc)
+            self.workers.append(worker)
+            worker.start_threads()
+
+    def op_stop(self, msg: dict[str, Any]) -> None:
+        attempt = int(msg.get("attempt", self.attempt))
+        grace = float(msg.get("grace", 5.0))
+        if attempt < self.attempt:  # a late stop of an older attempt: those are gone
+            self.outbox.put({"type": P.STOPPED, "attempt": attempt})
+            return
+        # Stopping can take the whole grace period: do it aside so heartbeats keep flowing.
+        threading.Thread(target=self._stop_and_report, args=(attempt, grace),
+                         daemon=True).start()
+
+    def _stop_and_report(self, attempt: int, grace: float) -> None:
+        self.stop_workers(grace)
+        self.outbox.put({"type": P.STOPPED, "attempt": attempt})
+
+    def stop_workers(self, grace: float) -> None:
+        """SIGTERM every worker's group, wait up to ``grace``, then SIGKILL what is left."""
+        with self._stop_lock:
+            workers, self.workers = self.workers, []
+            alive = [w for w in workers if w.proc.poll() is None]
+            for w in alive:
+                w.signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(w.proc.poll() is None for w in alive):
+                time.sleep(0.02)
+            for w in alive:
+                w.signal_group(signal.SIGKILL)
+            # Children that left their worker's group (setsid, torchrun's workers) or outlived
+            # it still carry the token.
+            kill_token_processes(self.token)
+            for w in workers:
+                w.done.wait(timeout=60.0)  # its exit is queued after its last line
+                w.close()
+            deadline = time.monotonic() + 5.0
+            while processes_with_token(self.token) and time.monotonic() < deadline:
+                kill_token_processes(self.token)
+                time.sleep(0.05)
+
+
+#: The controller's commands (protocol.py), one handler each; shutdown ends the main loop.
+OPS: dict[str, Callable[[Agent, dict[str, Any]], None]] = {
+    P.START: Agent.op_start, P.STOP: Agent.op_stop, P.FREE_PORT: Agent.op_free_port,
+    P.LISTEN: Agent.op_listen, P.PROBE: Agent.op_probe, P.STACKS_OP: Agent.op_stacks,
+    P.READ_TRACE: Agent.op_read_trace, P.SYNC_MISSING: Agent.op_sync_missing,
+    P.SYNC_PUT: Agent.op_sync_put, P.SYNC_BUILD: Agent.op_sync_build, P.SETUP: Agent.op_setup,
+}

@@ -1,0 +1,209 @@
+"""What a node keeps between jobs under ``~/.cache/orchestrator`` (see orchestrator/sync.py):
+blobs by content, synced trees built from them, setup markers, flight recorder dumps; and
+the setup run itself. Nodes may share the cache (an NFS home): every file is written aside
+and renamed into place, and markers name the machine."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from agents.netinfo import machine_id
+from agents.paths import Lock, cache, traces
+from agents.processes import TOKEN_VAR, set_pdeathsig
+from agents.text import text
+
+PRUNE_AFTER = 3600.0  # seconds unused before a tree or blob may go: other jobs share the cache
+MANIFEST = ".orchestrator-manifest.json"
+SETUP_TAIL = 20  # lines of a setup's output kept for the failure message
+
+
+def prune_traces(keep_seconds: float = 7 * 24 * 3600) -> None:
+    root, old = traces(), time.time() - keep_seconds
+    for job in os.listdir(root):
+        path = os.path.join(root, job)
+        try:
+            if os.lstat(path).st_mtime < old:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def tree_root(workdir: str) -> str:
+    """The synced tree a workdir lies in (or the workdir itself)."""
+    base = os.path.join(os.path.expanduser("~/.cache/orchestrator"), "sync") + os.sep
+    if workdir.startswith(base):
+        return base + workdir[len(base):].split(os.sep, 1)[0]
+    return workdir
+
+
+def blob(sha: str) -> str:
+    if not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise ValueError(f"bad blob name {sha!r}")
+    return os.path.join(cache(), "blobs", sha[:2], sha)
+
+
+def missing_blobs(shas: list[Any]) -> list[str]:
+    """Which of these blobs (sha256) this node's cache lacks."""
+    missing = []
+    for sha in shas:
+        try:
+            os.utime(blob(str(sha)))  # in use again: not for pruning within the hour
+        except FileNotFoundError:
+            missing.append(str(sha))
+    return missing
+
+
+def put_chunk(sha: str, offset: int, data: str, last: bool, part_id: Any) -> str | None:
+    """One chunk of a blob; the last one checks the whole blob's sha256. Returns what went
+    wrong, or None."""
+    final = blob(sha)
+    # Our own file, unique even across machines sharing this home (NFS).
+    part = f"{final}.part-{socket.gethostname()}-{os.getpid()}-{part_id}"
+    os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+    with open(part, "r+b" if offset else "wb") as f:
+        f.seek(offset)
+        f.write(base64.b64decode(data))
+    if last:
+        digest = hashlib.sha256()
+        with open(part, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        if digest.hexdigest() != sha:
+            os.unlink(part)
+            return f"blob {sha[:12]} arrived corrupt"
+        os.replace(part, final)
+    return None
+
+
+def build_tree(tree: str, files: list[Any], keep: int) -> str:
+    """Build tree ``tree`` from cached blobs (once), prune old trees, return its path.
+    Shipped files are read-only: a job that edits its copy would change it for every later
+    job of the same tree (outputs belong outside it)."""
+    if not re.fullmatch(r"[0-9a-f]{24}", tree):
+        raise ValueError(f"bad tree name {tree!r}")
+    base = os.path.join(cache(), "sync")
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    path = os.path.join(base, tree)
+    if not os.path.isdir(path):
+        building = tempfile.mkdtemp(prefix=f"{tree}.building-", dir=base)
+        for rel, sha, executable in files:
+            dest = os.path.join(building, rel)
+            if os.path.isabs(rel) or ".." in rel.split("/"):
+                raise ValueError(f"bad path in manifest: {rel!r}")
+            os.makedirs(os.path.dirname(dest), mode=0o755, exist_ok=True)
+            shutil.copyfile(blob(sha), dest)  # a copy: never the cache's own blob
+            os.chmod(dest, 0o555 if executable else 0o444)
+        with open(os.path.join(building, MANIFEST), "w") as f:
+            json.dump(files, f)
+        try:
+            os.rename(building, path)
+        except OSError:  # another agent sharing this home built it meanwhile
+            shutil.rmtree(building, ignore_errors=True)
+    os.utime(path)
+    prune_trees(base, keep, path)
+    return path
+
+
+def prune_trees(base: str, keep: int, current: str) -> None:
+    """Keep the ``keep`` most recently used trees (and ``current``), and anything used in the
+    last hour: a running agent touches its tree, and another job may be between uploading
+    blobs and building its tree. Blobs that no kept tree uses go too, after the same hour."""
+    old = time.time() - PRUNE_AFTER
+    with Lock(os.path.join(base, ".prune.lock")):  # one pruner at a time per home
+        _prune_locked(base, keep, current, old)
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except FileNotFoundError:  # another agent sharing this home removed it
+        return 0.0
+
+
+def _prune_locked(base: str, keep: int, current: str, old: float) -> None:
+    for name in os.listdir(base):  # half-built trees of agents that died
+        if ".building-" in name and _mtime(os.path.join(base, name)) < old:
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+    trees = sorted((os.path.join(base, d) for d in os.listdir(base)
+                    if re.fullmatch(r"[0-9a-f]{24}", d)), key=_mtime, reverse=True)
+    kept = set(trees[:keep]) | {current} | {t for t in trees if _mtime(t) > old}
+    for tree in trees:
+        if tree not in kept:
+            shutil.rmtree(tree, ignore_errors=True)
+    used: set[str] = set()
+    for tree in kept:
+        try:
+            with open(os.path.join(tree, MANIFEST)) as f:
+                used.update(sha for _, sha, _ in json.load(f))
+        except (OSError, ValueError):
+            return  # cannot tell what is used: keep every blob
+    blobs = os.path.join(cache(), "blobs")
+    for sub in os.listdir(blobs) if os.path.isdir(blobs) else ():
+        for name in os.listdir(os.path.join(blobs, sub)):
+            path = os.path.join(blobs, sub, name)
+            stale_part = ".part-" in name and _mtime(path) < old
+            unused = re.fullmatch(r"[0-9a-f]{64}", name) and name not in used and \
+                _mtime(path) < old
+            if stale_part or unused:
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+
+def run_setup(key: str, script: str, workdir: str, env: dict[str, str], token: str,
+              emit: Callable[[list[str]], None], max_line: int
+              ) -> tuple[int, bool, list[str]]:
+    """Run the job's setup script once per key and machine: it is skipped where that key
+    succeeded before. ``emit`` gets its output in batches while it runs. Returns (exit code,
+    whether it was done before, its last lines)."""
+    if not re.fullmatch(r"[0-9a-f]{32}", key):
+        raise ValueError(f"bad setup key {key!r}")
+    marks = os.path.join(cache(), "setup")
+    os.makedirs(marks, mode=0o700, exist_ok=True)
+    # The key names the node as the controller does; the machine is added here: nodes that
+    # share a home (NFS, every Slurm site) each run their own setup.
+    marker = f"{key}.{machine_id()}"
+    done = os.path.join(marks, f"{marker}.ok")
+    with Lock(os.path.join(marks, f"{marker}.lock")):  # one run per key and machine
+        if os.path.exists(done):
+            return 0, True, []
+        full_env = {**os.environ, **env, TOKEN_VAR: token}  # found by the token sweep
+        tail: collections.deque[str] = collections.deque(maxlen=SETUP_TAIL)
+        try:
+            proc = subprocess.Popen(["/bin/sh", "-c", script],
+                                    cwd=os.path.expanduser(workdir or "."),
+                                    env=full_env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True, preexec_fn=set_pdeathsig)
+        except OSError as exc:
+            return 127, False, [str(exc)]
+        out = proc.stdout
+        assert out is not None
+        batch: list[str] = []
+        sent = time.monotonic()
+        for raw in iter(lambda: out.readline(max_line), b""):
+            line = text(raw.rstrip(b"\n"))
+            tail.append(line)
+            batch.append(line)
+            if len(batch) >= 200 or time.monotonic() - sent > 0.1:
+                emit(batch)  # waits if far behind
+                batch, sent = [], time.monotonic()
+        if batch:
+            emit(batch)
+        code = proc.wait()
+        if code == 0:
+            open(done, "w").close()
+        return code, False, list(tail)

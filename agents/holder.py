@@ -1,0 +1,117 @@
+"""The holder (Slurm): each node's agent lives in a step of its own.
+
+Under ProctrackType=proctrack/cgroup, Slurm kills every process of a job step when the step
+ends, daemon or not: an agent started by a relay's step would die with its channel (a
+dropped connection, a replaced controller). So, on Slurm, each node runs a *holder*: a step
+of its own (kept open by the controller, outliving it) that starts the node's agent when a
+relay asks, so that the agent lives in the holder's step. The holder leaves once its
+controller has gone (its stdin closed) and no agent it started answers any more; a second
+holder on the node (a new controller's) waits on standby until the first leaves.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from agents import protocol as P
+from agents.paths import Lock, agent_paths, connect_unix, holder_path
+
+
+def start_agent_by_holder(job_id: str, node_index: int, config: dict[str, Any]) -> None:
+    """Ask this node's holder to start the agent (a relay's request, on Slurm)."""
+    sock = connect_unix(holder_path(job_id))
+    if sock is None:
+        raise RuntimeError("no holder step of the job on this node (Slurm)")
+    with sock, sock.makefile("rwb") as f:
+        f.write(P.encode({"op": "start", "node_index": node_index, "launch": config}))
+        f.flush()
+        reply = P.decode(f.readline(P.MAX_MESSAGE)) or {}
+    if not reply.get("ok"):
+        raise RuntimeError(f"the holder could not start the agent: {reply.get('error')}")
+
+
+def holder_main(job_id: str, say: Any) -> int:
+    path = holder_path(job_id)
+    started: set[int] = set()
+    controller = threading.Event()  # set once our stdin (the controller's end) closes
+
+    def watch() -> None:
+        try:
+            while os.read(0, 65536):
+                pass
+        except (OSError, ValueError):
+            pass
+        controller.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    server: socket.socket | None = None
+    said = False
+    while True:
+        if server is None:
+            with Lock(path + ".lock"):
+                other = connect_unix(path)
+                if other is None:
+                    try:
+                        os.unlink(path)  # a dead holder's
+                    except FileNotFoundError:
+                        pass
+                    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    server.bind(path)
+                    server.listen(16)
+                    server.settimeout(1.0)
+                else:
+                    other.close()
+            if not said:
+                say({"type": P.HOLDING, "standby": server is None})
+                said = True
+        if server is None:
+            time.sleep(1.0)
+        else:
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                conn = None
+            if conn is not None:
+                _serve_start(conn, job_id, started)
+        if controller.is_set() and (server is not None or not started) and \
+                not any(_agent_answers(job_id, index) for index in started):
+            if server is not None:
+                server.close()
+                os.unlink(path)
+            return 0
+
+
+def _agent_answers(job_id: str, node_index: int) -> bool:
+    probe = connect_unix(os.path.join(agent_paths(job_id, node_index)[0], "agent.sock"))
+    if probe is None:
+        return False
+    probe.close()
+    return True
+
+
+def _serve_start(conn: socket.socket, job_id: str, started: set[int]) -> None:
+    from agents.relay import start_agent
+
+    conn.settimeout(30.0)
+    with conn, conn.makefile("rwb") as f:
+        try:
+            request = P.decode(f.readline(P.MAX_MESSAGE)) or {}
+            index, launch = request.get("node_index"), request.get("launch")
+            if request.get("op") != "start" or not isinstance(launch, dict) or \
+                    not isinstance(index, int):
+                raise ValueError("expected start")
+            directory, outcome = agent_paths(job_id, index)
+            start_agent(directory, outcome, launch)
+            started.add(index)
+            reply: dict[str, Any] = {"ok": True}
+        except Exception as exc:  # said to the relay, which tells the controller
+            reply = {"ok": False, "error": str(exc)}
+        try:
+            f.write(P.encode(reply))
+            f.flush()
+        except OSError:
+            pass

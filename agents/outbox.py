@@ -1,0 +1,295 @@
+"""The outbox: every message of an agent goes out through here, on one sender thread.
+
+Sequenced messages (protocol.SEQUENCED) are numbered, kept until the controller acknowledges
+them and spooled to a file while no controller is attached; output travels in batches of
+one rank's lines, behind control messages, within a window of unacknowledged bytes (a
+reader stops reading a worker's pipe while the controller is behind: the worker then blocks
+on write); past the spool's cap the lines not kept are counted and reported.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import socket
+import threading
+import time
+from typing import Any, BinaryIO
+
+from agents import protocol as P
+from agents.paths import close_socket
+
+LINES_CAP = 1024 * 1024  # bytes of read-but-unsent worker output; readers wait beyond it
+
+
+class Outbox:
+    """Every message of the agent goes out through here, on one sender thread.
+
+    Sequenced messages (protocol.SEQUENCED) get the next ``seq`` when they are sent or
+    spooled, and stay in memory until the controller acknowledges them (at most
+    ``WINDOW_BYTES`` of output in flight: beyond it output waits, and so do the workers).
+    While no controller is attached they are appended to the spool file instead, up to
+    ``spool_max_bytes`` for output (control messages are always kept); output past that
+    cap is counted, and the count is reported as ``dropped`` messages.
+
+    Control messages go before output that is waiting, except that a rank's ``exited`` is
+    only queued once every line that rank printed has been numbered.
+    """
+
+    def __init__(self, spool_path: str, spool_max_bytes: int | None):
+        self._cond = threading.Condition()
+        self._conn: socket.socket | None = None
+        self._pending_attach: tuple[socket.socket, int] | None = None
+        self._control: collections.deque[dict[str, Any]] = collections.deque()
+        # Output read but not yet numbered: per (attempt, rank, stream), oldest first.
+        self._lines: collections.OrderedDict[tuple[int, Any, str], list[str]] = \
+            collections.OrderedDict()
+        self._key_bytes: collections.Counter[tuple[int, Any, str]] = collections.Counter()
+        self._line_bytes = 0
+        self._lines_since = 0.0
+        self._added: collections.Counter[Any] = collections.Counter()  # lines per rank
+        self._taken: collections.Counter[Any] = collections.Counter()
+        self.seq = 0
+        self._unacked: collections.deque[tuple[int, bytes]] = collections.deque()
+        self._unacked_bytes = 0
+        self._spool_path = spool_path
+        self._spool_max = spool_max_bytes
+        self._spool: BinaryIO | None = None
+        self._spool_bytes = 0  # of output written to the spool since it was last emptied
+        self._spool_offset = 0  # replayed up to here
+        self._dropped: collections.Counter[tuple[Any, str, int]] = collections.Counter()
+        self.detached_since: float | None = time.monotonic()
+        self.hello: Any = None  # set by the agent: builds the hello message
+        self.closed = False
+
+    # --- producers (any thread) ------------------------------------------------------------
+    def put(self, message: dict[str, Any]) -> None:
+        with self._cond:
+            if message.get("type") == P.EXITED:  # what was lost is said before the exit
+                self._control.extend(self._take_dropped(message.get("rank")))
+            self._control.append(message)
+            self._cond.notify_all()
+
+    def put_live(self, type_: str, lines: list[str]) -> None:
+        """Live output (setup's): dropped while detached, and never more than a bounded
+        backlog: the producer waits (its process then blocks on write)."""
+        with self._cond:
+            while len(self._control) > 256 and self._conn is not None and not self.closed:
+                self._cond.wait(0.5)
+            self._control.append({"type": type_, "attempt": 0, "lines": lines})
+            self._cond.notify_all()
+
+    def _take_dropped(self, rank: Any = ...) -> list[dict[str, Any]]:
+        """``dropped`` messages for the counted lines of ``rank`` (default: every rank)."""
+        out = []
+        for key in sorted(self._dropped, key=str):
+            r, stream, attempt = key
+            if rank is ... or r == rank:
+                out.append({"type": P.DROPPED, "attempt": attempt, "rank": r,
+                            "stream": stream, "lines": self._dropped.pop(key)})
+        return out
+
+    def add_lines(self, attempt: int, rank: Any, stream: str, lines: list[str]) -> None:
+        """Queue a worker's lines; blocks while too much output waits (backpressure)."""
+        size = sum(map(len, lines)) + len(lines)
+        with self._cond:
+            while self._line_bytes > LINES_CAP and not self.closed:
+                self._cond.wait(0.5)
+            if not self._lines:
+                self._lines_since = time.monotonic()
+            key = (attempt, rank, stream)
+            self._lines.setdefault(key, []).extend(lines)
+            self._key_bytes[key] += size
+            self._line_bytes += size
+            self._added[rank] += len(lines)
+            self._cond.notify_all()
+
+    def wait_sent(self, rank: Any) -> None:
+        """Until every line of ``rank`` queued so far has been numbered (sent or spooled)."""
+        with self._cond:
+            target = self._added[rank]
+            while self._taken[rank] < target and not self.closed:
+                self._cond.wait(0.5)
+
+    # --- the controller's side (its connection's reader thread) ----------------------------
+    def attach(self, conn: socket.socket, ack: int) -> None:
+        with self._cond:
+            if self._pending_attach is not None:
+                close_socket(self._pending_attach[0])
+            self._pending_attach = (conn, ack)
+            old = self._conn
+            self._cond.notify_all()
+        if old is not None and old is not conn:
+            try:  # the newer controller wins; this also frees a sender stuck writing to it
+                old.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def ack(self, seq: int) -> None:
+        with self._cond:
+            self._forget(seq)
+            self._cond.notify_all()
+
+    def detach(self, conn: socket.socket) -> None:
+        """The connection ended (or went silent): spool from now on."""
+        with self._cond:
+            if self._conn is conn:
+                self._conn = None
+                self.detached_since = time.monotonic()
+                self._cond.notify_all()
+        close_socket(conn)
+
+    def current(self) -> socket.socket | None:
+        return self._conn
+
+    def _forget(self, seq: int) -> None:
+        while self._unacked and self._unacked[0][0] <= seq:
+            self._unacked_bytes -= len(self._unacked.popleft()[1])
+
+    # --- the sender thread -----------------------------------------------------------------
+    def run(self) -> None:
+        while True:
+            job = self._next()
+            if job is None:
+                return
+            kind, conn, payload = job
+            if kind == "attach":
+                self._do_attach(conn, payload)
+            elif conn is not None:
+                self._write(conn, payload)
+
+    def _next(self) -> tuple[str, Any, Any] | None:
+        """The next thing to do: an attach, a control message, or a batch of output."""
+        with self._cond:
+            while True:
+                if self.closed and not self._control:
+                    return None
+                if self._pending_attach is not None:
+                    conn, ack = self._pending_attach
+                    self._pending_attach = None
+                    return "attach", conn, ack
+                if self._control:
+                    data = self._number(self._control.popleft())
+                    if data is None:
+                        continue
+                    return "send", self._conn, data
+                wait: float | None = None
+                if self._lines and (self._conn is None or self._unacked_bytes < P.WINDOW_BYTES):
+                    age = time.monotonic() - self._lines_since
+                    if self._line_bytes >= P.BATCH_BYTES or age >= P.BATCH_DELAY:
+                        data = self._take_batch()
+                        if data is None:
+                            continue
+                        return "send", self._conn, data
+                    wait = P.BATCH_DELAY - age
+                self._cond.wait(wait)
+
+    def _take_batch(self) -> bytes | None:
+        key, lines = next(iter(self._lines.items()))
+        if self._key_bytes[key] <= P.BATCH_BYTES * 3 // 2:
+            batch, rest, size = lines, [], self._key_bytes[key]
+        else:
+            taken, size = 0, 0
+            while taken < len(lines) and size < P.BATCH_BYTES:
+                size += len(lines[taken]) + 1
+                taken += 1
+            batch, rest = lines[:taken], lines[taken:]
+        del self._lines[key]
+        if rest:
+            self._lines[key] = rest  # to the back: ranks take turns
+            self._key_bytes[key] -= size
+        else:
+            del self._key_bytes[key]
+        self._line_bytes -= size
+        attempt, rank, stream = key
+        self._taken[rank] += len(batch)
+        self._cond.notify_all()
+        if self._conn is None and self._spool_max is not None and \
+                self._spool_bytes + size > self._spool_max:
+            self._dropped[(rank, stream, attempt)] += len(batch)
+            return None
+        return self._number({"type": P.OUTPUT, "attempt": attempt, "rank": rank,
+                             "stream": stream, "lines": batch})
+
+    def _number(self, message: dict[str, Any]) -> bytes | None:
+        """Encode a message; number, keep or spool it if it is sequenced. None: nothing to
+        write now (spooled, or a live-only message with nobody attached)."""
+        if message.get("type") not in P.SEQUENCED:
+            return P.encode(message) if self._conn is not None else None
+        self.seq += 1
+        message["seq"] = self.seq
+        data = P.encode(message)
+        if self._conn is not None and self._spool is None:
+            self._unacked.append((self.seq, data))
+            self._unacked_bytes += len(data)
+            return data
+        self._append_spool(data, message.get("type") == P.OUTPUT)
+        return None
+
+    def _append_spool(self, data: bytes, is_output: bool) -> None:
+        if self._spool is None:
+            self._spool = open(self._spool_path, "a+b")  # noqa: SIM115 (kept open)
+            self._spool_offset = 0
+        self._spool.write(data)
+        if is_output:
+            self._spool_bytes += len(data)
+
+    def _write(self, conn: socket.socket, data: bytes) -> bool:
+        try:
+            conn.sendall(data)
+            return True
+        except OSError:
+            self.detach(conn)
+            return False
+
+    def _do_attach(self, conn: socket.socket, ack: int) -> None:
+        """A controller proved the secret: hello, then everything it has not kept, in order."""
+        with self._cond:
+            old, self._conn = self._conn, conn
+            self.detached_since = None
+            self._forget(ack)
+            replay = list(self._unacked)
+            self._control.extendleft(reversed(self._take_dropped()))
+            hello = P.encode(self.hello())
+        if old is not None and old is not conn:
+            close_socket(old)
+        if not self._write(conn, hello):
+            return
+        for _, data in replay:
+            if not self._write(conn, data):
+                return
+        self._replay_spool(conn)
+
+    def _replay_spool(self, conn: socket.socket) -> None:
+        while True:
+            with self._cond:
+                if self._spool is None or self._conn is not conn:
+                    return
+                while self._unacked_bytes >= P.WINDOW_BYTES and self._conn is conn:
+                    self._cond.wait(0.5)
+                if self._conn is not conn:
+                    return
+                self._spool.flush()
+                self._spool.seek(self._spool_offset)
+                chunk = self._spool.readlines(256 * 1024)
+                if not chunk:  # caught up: live from here on
+                    self._spool.close()
+                    self._spool = None
+                    self._spool_bytes = 0
+                    os.unlink(self._spool_path)
+                    self._cond.notify_all()
+                    return
+                self._spool.seek(0, os.SEEK_END)
+                for data in chunk:
+                    self._spool_offset += len(data)
+                    seq = json.loads(data).get("seq", 0)
+                    self._unacked.append((seq, data))
+                    self._unacked_bytes += len(data)
+            if not self._write(conn, b"".join(chunk)):
+                return
+
+    def close(self) -> None:
+        with self._cond:
+            self.closed = True
+            self._cond.notify_all()

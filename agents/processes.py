@@ -1,0 +1,117 @@
+"""No orphans: every process an agent starts carries its token, and is found by it.
+
+Every worker runs in its own process group with ``PR_SET_PDEATHSIG(SIGKILL)``; a watchdog
+process kills the workers when the agent dies, SIGKILL included; and processes that left
+their group (``setsid``, torchrun's workers) are found by the per-agent token in their
+environment, never by name. Kills go through pidfds where the kernel has them, so a recycled
+pid is never hit.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import time
+from typing import Any
+
+from agents.paths import Lock, connect_unix
+
+TOKEN_VAR = "ORCHESTRATOR_AGENT_TOKEN"
+PR_SET_PDEATHSIG = 1
+
+_prctl: Any
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the watchdog alone guards against orphans
+    _prctl = None
+
+
+def set_pdeathsig() -> None:
+    """Runs in the child between fork and exec (so prctl was looked up beforehand, in the
+    parent): if the agent dies, the kernel kills the worker."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:  # real-time signals have no name
+        return f"SIG{number}"
+
+
+def has_token(pid: int, token: str) -> bool:
+    """Does process ``pid`` carry this agent's token in its environment?"""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            environ = f.read()
+    except OSError:
+        return False
+    return f"{TOKEN_VAR}={token}".encode() in environ.split(b"\0")
+
+
+def processes_with_token(token: str) -> list[int]:
+    """Pids of every process whose environment carries this agent's token."""
+    me = os.getpid()
+    return [int(e) for e in os.listdir("/proc")
+            if e.isdigit() and int(e) != me and has_token(int(e), token)]
+
+
+def pidfd(pid: int) -> int | None:
+    """A pidfd for ``pid`` (Linux 5.3+): it names that very process, never a recycled pid."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def kill_token_processes(token: str) -> None:
+    """SIGKILL every process that carries the token. Each one is pinned with a pidfd and
+    its token checked again through that pin, so a pid recycled since the scan is spared."""
+    for pid in processes_with_token(token):
+        fd = pidfd(pid)
+        try:
+            if not has_token(pid, token):  # the scan's process is gone; this is another
+                continue
+            if fd is not None:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            else:  # no pidfds here: the narrow window between check and kill remains
+                os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def start_watchdog(token: str, directory: str | None = None) -> None:
+    """Fork a process that kills this agent's workers once the agent is gone, however it died,
+    and removes the agent's directory if no new agent took it meanwhile."""
+    agent_pid = os.getpid()
+    if os.fork() != 0:
+        return
+    # The watchdog must hold nothing of the agent's: no socket, no pipe.
+    os.closerange(3, 65536)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    while os.getppid() == agent_pid:
+        time.sleep(0.2)
+    kill_token_processes(token)
+    if directory and os.path.isdir(directory):
+        try:
+            with Lock(directory + ".lock"):  # relays launch under this lock
+                probe = connect_unix(os.path.join(directory, "agent.sock"))
+                if probe is None:  # nobody serves there: the dead agent's leftovers
+                    shutil.rmtree(directory, ignore_errors=True)
+                else:
+                    probe.close()
+        except OSError:
+            pass
+    os._exit(0)

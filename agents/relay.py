@@ -1,0 +1,149 @@
+"""The relay: what a channel runs (a local pipe, an SSH exec channel, a Slurm step).
+
+It reads ``connect``, attaches to the job's agent through its Unix socket, starting the
+agent first when asked to (a daemon: its own session, stdio on /dev/null, so that it
+outlives every channel), and then copies bytes both ways until either side closes. On Slurm
+the agent is started by the node's holder step instead (agents/holder.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+import threading
+import traceback
+from typing import Any, BinaryIO
+
+from agents import protocol as P
+from agents.paths import Lock, agent_paths, connect_unix
+
+
+def relay_main() -> int:
+    """Join this process's stdin/stdout (the channel) to the job's agent socket."""
+    stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
+
+    def say(message: dict[str, Any]) -> None:
+        stdout.write(P.encode(message))
+        stdout.flush()
+
+    first = P.decode(stdin.readline(P.MAX_MESSAGE))
+    if first and first.get("op") == P.HOLD:
+        from agents.holder import holder_main
+
+        return holder_main(str(first.get("job_id")), say)
+    if not first or first.get("op") != P.CONNECT:
+        say({"type": P.ERROR, "message": "expected connect"})
+        return 2
+    try:
+        index = first.get("node_index")
+        if not isinstance(index, int):
+            raise ValueError(f"bad node index {index!r}")
+        directory, outcome = agent_paths(str(first.get("job_id")), index)
+        sock_path = os.path.join(directory, "agent.sock")
+        launch = first.get("launch")
+        sock = connect_unix(sock_path)
+        launched = False
+        if sock is None and launch is not None:
+            with Lock(directory + ".lock"):
+                sock = connect_unix(sock_path)  # another relay may have started it meanwhile
+                if sock is None:
+                    if launch.get("holder"):  # Slurm: the agent belongs to the holder's step
+                        from agents.holder import start_agent_by_holder
+
+                        start_agent_by_holder(str(first.get("job_id")), index, launch)
+                    else:
+                        start_agent(directory, outcome, launch)
+                    sock = connect_unix(sock_path)
+                    launched = True
+        if sock is None:
+            gone: dict[str, Any] = {"type": P.GONE}
+            try:
+                with open(outcome, encoding="utf-8") as f:
+                    gone["outcome"] = json.loads(f.read(65536))
+            except (OSError, ValueError):
+                pass
+            say(gone)
+            if "outcome" in gone:  # told once: nothing of the job is left on the node
+                os.unlink(outcome)
+            return 0
+    except Exception as exc:  # reported on the channel: the controller names the node
+        say({"type": P.ERROR, "message": f"relay: {exc}"})
+        return 2
+    say({"type": P.RELAY, "launched": launched})
+    _pump(sock, stdin, stdout)
+    return 0
+
+
+def start_agent(directory: str, outcome: str, config: dict[str, Any]) -> None:
+    """Start the agent as a daemon and return once its socket listens."""
+    shutil.rmtree(directory, ignore_errors=True)  # a dead agent's leftovers
+    try:
+        os.unlink(outcome)
+    except FileNotFoundError:
+        pass
+    os.mkdir(directory, 0o700)
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: detach twice, so the agent is nobody's child and no session's
+        try:
+            os.close(ready_r)
+            os.setsid()
+            if os.fork() != 0:
+                os._exit(0)
+            os.closerange(3, ready_w)
+            os.closerange(ready_w + 1, 65536)
+            devnull = os.open(os.devnull, os.O_RDWR)
+            log = os.open(os.path.join(directory, "agent.log"),
+                          os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+            os.dup2(devnull, 0)
+            os.dup2(devnull, 1)
+            os.dup2(log, 2)
+            code = 1
+            try:
+                from agents.agent import Agent
+
+                agent = Agent(directory, outcome, config)
+                agent.listen()
+                os.write(ready_w, b"ok")
+                os.close(ready_w)
+                code = agent.run()
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        except BaseException:
+            os._exit(1)
+    os.close(ready_w)
+    os.waitpid(pid, 0)
+    with os.fdopen(ready_r, "rb") as ready:
+        if ready.read(2) != b"ok":
+            tail = ""
+            try:
+                with open(os.path.join(directory, "agent.log"), encoding="utf-8",
+                          errors="replace") as f:
+                    tail = " | ".join(f.read()[-2000:].strip().splitlines()[-3:])
+            except OSError:
+                pass
+            raise RuntimeError(f"the agent did not start: {tail or 'no error given'}")
+
+
+def _pump(sock: socket.socket, stdin: BinaryIO, stdout: BinaryIO) -> None:
+    def upstream() -> None:  # controller -> agent
+        try:
+            while data := stdin.read1(65536):  # type: ignore[attr-defined]
+                sock.sendall(data)
+        except (OSError, ValueError):
+            pass
+        os._exit(0)  # the channel closed: the agent sees its connection end
+
+    threading.Thread(target=upstream, daemon=True).start()
+    try:
+        while data := sock.recv(65536):
+            stdout.write(data)
+            stdout.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(0)

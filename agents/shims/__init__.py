@@ -1,0 +1,22 @@
+"""Files the agent puts on every Python worker's PYTHONPATH: ``sitecustomize`` (stack hook,
+straggler sampler, flight recorder dumps) and ``orchestrator_worker`` (``heartbeat()``).
+They are data to the agent, which never imports them: it writes their text (shipped with
+it, see agents.source) into its private directory."""
+
+from __future__ import annotations
+
+import os
+
+from agents import source
+
+FILES = ("sitecustomize", "orchestrator_worker")
+
+
+def install(agent_dir: str) -> str:
+    """Write the shims into ``<agent_dir>/pythonpath``; return that directory."""
+    path = os.path.join(agent_dir, "pythonpath")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    for name in FILES:
+        with open(os.path.join(path, f"{name}.py"), "w", encoding="utf-8") as f:
+            f.write(source(f"agents.shims.{name}"))
+    return path
