@@ -23,7 +23,7 @@ import os
 MODULES = ("agents", "agents.protocol", "agents.paths", "agents.text", "agents.netinfo",
            "agents.processes", "agents.outbox", "agents.cache", "agents.shims",
            "agents.shims.sitecustomize", "agents.shims.orchestrator_worker",
-           "agents.workers", "agents.stacks", "agents.agent", "agents.holder",
+           "agents.workers", "agents.stacks", "agents.ops", "agents.agent", "agents.holder",
            "agents.relay", "agents.main")
 
 

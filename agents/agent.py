@@ -9,13 +9,12 @@ acknowledged when one attaches again. When the grace ends it stops the workers (
 each group, a grace period, SIGKILL, the token sweep), records the outcome beside its
 directory, removes the directory and exits.
 
-Commands arrive on the main loop (``OPS``, one handler each); slow ones (stop, stacks,
+Commands arrive on the main loop (``ops.OPS``, one handler each); slow ones (stop, stacks,
 sync, setup) run aside so that heartbeats keep flowing, and a request always gets a reply.
 """
 
 from __future__ import annotations
 
-import base64
 import hmac
 import json
 import os
@@ -30,11 +29,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agents import cache, stacks
+from agents import cache, ops
 from agents import protocol as P
-from agents.netinfo import free_port, gpu_count, interface_for, torch_version
+from agents.netinfo import gpu_count, torch_version
 from agents.outbox import Outbox
-from agents.paths import close_socket, traces
+from agents.paths import close_socket
 from agents.processes import kill_token_processes, processes_with_token, signal_name, start_watchdog
 from agents.workers import Worker, spawn, worker_env
 
@@ -166,7 +165,7 @@ class Agent:
             if op == P.SHUTDOWN:
                 self.finish(None)
                 return 0
-            handler = OPS.get(str(op))
+            handler = ops.OPS.get(str(op))
             if handler is None:
                 self.outbox.put({"type": P.ERROR, "attempt": self.attempt,
                                  "message": f"unknown op {op!r}"})
@@ -179,7 +178,7 @@ class Agent:
     def _failed(self, msg: dict[str, Any], exc: Exception) -> None:
         op = msg.get("op")
         if isinstance(msg.get("req"), int):  # a request: its asker must hear now
-            self._reply(msg, P.FAILED, error=f"{op}: {exc!r}")
+            self.reply(msg, P.FAILED, error=f"{op}: {exc!r}")
         else:
             self.outbox.put({"type": P.ERROR, "attempt": self.attempt,
                              "message": f"{op}: {exc!r}"})
@@ -275,7 +274,7 @@ class Agent:
         except (OSError, ValueError, KeyError, TypeError, RecursionError):
             return None
 
-    def _reply(self, msg: dict[str, Any], type_: str, **fields: Any) -> None:
+    def reply(self, msg: dict[str, Any], type_: str, **fields: Any) -> None:
         self.outbox.put({"type": type_, "req": msg.get("req"), "attempt": self.attempt,
                          **fields})
 
@@ -306,142 +305,6 @@ class Agent:
                 self._failed(msg, exc)
 
         threading.Thread(target=run, daemon=True).start()
-
-    # --- ops: ports and reachability (run and preflight) ------------------------------------
-    def op_free_port(self, msg: dict[str, Any]) -> None:
-        """A port free now: ``port`` (0: any), or the first free one of ``range`` [lo, hi]."""
-        low, high = (int(x) for x in (msg.get("range") or (msg.get("port", 0),) * 2))
-        # From a random place in the range: jobs launching together on one master should
-        # not all take its first port.
-        start = secrets.randbelow(high - low + 1) if high > low else 0
-        for i in range(high - low + 1):
-            port, ok = free_port(low + (start + i) % (high - low + 1))
-            if ok:
-                break
-        self._reply(msg, P.PORT, port=port, ok=ok)
-
-    def op_listen(self, msg: dict[str, Any]) -> None:
-        """Hold listening sockets on ``port`` (0: any), or on every free port of ``ports``,
-        so that peers can test that they reach them (preflight)."""
-        for s in self.preflight_listeners:
-            s.close()
-        self.preflight_listeners = []
-        wanted = msg.get("ports") or [msg.get("port", 0)]
-        busy, error = [], None
-        for port in wanted:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind(("", int(port)))
-                s.listen(64)
-            except OSError as exc:
-                s.close()
-                busy.append(port)
-                error = str(exc)
-                continue
-            self.preflight_listeners.append(s)
-        ports = [s.getsockname()[1] for s in self.preflight_listeners]
-        self._reply(msg, P.LISTENING, port=ports[0] if ports else msg.get("port"),
-                    ports=ports, busy=busy, ok=bool(ports), error=error)
-
-    def op_probe(self, msg: dict[str, Any]) -> None:
-        """Report the interface toward ``address`` and whether ``address:port`` (or each of
-        ``ports``) accepts TCP."""
-        address = str(msg["address"])
-        ports = [int(p) for p in (msg.get("ports") or [msg["port"]])]
-        timeout = float(msg.get("timeout", 3))
-        errors: dict[int, str] = {}
-
-        def one(port: int) -> None:
-            try:
-                with socket.create_connection((address, port), timeout=timeout):
-                    pass
-            except OSError as exc:
-                errors[port] = str(exc)
-
-        threads = [threading.Thread(target=one, args=(p,)) for p in ports]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        self._reply(msg, P.PROBE_RESULT, interface=interface_for(address),
-                    reachable=not errors, unreachable=sorted(errors),
-                    error=next(iter(errors.values()), None))
-
-    # --- ops: stacks and flight recorder (see orchestrator/hang.py) -------------------------
-    def op_stacks(self, msg: dict[str, Any]) -> None:
-        """Each live rank's Python stack: py-spy (needs ptrace), else the faulthandler hook
-        every worker registered at start. On a thread: py-spy takes its time."""
-        self.on_thread(self._stacks, msg)
-
-    def _stacks(self, msg: dict[str, Any]) -> None:
-        targets = stacks.rank_pids(list(self.workers), self.token)
-        wanted = bool(msg.get("flight_recorder")) and bool(targets)
-        found: dict[str, dict[str, Any]] = {}
-        threads = [threading.Thread(target=lambda r=r, p=p: found.__setitem__(
-            str(r), stacks.one_stack(p, r, self.directory, self.attempt))) for r, p in targets]
-        for t in threads:
-            t.start()
-        # One deadline for both, inside the controller's: a late reply is a lost one.
-        deadline = time.monotonic() + float(msg.get("timeout", 15))
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        dumps = {}
-        if wanted:
-            # After the stacks: a rank's first dump imports parts of torch (a second or more
-            # of CPU), which would show in them. Each rank's sampler looks for this file ten
-            # times a second.
-            asked_at = time.time()
-            stack_dir = os.path.join(self.directory, f"attempt-{self.attempt}")
-            with open(os.path.join(stack_dir, "flight-recorder-wanted"), "w"):
-                pass
-            dumps = stacks.trace_files(self.traces_dir or "", stack_dir,
-                                       [r for r, _ in targets], asked_at, deadline)
-        self._reply(msg, P.STACKS, stacks=found, traces=dumps)
-
-    def op_read_trace(self, msg: dict[str, Any]) -> None:
-        """A piece (up to 1 MiB, base64) of a flight recorder dump under this user's traces
-        directory; nothing else is readable this way."""
-        root = os.path.realpath(traces()) + os.sep
-        path = os.path.realpath(str(msg.get("path")))
-        if not path.startswith(root):
-            raise PermissionError(f"not a flight recorder dump: {msg.get('path')!r}")
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            f.seek(int(msg.get("offset") or 0))
-            data = f.read(1024 * 1024)
-        self._reply(msg, P.TRACE_CHUNK, data=base64.b64encode(data).decode(), size=size)
-
-    # --- ops: code and setup on the node (see orchestrator/prepare.py) ----------------------
-    def op_sync_missing(self, msg: dict[str, Any]) -> None:
-        self.aside(lambda m: self._reply(m, P.SYNC_MISSING,
-                                         missing=cache.missing_blobs(list(m.get("blobs", [])))),
-                   msg)
-
-    def op_sync_put(self, msg: dict[str, Any]) -> None:
-        def put(m: dict[str, Any]) -> None:
-            error = cache.put_chunk(str(m["sha"]), int(m["offset"]), m["data"],
-                                    bool(m.get("last")), m.get("part", 0))
-            self._reply(m, P.SYNC_PUT, ok=error is None,
-                        **({"error": error} if error else {}))
-
-        self.aside(put, msg)
-
-    def op_sync_build(self, msg: dict[str, Any]) -> None:
-        self.aside(lambda m: self._reply(m, P.SYNC_BUILT, path=cache.build_tree(
-            str(m["tree"]), m["files"], int(m.get("keep", 5)))), msg)
-
-    def op_setup(self, msg: dict[str, Any]) -> None:
-        """Run the job's setup script once per key on this machine (skipped when that key
-        succeeded before); its output streams as ``setup_output`` while it runs."""
-        def setup(m: dict[str, Any]) -> None:
-            code, cached, tail = cache.run_setup(
-                str(m["key"]), str(m["script"]), str(m.get("workdir") or "."),
-                dict(m.get("env") or {}), self.token,
-                lambda lines: self.outbox.put_live(P.SETUP_OUTPUT, lines), P.MAX_LINE)
-            self._reply(m, P.SETUP_DONE, exit_code=code, cached=cached, tail=tail)
-
-        self.on_thread(setup, msg)
 
     # --- ops: workers ----------------------------------------------------------------------
     def op_start(self, msg: dict[str, Any]) -> None:
@@ -507,12 +370,3 @@ class Agent:
             while processes_with_token(self.token) and time.monotonic() < deadline:
                 kill_token_processes(self.token)
                 time.sleep(0.05)
-
-
-#: The controller's commands (protocol.py), one handler each; shutdown ends the main loop.
-OPS: dict[str, Callable[[Agent, dict[str, Any]], None]] = {
-    P.START: Agent.op_start, P.STOP: Agent.op_stop, P.FREE_PORT: Agent.op_free_port,
-    P.LISTEN: Agent.op_listen, P.PROBE: Agent.op_probe, P.STACKS_OP: Agent.op_stacks,
-    P.READ_TRACE: Agent.op_read_trace, P.SYNC_MISSING: Agent.op_sync_missing,
-    P.SYNC_PUT: Agent.op_sync_put, P.SYNC_BUILD: Agent.op_sync_build, P.SETUP: Agent.op_setup,
-}

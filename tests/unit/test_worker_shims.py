@@ -59,3 +59,32 @@ def test_a_half_imported_torch_distributed_neither_stops_the_sampler_nor_prints(
     assert done.returncode == 0 and done.stderr == "" and done.stdout == "", done
     report = json.loads((tmp_path / "waits-2.json").read_text())
     assert report["samples"] > 20 and report["waiting"] == 0, report
+
+
+def test_every_module_of_the_agent_is_shipped_and_runs_from_what_is_shipped(tmp_path):
+    """A node has nothing installed: the bootstrap must carry every module, and the agent
+    must import nothing of ours from anywhere else."""
+    from pathlib import Path
+
+    import agents
+    from orchestrator.transport.base import BOOTSTRAP, agent_payload
+
+    root = Path(agents.__file__).parent
+    on_disk = {".".join(("agents", *p.relative_to(root).with_suffix("").parts))
+               .removesuffix(".__init__") for p in root.rglob("*.py")}
+    assert on_disk == set(agents.MODULES)
+    # Run the bootstrap where no `agents` package can be found, as on a bare node, and have
+    # it import every shipped module (a relay told nothing valid answers and exits).
+    probe = subprocess.run(
+        [sys.executable, "-I", "-c", BOOTSTRAP], input=agent_payload() + b"{}\n",
+        capture_output=True, timeout=30, cwd=tmp_path)
+    assert b"expected connect" in probe.stdout, probe.stderr.decode()[-2000:]
+    imports = "import sys;" + ";".join(f"import {m}" for m in agents.MODULES
+                                        if not m.startswith("agents.shims."))
+    check = BOOTSTRAP.replace("import agents.main;sys.exit(agents.main.main())",
+                              imports + ";print(sorted(n for n in sys.modules "
+                              "if n.startswith('agents') and "
+                              "getattr(sys.modules[n], '__shipped__', None) is None))")
+    run = subprocess.run([sys.executable, "-I", "-c", check], input=agent_payload(),
+                         capture_output=True, timeout=30, cwd=tmp_path)
+    assert run.stdout.strip() == b"[]", (run.stdout, run.stderr.decode()[-2000:])
