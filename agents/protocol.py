@@ -1,25 +1,27 @@
-"""The agent protocol: names, framing, version and the request/reply helper, in one place.
+"""The agent protocol: every message, typed and checked, in one place.
 
 Stdlib only: the controller, ``preflight`` and the node agent all import this module, and
-the transports ship its source to nodes together with the agent's (see
-``orchestrator.transport.base.BOOTSTRAP``).
+the transports ship it to nodes with the rest of the agent (``agents.MODULES``).
 
 JSON lines both ways. A connection to an agent goes through a *relay* (a short-lived
-process started over the channel: a local pipe or an SSH exec channel) that joins the
-channel to the agent's private Unix socket, so that the agent outlives every channel::
+process started over the channel: a local pipe, an SSH exec channel, a Slurm step) that
+joins the channel to the agent's private Unix socket, so that the agent outlives every
+channel::
 
     controller ── channel ── relay ── ~/private dir/agent.sock ── agent (detached) ── workers
 
-The first line on a channel is for the relay (``connect``); every line after it is the
-agent's, starting with ``attach``.
+The first line on a channel is for the relay (``connect``, or ``hold`` for a Slurm holder
+step); every line after it is the agent's, starting with ``attach``.
 
 Controller -> relay::
 
     connect   {job_id, node_index, launch: null | {secret, heartbeat_interval, node_timeout,
-               controller_grace, spool_max_bytes}}
+               controller_grace, spool_max_bytes, stop_grace, holder?}}
               attach to the job's agent on this node; with ``launch``, start it when there
-              is none. The relay answers ``relay {launched}``, or ``gone`` (no agent, and
-              no launch asked) and exits.
+              is none (``holder``: ask the node's Slurm holder step to). The relay answers
+              ``relay {launched}``, ``gone {outcome?}`` (no agent, and no launch asked) and
+              exits, or ``error {message}``.
+    hold      {job_id}   be this node's holder step; answers ``holding {standby}``
 
 Controller -> agent (``op``)::
 
@@ -34,48 +36,39 @@ Controller -> agent (``op``)::
               (the master, when the attempt spans several nodes) GLOO/NCCL_SOCKET_IFNAME
               name the interface toward it, unless set
     stop      {attempt, grace}
-    free_port {req, port, range}    (0: pick one; a port: check it; range [lo, hi]: the
-                                     first free one of it)
-    listen    {req, port}           (preflight: hold a listening socket)
-    probe     {req, address, port}  (preflight: route and TCP reachability toward the master)
     shutdown  {}                    stop the workers, remove the agent's state, exit
+    free_port {req, port | range}   (0: pick one; a port: check it; range [lo, hi]: the
+                                     first free one of it)
+    listen    {req, port | ports}   (preflight: hold listening sockets)
+    probe     {req, address, port | ports, timeout}  (preflight: route and reachability)
     sync_missing {req, blobs}       which of these sha256 blobs the node's cache lacks
     sync_put  {req, sha, offset, data (base64), last}   one chunk of a blob
     sync_build {req, tree, files: [[path, sha, executable]], keep}   build the tree, prune
     setup     {req, key, script, workdir, env}   run once per key (cached when it succeeds)
-    stacks    {req, timeout}        every live rank's stack (py-spy, else faulthandler)
+    stacks    {req, timeout, flight_recorder}    every live rank's stack, and dumps
+    read_trace {req, path, offset}  a piece of a flight recorder dump
 
-Agent -> controller (``type``). *Sequenced* messages carry ``seq`` (1, 2, ...) and are kept
-by the agent until acknowledged, spooled to disk while no controller is attached, and
-replayed in order on the next ``attach``. The others are only meaningful live::
+Agent -> controller (``type``): the classes below, one a message, each with the fields it
+carries. *Sequenced* messages carry ``seq`` (1, 2, ...) and are kept by the agent until
+acknowledged, spooled to disk while no controller is attached, and replayed in order on the
+next ``attach``; the others are only meaningful live. An agent's ``exited`` for a rank
+always comes after every output line of that rank.
 
-    hello        {protocol, hostname, python, torch, gpus, pid, attempt, last_seq,
-                  workers: [{rank, local_rank, pid, running}], spooled_bytes}   (live)
-    heartbeat    {attempt}                                                      (live)
-    progress     {attempt, ranks: {rank: {step, metrics, at}}}   workers called
-                 heartbeat() (ORCHESTRATOR_HEARTBEAT_FILE); step/metrics when given    (live)
-    port / listening / probe / sync_missing / sync_put / sync_built / setup_done
-                 {req, ...}   replies to requests                                    (live)
-    setup_output {lines}      the setup script's output while it runs                (live)
-    failed       {req, error} the reply to a request that could not be carried out  (live)
-    started      {seq, attempt, rank, local_rank, pid}
-    spawn_failed {seq, attempt, rank, local_rank, error}
-    output       {seq, attempt, rank, stream, lines: [...]}   many lines of one rank
-    exited       {seq, attempt, rank, local_rank, exit_code, signal, error_file, at}
-    stopped      {seq, attempt}
-    dropped      {seq, attempt, rank, stream, lines}   lines the full spool could not keep
-    error        {seq, attempt, message}
-    detached / gave_up are never sent: they are what the agent writes in its spool.
-
-An agent's ``exited`` for a rank always comes after every output line of that rank.
+``parse`` is the door: it turns a decoded line into one of these classes, or raises
+ProtocolError naming the field, for anything of the wrong type or out of bounds. Nothing an
+agent sends reaches the controller's logic any other way.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
-import threading
-import time
-from typing import Any
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Union
 
 VERSION = 3
 
@@ -95,12 +88,12 @@ SYNC_MISSING = "sync_missing"
 SYNC_PUT = "sync_put"
 SYNC_BUILD = "sync_build"
 SETUP = "setup"
-STACKS_OP = "stacks"  # {timeout, flight_recorder?: bool}: also dump the flight recorders
-READ_TRACE = "read_trace"  # {path, offset}: a piece of a flight recorder dump
+STACKS_OP = "stacks"
+READ_TRACE = "read_trace"
 
 # Relay -> controller.
 RELAY = "relay"
-HOLDING = "holding"  # a holder step serves (or waits on standby) on its node
+HOLDING = "holding"
 GONE = "gone"
 
 # Agent -> controller.
@@ -113,9 +106,9 @@ PROBE_RESULT = "probe"
 SYNC_BUILT = "sync_built"
 SETUP_OUTPUT = "setup_output"
 SETUP_DONE = "setup_done"
-FAILED = "failed"  # the reply to a request whose op raised: {req, error}
-STACKS = "stacks"  # {req, stacks: {rank: {method, text, error?}}, traces: {rank: path}}
-TRACE_CHUNK = "trace_chunk"  # {req, data (base64), size}
+FAILED = "failed"
+STACKS = "stacks"
+TRACE_CHUNK = "trace_chunk"
 STARTED = "started"
 SPAWN_FAILED = "spawn_failed"
 OUTPUT = "output"
@@ -133,6 +126,15 @@ BATCH_BYTES = 64 * 1024  # an output message holds up to this many bytes of line
 BATCH_DELAY = 0.005  # seconds a partial batch may wait for more lines
 WINDOW_BYTES = 4 * 1024 * 1024  # unacknowledged bytes an agent may have in flight
 
+# Bounds of what a node may plausibly say (beyond them: out of protocol).
+MAX_RANK = 1 << 24  # global ranks
+MAX_LOCAL = 4096  # workers on one node
+MAX_PID = 1 << 31
+MAX_COUNT = 1 << 62  # sequence numbers, attempts, sizes, steps
+MAX_GPUS = 64  # more than any node has: hello.gpus is capped here
+MAX_TEXT = 1 << 20  # one text field (an error file, a stack)
+MAX_ITEMS = 1 << 16  # entries of one list or mapping
+
 
 def encode(message: dict[str, Any]) -> bytes:
     """One message as a JSON line. Non-ASCII stays UTF-8 (fewer bytes than \\u escapes)."""
@@ -140,62 +142,490 @@ def encode(message: dict[str, Any]) -> bytes:
 
 
 def decode(line: bytes) -> dict[str, Any] | None:
-    """A JSON line as a message, or None for anything that is not a JSON object (e.g. a
-    login banner printed on an SSH channel)."""
+    """A JSON line as a dict, or None for anything that is not a JSON object (e.g. a login
+    banner printed on an SSH channel, or nesting too deep to be ours)."""
     try:
         message = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     return message if isinstance(message, dict) else None
 
 
-_OPT_INT = (int, None)
-_OPT_STR = (str, None)
-# The fields a controller relies on, per message type: an agent (or anything pretending to
-# be one) that sends something else is out of protocol, and is not trusted any further.
-_FIELDS: dict[str, dict[str, Any]] = {
-    HELLO: {"protocol": int, "pid": int, "attempt": int, "workers": list},
-    STARTED: {"attempt": int, "rank": _OPT_INT, "local_rank": int, "pid": int},
-    SPAWN_FAILED: {"attempt": int, "rank": _OPT_INT, "local_rank": int, "error": str},
-    OUTPUT: {"attempt": int, "rank": _OPT_INT, "stream": str, "lines": list},
-    EXITED: {"attempt": int, "rank": _OPT_INT, "local_rank": int, "exit_code": _OPT_INT,
-             "signal": _OPT_STR, "error_file": _OPT_STR},
-    STOPPED: {"attempt": int},
-    DROPPED: {"attempt": int, "rank": _OPT_INT, "stream": str, "lines": int},
-    ERROR: {"message": str},
-    SETUP_OUTPUT: {"lines": list},
-    TRACE_CHUNK: {"data": str, "size": int},
+class ProtocolError(ValueError):
+    """A message out of protocol: ``field`` names what is wrong."""
+
+    def __init__(self, kind: str, field_name: str, value: Any):
+        shown = repr(value)[:40]
+        super().__init__(f"{kind}: bad {field_name} {shown}")
+        self.kind, self.field, self.value = kind, field_name, value
+
+
+# --- field checks ---------------------------------------------------------------------------
+
+class _Fields:
+    """Reads the fields of one raw message, raising ProtocolError for the first bad one."""
+
+    def __init__(self, raw: dict[str, Any]):
+        self.raw, self.kind = raw, str(raw.get("type"))
+
+    def bad(self, name: str, value: Any = None) -> ProtocolError:
+        return ProtocolError(self.kind, name, self.raw.get(name) if value is None else value)
+
+    def int(self, name: str, low: int = 0, high: int = MAX_COUNT, optional: bool = False,
+            value: Any = ...) -> Any:
+        v = self.raw.get(name) if value is ... else value
+        if v is None and optional:
+            return None
+        if type(v) is not int or not low <= v <= high:
+            raise self.bad(name, v)
+        return v
+
+    def str(self, name: str, limit: int = 4096, optional: bool = False, value: Any = ...
+            ) -> Any:
+        v = self.raw.get(name) if value is ... else value
+        if v is None and optional:
+            return None
+        if not isinstance(v, str) or len(v) > limit:
+            raise self.bad(name, v)
+        return v
+
+    def bool(self, name: str, default: bool | None = None) -> bool:
+        v = self.raw.get(name, default)
+        if not isinstance(v, bool):
+            raise self.bad(name, v)
+        return v
+
+    def number(self, name: str, optional: bool = False, value: Any = ...) -> Any:
+        v = self.raw.get(name) if value is ... else value
+        if v is None and optional:
+            return None
+        if type(v) not in (int, float) or not math.isfinite(v):
+            raise self.bad(name, v)
+        return float(v)
+
+    def list(self, name: str, optional: bool = False, limit: int = MAX_ITEMS) -> Any:
+        v = self.raw.get(name)
+        if v is None and optional:
+            return []
+        if not isinstance(v, list) or len(v) > limit:
+            raise self.bad(name, v)
+        return v
+
+    def mapping(self, name: str, optional: bool = False) -> dict[str, Any]:
+        v = self.raw.get(name)
+        if v is None and optional:
+            return {}
+        if not isinstance(v, dict) or len(v) > MAX_ITEMS:
+            raise self.bad(name, v)
+        return v
+
+    def lines(self, name: str = "lines") -> tuple[str, ...]:
+        v = self.list(name, limit=MAX_MESSAGE)
+        try:
+            "".join(v)  # every line is text (checked at C speed: floods)
+        except TypeError:
+            raise ProtocolError(self.kind, name, "lines must be text") from None
+        return tuple(v)
+
+    def rank_key(self, key: Any, name: str) -> int:
+        """A mapping key that names a rank ("3")."""
+        if not isinstance(key, str) or not key.isdigit() or len(key) > 9:
+            raise ProtocolError(self.kind, name, key)
+        return self.int(name, 0, MAX_RANK, value=int(key))
+
+
+def _seq(f: _Fields) -> int | None:
+    return f.int("seq", 1, MAX_COUNT, optional=True)
+
+
+def _rank(f: _Fields) -> int | None:
+    return f.int("rank", 0, MAX_RANK, optional=True)
+
+
+# --- relay and hello -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Relay:
+    """The relay attached to the job's agent (``launched``: it started it)."""
+
+    launched: bool
+
+
+@dataclass(frozen=True)
+class Gone:
+    """No agent of the job on the node; ``outcome`` says why, when the agent wrote it."""
+
+    outcome: dict[str, Any] | None
+
+    @property
+    def reason(self) -> str | None:
+        reason = (self.outcome or {}).get("reason")
+        return reason if isinstance(reason, str) else None
+
+
+@dataclass(frozen=True)
+class Holding:
+    standby: bool
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    rank: int | None
+    local_rank: int
+    pid: int
+    running: bool
+
+
+@dataclass(frozen=True)
+class Hello:
+    """What an agent says when a controller attaches."""
+
+    protocol: int
+    pid: int
+    attempt: int
+    hostname: str | None = None
+    python: str | None = None
+    torch: str | None = None
+    gpus: int = 0
+    instance: str | None = None
+    last_seq: int = 0
+    workers: tuple[WorkerInfo, ...] = ()
+
+    @property
+    def running(self) -> bool:
+        return any(w.running for w in self.workers)
+
+
+def _hello(f: _Fields) -> Hello:
+    workers = []
+    for item in f.list("workers"):
+        if not isinstance(item, dict):
+            raise f.bad("workers", item)
+        w = _Fields({**item, "type": "hello.workers"})
+        workers.append(WorkerInfo(_rank(w), w.int("local_rank", 0, MAX_LOCAL),
+                                  w.int("pid", 1, MAX_PID), w.bool("running", False)))
+    gpus = f.int("gpus", 0, 1 << 20, optional=True) or 0
+    return Hello(f.int("protocol", 0, 1 << 20), f.int("pid", 1, MAX_PID),
+                 f.int("attempt", 0, MAX_COUNT), f.str("hostname", 255, True),
+                 f.str("python", 64, True), f.str("torch", 64, True), min(gpus, MAX_GPUS),
+                 f.str("instance", 64, True), f.int("last_seq", 0, MAX_COUNT, True) or 0,
+                 tuple(workers))
+
+
+# --- live messages ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Heartbeat:
+    attempt: int
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """One rank's news: its heartbeat() (``at``, with ``step`` and ``metrics`` when given)
+    and its sampler's [samples, of them waiting in a collective]."""
+
+    step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    at: float | None = None
+    waits: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Progress:
+    attempt: int
+    beat: bool  # some worker called heartbeat(): a sign of life (a sampler's report is not)
+    ranks: dict[int, RankProgress]
+
+
+def _progress(f: _Fields) -> Progress:
+    ranks = {}
+    for key, record in f.mapping("ranks", optional=True).items():
+        rank = f.rank_key(key, "ranks")
+        if not isinstance(record, dict):
+            raise f.bad("ranks", record)
+        r = _Fields({**record, "type": "progress.ranks"})
+        metrics = record.get("metrics") or {}
+        if not isinstance(metrics, dict) or len(metrics) > 256:
+            raise r.bad("metrics", metrics)
+        # Metrics are the user's: non-numbers are left out, as before, not an offence.
+        kept = {str(k)[:128]: float(v) for k, v in metrics.items()
+                if type(v) in (int, float)}
+        waits = record.get("waits")
+        if waits is not None:
+            if not (isinstance(waits, list) and len(waits) == 2):
+                raise r.bad("waits", waits)
+            waits = (r.int("waits", value=waits[0]), r.int("waits", value=waits[1]))
+        step = record.get("step")
+        ranks[rank] = RankProgress(
+            step if type(step) is int and abs(step) < MAX_COUNT else None, kept,
+            r.number("at", optional=True) if "at" in record else None, waits)
+    return Progress(f.int("attempt"), f.bool("beat", True), ranks)
+
+
+@dataclass(frozen=True)
+class SetupOutput:
+    lines: tuple[str, ...]
+
+
+# --- replies to requests ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Reply:
+    """Every reply names its request."""
+
+    req: int
+
+
+@dataclass(frozen=True)
+class Failed(Reply):
+    """The request could not be carried out on the node."""
+
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class PortReply(Reply):
+    port: int = 0
+    ok: bool = False
+
+
+@dataclass(frozen=True)
+class Listening(Reply):
+    ports: tuple[int, ...] = ()
+    busy: tuple[int, ...] = ()
+    ok: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class ProbeResult(Reply):
+    interface: str | None = None
+    reachable: bool = False
+    unreachable: tuple[int, ...] = ()
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SyncMissing(Reply):
+    missing: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SyncPut(Reply):
+    ok: bool = False
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class SyncBuilt(Reply):
+    path: str = ""
+
+
+@dataclass(frozen=True)
+class SetupDone(Reply):
+    exit_code: int = 0
+    cached: bool = False
+    tail: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Stack:
+    method: str
+    text: str
+    error: str | None = None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class Stacks(Reply):
+    stacks: dict[int, Stack] = field(default_factory=dict)
+    traces: dict[int, str] = field(default_factory=dict)  # rank -> its dump on the node
+
+
+@dataclass(frozen=True)
+class TraceChunk(Reply):
+    data: bytes = b""
+    size: int = 0
+
+
+def _ports(f: _Fields, name: str) -> tuple[int, ...]:
+    return tuple(f.int(name, 0, 65535, value=p) for p in f.list(name, optional=True))
+
+
+def _stacks(f: _Fields, req: int) -> Stacks:
+    stacks = {}
+    for key, entry in f.mapping("stacks", optional=True).items():
+        rank = f.rank_key(key, "stacks")
+        if not isinstance(entry, dict):
+            raise f.bad("stacks", entry)
+        e = _Fields({**entry, "type": "stacks.stacks"})
+        stacks[rank] = Stack(e.str("method", 32), e.str("text", MAX_TEXT),
+                             e.str("error", MAX_TEXT, True), e.str("note", MAX_TEXT, True))
+    traces = {f.rank_key(k, "traces"): f.str("traces", 4096, value=v)
+              for k, v in f.mapping("traces", optional=True).items()}
+    return Stacks(req, stacks, traces)
+
+
+def _trace_chunk(f: _Fields, req: int) -> TraceChunk:
+    try:
+        data = base64.b64decode(f.str("data", 2 * MAX_TEXT), validate=True)
+    except (ValueError, binascii.Error):
+        raise f.bad("data") from None
+    return TraceChunk(req, data, f.int("size", 0, MAX_COUNT))
+
+
+_REPLIES: dict[str, Callable[[_Fields, int], Reply]] = {
+    FAILED: lambda f, req: Failed(req, f.str("error", MAX_TEXT)),
+    PORT: lambda f, req: PortReply(req, f.int("port", 0, 65535), f.bool("ok")),
+    LISTENING: lambda f, req: Listening(req, _ports(f, "ports"), _ports(f, "busy"),
+                                        f.bool("ok"), f.str("error", MAX_TEXT, True)),
+    PROBE_RESULT: lambda f, req: ProbeResult(
+        req, f.str("interface", 64, True), f.bool("reachable"), _ports(f, "unreachable"),
+        f.str("error", MAX_TEXT, True)),
+    SYNC_MISSING: lambda f, req: SyncMissing(req, tuple(
+        f.str("missing", 64, value=s) for s in f.list("missing"))),
+    SYNC_PUT: lambda f, req: SyncPut(req, f.bool("ok"), f.str("error", MAX_TEXT, True)),
+    SYNC_BUILT: lambda f, req: SyncBuilt(req, f.str("path")),
+    SETUP_DONE: lambda f, req: SetupDone(req, f.int("exit_code", -255, 255), f.bool("cached"),
+                                         tuple(f.str("tail", MAX_TEXT, value=t)
+                                               for t in f.list("tail", optional=True))),
+    STACKS: _stacks,
+    TRACE_CHUNK: _trace_chunk,
 }
 
 
-def _is(value: Any, kind: Any) -> bool:
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    for k in kinds:
-        if k is None and value is None:
-            return True
-        if k is int and isinstance(value, int) and not isinstance(value, bool):
-            return True
-        if k in (str, list) and isinstance(value, k):
-            return True
-    return False
+# --- sequenced messages -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sequenced:
+    """A message the agent numbers, keeps until acknowledged, and replays."""
+
+    seq: int | None
+    attempt: int
 
 
-def check(message: dict[str, Any]) -> str | None:
-    """What is wrong with an agent's message, or None when it has the fields its type needs
-    with the right types (``seq`` too, when present)."""
-    kind = message.get("type")
+@dataclass(frozen=True)
+class Started(Sequenced):
+    rank: int | None
+    local_rank: int
+    pid: int
+
+
+@dataclass(frozen=True)
+class SpawnFailed(Sequenced):
+    rank: int | None
+    local_rank: int
+    error: str
+
+
+@dataclass(frozen=True)
+class Output(Sequenced):
+    rank: int | None
+    stream: str
+    lines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Exited(Sequenced):
+    rank: int | None
+    local_rank: int
+    exit_code: int | None
+    signal: str | None
+    error_file: str | None
+
+
+@dataclass(frozen=True)
+class Stopped(Sequenced):
+    pass
+
+
+@dataclass(frozen=True)
+class Dropped(Sequenced):
+    rank: int | None
+    stream: str
+    lines: int
+
+
+@dataclass(frozen=True)
+class AgentError(Sequenced):
+    message: str
+
+
+_STREAMS = ("stdout", "stderr")
+_SIGNAL_RE = re.compile(r"^SIG[A-Z0-9+]{1,12}$")
+
+
+def _stream(f: _Fields) -> str:
+    stream = f.str("stream", 16)
+    if stream not in _STREAMS:
+        raise f.bad("stream")
+    return stream
+
+
+def _signal(f: _Fields) -> str | None:
+    sig = f.str("signal", 16, True)
+    if sig is not None and not _SIGNAL_RE.match(sig):
+        raise f.bad("signal")
+    return sig
+
+
+_SEQUENCED: dict[str, Callable[[_Fields], Sequenced]] = {
+    STARTED: lambda f: Started(_seq(f), f.int("attempt"), _rank(f),
+                               f.int("local_rank", 0, MAX_LOCAL), f.int("pid", 1, MAX_PID)),
+    SPAWN_FAILED: lambda f: SpawnFailed(_seq(f), f.int("attempt"), _rank(f),
+                                        f.int("local_rank", 0, MAX_LOCAL),
+                                        f.str("error", MAX_TEXT)),
+    OUTPUT: lambda f: Output(_seq(f), f.int("attempt"), _rank(f), _stream(f), f.lines()),
+    EXITED: lambda f: Exited(_seq(f), f.int("attempt"), _rank(f),
+                             f.int("local_rank", 0, MAX_LOCAL),
+                             f.int("exit_code", 0, 255, optional=True), _signal(f),
+                             f.str("error_file", MAX_TEXT, True)),
+    STOPPED: lambda f: Stopped(_seq(f), f.int("attempt")),
+    DROPPED: lambda f: Dropped(_seq(f), f.int("attempt"), _rank(f), _stream(f),
+                               f.int("lines", 0, MAX_COUNT)),
+    ERROR: lambda f: AgentError(_seq(f), f.int("attempt", optional=True) or 0,
+                                f.str("message", MAX_TEXT)),
+}
+
+# typing.Union, not "|": this module runs on the nodes' Python too, which may be 3.9.
+Message = Union[Relay, Gone, Holding, Hello, Heartbeat, Progress, SetupOutput,  # noqa: UP007
+                Reply, Sequenced]
+
+
+def parse(raw: dict[str, Any]) -> Message:
+    """The door: a decoded line as its message class, or ProtocolError naming the field."""
+    kind = raw.get("type")
     if not isinstance(kind, str):
-        return "no message type"
-    if "seq" in message and not _is(message["seq"], int):
-        return f"{kind}: seq is not an integer"
-    for name, expected in _FIELDS.get(kind, {}).items():
-        if not _is(message.get(name), expected):
-            return f"{kind}: bad {name} {str(message.get(name))[:40]!r}"
-    if kind in (OUTPUT, SETUP_OUTPUT):
-        try:
-            "".join(message["lines"])  # every line is text (checked at C speed: floods)
-        except TypeError:
-            return "output: lines must be text"
+        raise ProtocolError("message", "type", kind)
+    f = _Fields(raw)
+    if kind in _SEQUENCED:
+        return _SEQUENCED[kind](f)
+    if "req" in raw and kind in _REPLIES:
+        return _REPLIES[kind](f, f.int("req", 0, MAX_COUNT))
+    if kind == HEARTBEAT:
+        return Heartbeat(f.int("attempt"))
+    if kind == PROGRESS:
+        return _progress(f)
+    if kind == SETUP_OUTPUT:
+        return SetupOutput(f.lines())
+    if kind == HELLO:
+        return _hello(f)
+    if kind == RELAY:
+        return Relay(f.bool("launched", False))
+    if kind == GONE:
+        outcome = raw.get("outcome")
+        return Gone(outcome if isinstance(outcome, dict) else None)
+    if kind == HOLDING:
+        return Holding(f.bool("standby", False))
+    raise ProtocolError(kind, "type", kind)
+
+
+def check(raw: dict[str, Any]) -> str | None:
+    """What is wrong with a raw message, or None when ``parse`` takes it."""
+    try:
+        parse(raw)
+    except ProtocolError as exc:
+        return "no message type" if exc.kind == "message" else str(exc)
     return None
 
 
@@ -205,48 +635,3 @@ def connect(job_id: str, node_index: int, launch: dict[str, Any] | None) -> dict
 
 def attach(secret: str, ack: int) -> dict[str, Any]:
     return {"op": ATTACH, "secret": secret, "ack": ack}
-
-
-class Mailbox:
-    """Request/reply over a message stream: requests get an id (``req``), and the one reader
-    of the stream hands every message to :meth:`deliver`, which keeps replies aside for the
-    thread waiting in :meth:`ask`. Replies therefore never wait behind other messages."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._replies: dict[int, dict[str, Any]] = {}
-        self._next = 0
-        self.closed = False
-
-    def request(self, op: str, **fields: Any) -> tuple[int, dict[str, Any]]:
-        """A new request message and its id."""
-        with self._cond:
-            self._next += 1
-            return self._next, {"op": op, "req": self._next, **fields}
-
-    def deliver(self, message: dict[str, Any] | None) -> bool:
-        """Keep ``message`` if it is a reply; None (the stream ended) wakes every waiter.
-        Returns True when the message was taken."""
-        with self._cond:
-            if message is None:
-                self.closed = True
-                self._cond.notify_all()
-                return False
-            req = message.get("req")
-            if not isinstance(req, int) or isinstance(req, bool):
-                return False
-            self._replies[req] = message
-            self._cond.notify_all()
-            return True
-
-    def wait(self, req: int, timeout: float | None) -> dict[str, Any] | None:
-        """The reply to ``req``, or None on timeout (None: no timeout) or when the stream
-        ended."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while req not in self._replies:
-                left = 60.0 if deadline is None else deadline - time.monotonic()
-                if self.closed or left <= 0:
-                    return None
-                self._cond.wait(left)
-            return self._replies.pop(req)

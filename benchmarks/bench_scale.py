@@ -145,13 +145,11 @@ def simulate(nodes: int, *, nproc: int = 1, lines_per_s: float = 2.0,
             controller.request_cancel()
 
     attach_times: dict[int, float] = {}
-    original = controller._on_attached
 
     def on_attached(node: Any, channel: Any) -> None:  # when each agent answered
         attach_times.setdefault(node.index, time.monotonic())
-        original(node, channel)
 
-    controller._on_attached = on_attached  # type: ignore[method-assign]
+    controller.engine.on_attached = on_attached
     mark("t0")
     observer = threading.Thread(target=drive, daemon=True)
     observer.start()

@@ -76,6 +76,9 @@ class Attempt:
         self.job_id = job_id
         self.node_ranks = {n.node_index: n.node_rank for n in plan.nodes}
         self.node_plans = {n.node_index: n for n in plan.nodes}
+        # The ranks each node may speak for: a node reporting another's is out of protocol.
+        self.ranks_of = {n.node_index: {w.rank for w in n.workers if w.rank is not None}
+                         for n in plan.nodes}
         self._rank_writes: dict[int, dict[str, Any]] = {}  # rank -> fields, not yet written
         self._participants = [n.node_index for n in plan.nodes]
         self.expected = sum(len(n.workers) for n in plan.nodes)
@@ -84,6 +87,7 @@ class Attempt:
         self.stopped_nodes: set[int] = set()
         self.failure: Failure | None = None
         self.stopping = False  # exits from here on are our doing, not failures
+        self.ended = False  # recorded as ended in the store
         self.last_activity = time.monotonic()  # output, or a worker's heartbeat()
         self.launched_at = time.monotonic()
         self.first_steps: dict[int, tuple[int, float]] = {}  # rank -> (step, when) first seen
@@ -97,52 +101,71 @@ class Attempt:
     def participants(self) -> list[int]:
         return self._participants
 
+    def start_message(self, node_index: int, stop_grace: float, flight_recorder: int
+                      ) -> dict[str, Any]:
+        """The ``start`` a participant's agent gets (agents/protocol.py)."""
+        node_plan = self.node_plans[node_index]
+        return {"op": P.START, "attempt": self.number, "workdir": node_plan.workdir,
+                "route_to": node_plan.route_to, "env": node_plan.env,
+                "defaults": node_plan.defaults,
+                "workers": [w.to_message() for w in node_plan.workers],
+                "stop_grace": stop_grace, "flight_recorder": flight_recorder}
+
     # --- the agents' messages ---------------------------------------------------------------
-    def handle(self, node_index: int, message: dict[str, Any]) -> None:
-        kind = message.get("type")
-        if kind == P.PROGRESS:
-            if message.get("beat", True):  # a sampler's report alone is no sign of progress
+    def handle(self, node_index: int, message: P.Message) -> str | None:
+        """Take one of the node's messages; returns what is wrong with it (a rank that is
+        not the node's to speak for), or None."""
+        if isinstance(message, P.Progress):
+            if message.beat:  # a sampler's report alone is no sign of progress
                 self.last_activity = time.monotonic()
-            if message.get("attempt") == self.number:
-                self._on_progress(message.get("ranks"))
-            return
-        if message.get("attempt") != self.number or node_index not in self.node_ranks:
-            return  # a late message of an earlier attempt
-        if kind == P.OUTPUT:
+            if message.attempt == self.number:
+                mine = self.ranks_of.get(node_index, set())
+                if any(rank not in mine for rank in message.ranks):
+                    return f"progress: rank not of this node {sorted(message.ranks)[:3]}"
+                self._on_progress(message.ranks)
+            return None
+        if not isinstance(message, P.Sequenced) or message.attempt != self.number \
+                or node_index not in self.node_ranks:
+            return None  # a late message of an earlier attempt
+        rank = getattr(message, "rank", None)
+        if rank is not None and rank not in self.ranks_of[node_index]:
+            return f"{type(message).__name__.lower()}: rank {rank} is not this node's"
+        if isinstance(message, P.Output):
             self._on_output(node_index, message)
-        elif kind == P.STARTED:
+        elif isinstance(message, P.Started):
             self._on_started(node_index, message)
-        elif kind == P.EXITED:
+        elif isinstance(message, P.Exited):
             self._on_exited(node_index, message)
-        elif kind == P.SPAWN_FAILED:
+        elif isinstance(message, P.SpawnFailed):
             self.fail(Failure(
                 FailureCause.LAUNCH_FAILED if self.number == 1 else FailureCause.WORKER_FAILED,
-                f"rank {message.get('rank')} on {self._host(node_index)} could not start: "
-                f"{message.get('error')}",
+                f"rank {message.rank} on {self._host(node_index)} could not start: "
+                f"{message.error}",
                 node_index=node_index, node_rank=self.node_ranks[node_index],
-                host=self._host(node_index), rank=message.get("rank"),
-                local_rank=message.get("local_rank")))
-        elif kind == P.STOPPED:
+                host=self._host(node_index), rank=message.rank,
+                local_rank=message.local_rank))
+        elif isinstance(message, P.Stopped):
             self.stopped_nodes.add(node_index)
-        elif kind == P.DROPPED:
-            label = self._label(node_index, message.get("rank"))
-            self.sink.write(self.hosts[node_index], label, str(message.get("stream")), [
-                f"[orchestrator] {message.get('lines')} {message.get('stream')} lines of this "
-                "rank were not kept: the agent's spool was full while no controller was "
-                "attached (spool_max_bytes)"])
+        elif isinstance(message, P.Dropped):
+            label = self._label(node_index, message.rank)
+            self.sink.write(self.hosts[node_index], label, message.stream, [
+                f"[orchestrator] {message.lines} {message.stream} lines of this rank were "
+                "not kept: the agent's spool was full while no controller was attached "
+                "(spool_max_bytes)"])
+        return None
 
     def _host(self, node_index: int) -> str:
         return self.plan.nodes[self.participants.index(node_index)].host
 
-    def _label(self, node_index: int, rank: Any) -> str:
+    def _label(self, node_index: int, rank: int | None) -> str:
         return str(rank) if rank is not None else f"node{self.node_ranks[node_index]}"
 
-    def _on_output(self, node_index: int, message: dict[str, Any]) -> None:
-        host, rank, stream = self.hosts[node_index], message.get("rank"), str(message["stream"])
-        lines = message.get("lines") or []  # text: checked at the protocol boundary
+    def _on_output(self, node_index: int, message: P.Output) -> None:
+        host, rank, stream = self.hosts[node_index], message.rank, message.stream
+        lines = list(message.lines)  # text: checked at the protocol boundary
         self.last_activity = time.monotonic()
         if rank is not None:
-            self.output_at[int(rank)] = time.time()
+            self.output_at[rank] = time.time()
             self.sink.write(host, str(rank), stream, lines)
             return
         # torchrun (c10d): each worker line comes prefixed with its global rank.
@@ -159,37 +182,29 @@ class Attempt:
             group.append(line)
         self.sink.write(host, label, stream, group)
 
-    def _on_progress(self, ranks: Any) -> None:
+    def _on_progress(self, ranks: dict[int, P.RankProgress]) -> None:
         """Steps and metrics that ranks gave heartbeat(), recorded with steps per second since
         the first step this attempt saw and, now and then, as a sample for the history; and
         each rank's share of time waiting in collectives, which names the stragglers."""
-        if not isinstance(ranks, dict):
-            return
         updates: dict[int, dict[str, Any]] = {}
         samples: list[tuple[int, int | None, float, dict[str, float]]] = []
         waits_changed = False
-        for key, record in ranks.items():
-            if not (isinstance(record, dict) and str(key).isdigit()):
-                continue
-            rank, fields = int(key), dict[str, Any]()
-            waits = record.get("waits")
-            if (isinstance(waits, list) and len(waits) == 2 and all(
-                    isinstance(v, int) and not isinstance(v, bool) for v in waits)
-                    and waits[0] > 0):
-                self.waits[rank] = (waits[0], waits[1])
-                fields["wait_share"] = waits[1] / waits[0]
+        for rank, record in ranks.items():
+            fields = dict[str, Any]()
+            if record.waits is not None and record.waits[0] > 0:
+                self.waits[rank] = record.waits
+                fields["wait_share"] = record.waits[1] / record.waits[0]
                 waits_changed = True
-            if "at" in record:
+            if record.at is not None:
                 fields.update(self._progress_fields(rank, record))
-                at = fields.get("heartbeat_at")
-                if at is not None:
-                    sample = (rank, fields.get("step"), at, fields["metrics"])
-                    if at - self.sampled_at.get(rank, 0.0) >= self._sample_every():
-                        self.sampled_at[rank] = at
-                        samples.append(sample)
-                        self.unsampled.pop(rank, None)
-                    else:  # kept when the rank ends: a curve ends at its last point
-                        self.unsampled[rank] = sample
+                at = record.at
+                sample = (rank, fields.get("step"), at, fields["metrics"])
+                if at - self.sampled_at.get(rank, 0.0) >= self._sample_every():
+                    self.sampled_at[rank] = at
+                    samples.append(sample)
+                    self.unsampled.pop(rank, None)
+                else:  # kept when the rank ends: a curve ends at its last point
+                    self.unsampled[rank] = sample
             if fields:
                 updates[rank] = fields
         named = None
@@ -200,18 +215,13 @@ class Attempt:
         if updates or samples or named is not None:
             self.store.record_progress(self.job_id, self.number, updates, samples, named)
 
-    def _progress_fields(self, rank: int, record: dict[str, Any]) -> dict[str, Any]:
-        step, at, given = record.get("step"), record.get("at"), record.get("metrics")
-        metrics: dict[str, Any] = given if isinstance(given, dict) else {}
-        fields: dict[str, Any] = {
-            "metrics": {str(k): float(v) for k, v in metrics.items()
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)}}
-        if isinstance(at, (int, float)):
-            fields["heartbeat_at"] = float(at)
-        if isinstance(step, int) and not isinstance(step, bool):
+    def _progress_fields(self, rank: int, record: P.RankProgress) -> dict[str, Any]:
+        step, at = record.step, record.at
+        fields: dict[str, Any] = {"metrics": dict(record.metrics), "heartbeat_at": at}
+        if step is not None:
             fields["step"] = step
             first = self.first_steps.setdefault(rank, (step, float(at or 0)))
-            if isinstance(at, (int, float)) and at > first[1] and step > first[0]:
+            if at is not None and at > first[1] and step > first[0]:
                 fields["steps_per_s"] = (step - first[0]) / (at - first[1])
         return fields
 
@@ -220,11 +230,10 @@ class Attempt:
         that a week-long job keeps its curve without growing the store without end."""
         return 1.0 if time.monotonic() - self.launched_at < 600 else 15.0
 
-    def _on_started(self, node_index: int, message: dict[str, Any]) -> None:
-        self.started.add((node_index, int(message.get("local_rank") or 0)))
-        if message.get("rank") is not None:
-            self._rank_update(int(message["rank"]), pid=message.get("pid"),
-                              state=RankState.RUNNING.value)
+    def _on_started(self, node_index: int, message: P.Started) -> None:
+        self.started.add((node_index, message.local_rank))
+        if message.rank is not None:
+            self._rank_update(message.rank, pid=message.pid, state=RankState.RUNNING.value)
 
     def _rank_update(self, rank: int, **fields: Any) -> None:
         self._rank_writes.setdefault(rank, {}).update(fields)
@@ -236,17 +245,17 @@ class Attempt:
             writes, self._rank_writes = self._rank_writes, {}
             self.store.update_ranks(self.job_id, self.number, writes)
 
-    def _on_exited(self, node_index: int, message: dict[str, Any]) -> None:
-        rank, code, sig = message.get("rank"), message.get("exit_code"), message.get("signal")
-        key = int(rank) if rank is not None else -1 - node_index
+    def _on_exited(self, node_index: int, message: P.Exited) -> None:
+        rank, code, sig = message.rank, message.exit_code, message.signal
+        key = rank if rank is not None else -1 - node_index
         self.exits[key] = (code, sig)
         stopping = self.stopping or self.failure is not None
         ok = code == 0
         state = RankState.SUCCEEDED if ok else (RankState.STOPPED if stopping else
                                                 RankState.FAILED)
         if rank is not None:
-            self._rank_update(int(rank), state=state.value, exit_code=code, signal=sig)
-            last = self.unsampled.pop(int(rank), None)
+            self._rank_update(rank, state=state.value, exit_code=code, signal=sig)
+            last = self.unsampled.pop(rank, None)
             if last is not None:
                 self.store.record_progress(self.job_id, self.number, {}, [last])
         if ok or stopping:
@@ -256,15 +265,15 @@ class Attempt:
         label = self._label(node_index, rank)
         who = f"rank {rank}" if rank is not None else self.plan.owner(node_rank)
         how = f"exited with code {code}" if code is not None else f"was killed by {sig}"
-        error_file = message.get("error_file")
-        detail = _error_file_message(error_file)
+        detail = _error_file_message(message.error_file)
         self.fail(Failure(
             FailureCause.WORKER_FAILED,
-            f"{who} (local rank {message.get('local_rank')} on node {node_rank}, {host}) {how}"
+            f"{who} (local rank {message.local_rank} on node {node_rank}, {host}) {how}"
             + (f": {detail}" if detail else ""),
             node_index=node_index, node_rank=node_rank, host=host, rank=rank,
-            local_rank=message.get("local_rank"), exit_code=code, signal=sig,
-            stderr_tail=list(self.sink.stderr.get(label, [])), error_file=error_file))
+            local_rank=message.local_rank, exit_code=code, signal=sig,
+            stderr_tail=list(self.sink.stderr.get(label, [])),
+            error_file=message.error_file))
 
     # --- verdicts ------------------------------------------------------------------------------
     def fail(self, failure: Failure) -> None:
@@ -308,14 +317,17 @@ class Attempt:
 
 
 def _error_file_message(content: str | None) -> str | None:
-    """The first line of the message a worker wrote with torch's ``@record``."""
+    """The first line of the message a worker wrote with torch's ``@record``; the file's own
+    first line, as text, when it is not what torch writes (any depth, size or encoding: it
+    is the worker's file, never the controller's problem)."""
     if not content:
         return None
     try:
         data = json.loads(content)
         message = data["message"]
         text = message["message"] if isinstance(message, dict) else str(message)
-    except (ValueError, KeyError, TypeError):
-        return None
-    lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else None
+        lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
+        return lines[-1][:2000] if lines else None
+    except Exception:  # noqa: BLE001 (RecursionError, MemoryError, anything a file causes)
+        first = next((ln for ln in content.splitlines() if ln.strip()), "")
+        return f"error file (not torch's): {first[:200]}" if first else None

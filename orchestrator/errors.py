@@ -7,8 +7,11 @@
     ├── TransportError                a node could not be reached or used; names the host
     │   ├── ConnectError              refused, unreachable, timed out
     │   ├── AuthenticationError       the node refused our credentials
-    │   ├── HostKeyError              unknown or changed host key
+    │   ├── HostKeyError              the host key cannot be trusted
+    │   │   ├── HostKeyUnknown        not in known_hosts (and not accepted as new)
+    │   │   └── HostKeyChanged        different from the one known_hosts holds
     │   └── AgentError                the agent did not start or broke the protocol
+    │       (and, in orchestrator/transport/base.py: AgentGone, WrongVersion, ProtocolViolation)
     ├── LaunchError                   the job could not be started (e.g. preflight failed)
     └── StoreError                    $ORCHESTRATOR_HOME or its database cannot be used
 
@@ -73,7 +76,15 @@ class AuthenticationError(TransportError):
 
 
 class HostKeyError(TransportError):
-    """The node's host key is unknown or does not match known_hosts."""
+    """The node's host key cannot be trusted (one of the two below)."""
+
+
+class HostKeyUnknown(HostKeyError):
+    """The node's host key is not in known_hosts."""
+
+
+class HostKeyChanged(HostKeyError):
+    """The node's host key differs from the one known_hosts holds for it."""
 
 
 class AgentError(TransportError):

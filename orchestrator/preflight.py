@@ -13,17 +13,21 @@ import os
 import secrets
 import socket
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agents import protocol as P
+from orchestrator.channel import Channel, ask
 from orchestrator.errors import (
     AuthenticationError,
+    HostKeyChanged,
     HostKeyError,
     LaunchError,
     OrchestratorError,
 )
+from orchestrator.loop import EventLoop
 from orchestrator.nodepool import CONNECT_FANOUT
 from orchestrator.plan import node_address
 from orchestrator.spec import JobSpec, NodeSpec
@@ -76,33 +80,41 @@ class CheckReport:
 
 
 class _Session:
-    """A short-lived agent for preflight (its own job id, shut down at the end), and
-    request/reply over its channel (protocol.Mailbox)."""
+    """A short-lived agent for preflight (its own job id, shut down at the end)."""
 
     def __init__(self, conn: NodeConnection, node_index: int):
-        self.conn = conn
-        self.mailbox = P.Mailbox()
         secret = secrets.token_hex(16)
-        hello, _ = attach_agent(conn, f"preflight-{secrets.token_hex(4)}", node_index, secret,
-                                launch={"secret": secret, "controller_grace": 60})
-        if hello.get("protocol") != P.VERSION:
-            raise LaunchError(f"{conn.host}: the agent speaks protocol "
-                              f"{hello.get('protocol')!r}, this orchestrator {P.VERSION}")
+        hello, launched = attach_agent(conn, f"preflight-{secrets.token_hex(4)}", node_index,
+                                       secret, launch={"secret": secret, "controller_grace": 60},
+                                       timeout=AGENT_TIMEOUT)
+        self.channel = Channel(node_index, conn, node_index, hello, launched)
         self.hello = hello
-        threading.Thread(target=self._read, daemon=True).start()
 
-    def _read(self) -> None:
-        while (msg := self.conn.receive()) is not None:
-            self.mailbox.deliver(msg)
-        self.mailbox.deliver(None)
-
-    def ask(self, op: str, timeout: float = AGENT_TIMEOUT, **fields: Any) -> dict[str, Any]:
-        req, message = self.mailbox.request(op, **fields)
-        self.conn.send(message)
-        reply = self.mailbox.wait(req, timeout)
-        if reply is None:
-            raise LaunchError(f"{self.conn.host}: agent did not answer {op}")
+    def ask(self, op: str, within: float = AGENT_TIMEOUT, **fields: Any) -> P.Reply:
+        reply = ask(self.channel, op, within, **fields)
+        if reply is None or isinstance(reply, P.Failed):
+            why = reply.error if isinstance(reply, P.Failed) else "did not answer"
+            raise LaunchError(f"{self.channel.conn.host}: agent {why} ({op})")
         return reply
+
+
+class _Reader:
+    """One thread that reads every session's channel (replies complete their requests)."""
+
+    def __init__(self) -> None:
+        self.loop = EventLoop()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="preflight")
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.loop.poll(0.1)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.loop.close()
 
 
 def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> CheckReport:
@@ -117,7 +129,7 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
             conn.open()
         except HostKeyError as exc:
             report.reachable, report.error = True, str(exc)
-            report.host_key = "changed" if "does not match" in exc.message else "unknown"
+            report.host_key = "changed" if isinstance(exc, HostKeyChanged) else "unknown"
             return
         except AuthenticationError as exc:
             report.reachable, report.auth, report.error = True, False, str(exc)
@@ -134,12 +146,15 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
             report.error = str(exc)
             conn.close()
             return
-        for key in ("hostname", "python", "torch", "gpus"):
-            setattr(report, key, session.hello.get(key))
+        reader.loop.call_later(0, lambda: reader.loop.watch(session.channel))
+        hello = session.hello
+        report.hostname, report.python, report.torch = hello.hostname, hello.python, hello.torch
+        report.gpus = hello.gpus
         if spec.nproc_per_node == "gpu" and not report.gpus:
             report.error = f"nproc_per_node: gpu, but {node.host} has no GPU"
         sessions[i] = session
 
+    reader = _Reader()
     with ThreadPoolExecutor(max_workers=min(CONNECT_FANOUT, len(spec.nodes))) as pool:
         list(pool.map(open_one, range(len(spec.nodes))))
 
@@ -151,18 +166,18 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
     ports: list[int] = []
     busy: list[int] = []
     try:
-        listening: dict[str, Any] = {}
         if 0 in sessions:
             try:
                 listening = sessions[0].ask(P.LISTEN, ports=wanted)
-            except OrchestratorError as exc:
+                assert isinstance(listening, P.Listening)
+                ports, busy = list(listening.ports), list(listening.busy)
+                if ports:
+                    master_port = ports[0]
+                else:
+                    reports[0].error = (f"no free port in rendezvous.port "
+                                        f"{spec.rendezvous.port}: {listening.error}")
+            except (OrchestratorError, AssertionError) as exc:
                 reports[0].error = str(exc)
-            ports, busy = list(listening.get("ports") or []), list(listening.get("busy") or [])
-            if ports:
-                master_port = ports[0]
-            elif listening:
-                reports[0].error = (f"no free port in rendezvous.port {spec.rendezvous.port}: "
-                                    f"{listening.get('error')}")
 
         def probe(i: int) -> None:
             if not ports:
@@ -173,25 +188,30 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
             except OrchestratorError as exc:
                 reports[i].error = str(exc)
                 return
-            reports[i].interface = answer.get("interface")
-            reports[i].master_port_reachable = bool(answer.get("reachable"))
-            reports[i].unreachable_ports = list(answer.get("unreachable") or [])
-            if not answer.get("reachable"):
+            if not isinstance(answer, P.ProbeResult):
+                reports[i].error = f"{spec.nodes[i].host}: unexpected answer to probe"
+                return
+            reports[i].interface = answer.interface
+            reports[i].master_port_reachable = answer.reachable
+            reports[i].unreachable_ports = list(answer.unreachable)
+            if not answer.reachable:
                 shown = ", ".join(map(str, reports[i].unreachable_ports[:10]))
                 reports[i].error = (f"cannot reach {master_addr} on port(s) {shown}: "
-                                    f"{answer.get('error')}")
+                                    f"{answer.error}")
 
         with ThreadPoolExecutor(max_workers=min(CONNECT_FANOUT, len(spec.nodes))) as pool:
             list(pool.map(probe, sorted(sessions)))
         outside = _reachable_from_here(spec, master_addr, master_port)
     finally:
         for session in sessions.values():
-            try:
-                session.conn.send({"op": P.SHUTDOWN})
-                session.mailbox.wait(-1, 5.0)  # until the agent has gone (channel closed)
-            except OrchestratorError:
-                pass
-            session.conn.close()
+            session.channel.send({"op": P.SHUTDOWN})
+        deadline = time.monotonic() + 5.0  # until the agents have gone (channels closed)
+        while time.monotonic() < deadline and not all(s.channel.closed
+                                                      for s in sessions.values()):
+            time.sleep(0.05)
+        reader.close()
+        for session in sessions.values():
+            session.channel.conn.close()
 
     report = CheckReport(master_addr, master_port, reports,
                          controller_grace=spec.health.controller_grace, ports=ports)

@@ -10,10 +10,14 @@ and never knows whether a node is a local subprocess or an SSH session; tests pa
 
 from __future__ import annotations
 
+import os
+import select
 import subprocess
 import threading
+import time
+from collections import deque
 from collections.abc import Callable
-from typing import IO, Any, Protocol
+from typing import Any, Protocol
 
 import agents
 from agents import protocol as P
@@ -47,9 +51,11 @@ AGENT_PYTHON_FLAGS = ("-I", "-u")
 
 
 class NodeConnection(Protocol):
-    """One channel to a node's agent."""
+    """One channel to a node's agent: bytes both ways, readable through a file descriptor,
+    so that one event loop serves every channel (orchestrator/loop.py)."""
 
     host: str
+    framer: Framer  # what was read and not yet taken, as messages
 
     def open(self) -> None:
         """Open the channel and start the relay (raises a TransportError naming the host)."""
@@ -57,8 +63,12 @@ class NodeConnection(Protocol):
     def send(self, message: dict[str, Any]) -> None:
         """Send one message; raises AgentError if the channel is gone."""
 
-    def receive(self) -> dict[str, Any] | None:
-        """Block for the next message; None once the channel is closed."""
+    def fileno(self) -> int:
+        """Readable when ``read`` has something (or the end) for us."""
+
+    def read(self) -> bytes:
+        """What the channel has now (after ``fileno`` was readable), b"" at its end;
+        BlockingIOError when what was readable was not for us (an SSH channel's stderr)."""
 
     def close(self) -> None:
         """Close the channel (the agent lives on) and release its resources."""
@@ -67,96 +77,163 @@ class NodeConnection(Protocol):
 ConnectionFactory = Callable[[NodeSpec, JobSpec], NodeConnection]
 
 
-class Reader(Protocol):
-    """What JsonLines reads from: a pipe, or a paramiko channel file."""
+class Framer:
+    """Bytes to messages: every complete JSON line, decoded, waits in ``pending``; a line
+    that is not one of ours (a login banner, the relay's traceback on a merged stderr) is
+    kept in ``noise``, the last few, to explain a failure; a line longer than MAX_MESSAGE is
+    dropped whole."""
 
-    def readline(self, size: int | None = ...) -> bytes: ...
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._skipping = False  # inside a line too long to keep
+        self.pending: deque[dict[str, Any]] = deque()
+        self.noise: deque[str] = deque(maxlen=20)
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+        end = self._buf.rfind(b"\n")
+        if end < 0:
+            if len(self._buf) > MAX_MESSAGE:
+                self._buf.clear()
+                self._skipping = True
+            return
+        chunk = bytes(self._buf[:end])
+        del self._buf[:end + 1]
+        for raw in chunk.split(b"\n"):
+            if self._skipping:
+                self._skipping = False
+                continue
+            message = decode(raw)
+            if message is not None:
+                self.pending.append(message)
+            elif raw.strip():
+                self.noise.append(raw[:300].decode("utf-8", "replace").rstrip())
+
+    def take(self) -> list[dict[str, Any]]:
+        out = list(self.pending)
+        self.pending.clear()
+        return out
 
 
-class Writer(Protocol):
-    def write(self, data: bytes) -> Any: ...
+def receive(conn: NodeConnection, timeout: float | None = None) -> dict[str, Any] | None:
+    """Block for the channel's next message (the handshake, before the channel joins the
+    event loop); None at the channel's end or after ``timeout``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while not conn.framer.pending:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            return None
+        try:
+            ready, _, _ = select.select([conn.fileno()], [], [], left)
+        except (OSError, ValueError):
+            return None
+        if not ready:
+            return None
+        try:
+            data = conn.read()
+        except BlockingIOError:  # something else was readable (an SSH channel's stderr)
+            continue
+        except (OSError, EOFError, ValueError):
+            return None
+        if not data:
+            return None
+        conn.framer.feed(data)
+    return conn.framer.pending.popleft()
 
-    def flush(self) -> Any: ...
 
+class PipeConnection:
+    """send() over a writable byte stream and read() over a readable pipe: the relay as a
+    child process (local) or as srun's (Slurm)."""
 
-class JsonLines:
-    """JSON-lines framing over a pair of byte streams, shared by the real transports."""
+    host: str
+    framer: Framer
+    _proc: subprocess.Popen[bytes] | None = None
 
-    def __init__(self, host: str, reader: Reader | IO[bytes], writer: Writer | IO[bytes]):
-        self.host = host
-        self._reader = reader
-        self._writer = writer
+    def _attach_pipes(self, proc: subprocess.Popen[bytes]) -> None:
+        self._proc = proc
+        self.framer = Framer()
         self._write_lock = threading.Lock()
+        assert proc.stdout is not None
+        self._fd = proc.stdout.fileno()
 
     def send(self, message: dict[str, Any]) -> None:
+        proc = self._proc
+        if proc is None or proc.stdin is None:
+            raise AgentError(self.host, "not open")
         data = encode(message)
         with self._write_lock:
             try:
-                self._writer.write(data)
-                self._writer.flush()
-            except (OSError, ValueError, EOFError) as exc:
+                proc.stdin.write(data)
+                proc.stdin.flush()
+            except (OSError, ValueError) as exc:
                 raise AgentError(self.host, f"agent channel closed: {exc}") from exc
 
-    def receive(self) -> dict[str, Any] | None:
-        while True:
-            try:
-                raw = self._reader.readline(MAX_MESSAGE)
-            except (OSError, ValueError, EOFError):
-                return None
-            if not raw:
-                return None
-            message = decode(raw)
-            if message is not None:  # else not ours (e.g. a login banner): skip it
-                return message
+    def fileno(self) -> int:
+        return self._fd
 
-
-class LineConnection:
-    """send() and receive() over the JsonLines that a transport's open() sets up."""
-
-    host: str
-    _lines: JsonLines | None = None
-
-    def send(self, message: dict[str, Any]) -> None:
-        if self._lines is None:
-            raise AgentError(self.host, "not open")
-        self._lines.send(message)
-
-    def receive(self) -> dict[str, Any] | None:
-        return self._lines.receive() if self._lines else None
+    def read(self) -> bytes:
+        return os.read(self._fd, 65536)
 
 
 class AgentGone(AgentError):
     """The relay found no agent of this job on the node (it died, or gave up)."""
 
-    def __init__(self, host: str, outcome: dict[str, Any] | None):
-        reason = (outcome or {}).get("reason")
+    def __init__(self, host: str, gone: P.Gone):
+        reason = gone.reason
         super().__init__(host, "the agent is gone" + (f" ({reason})" if reason else ""))
-        self.outcome = outcome
+        self.outcome = gone.outcome
+        self.reason = reason
+
+
+class ProtocolViolation(AgentError):
+    """The node said something out of protocol (``problem`` names the field)."""
+
+    def __init__(self, host: str, problem: str):
+        super().__init__(host, f"malformed message from the agent ({problem})")
+        self.problem = problem
+
+
+class WrongVersion(AgentError):
+    """The agent speaks another protocol version (another orchestrator's agent)."""
+
+    def __init__(self, host: str, theirs: Any):
+        super().__init__(host, f"the agent speaks protocol {theirs!r}, this controller speaks "
+                               f"{P.VERSION} (an agent of another orchestrator version)")
 
 
 def attach_agent(conn: NodeConnection, job_id: str, node_index: int, secret: str, *,
-                 launch: dict[str, Any] | None = None, ack: int = 0
-                 ) -> tuple[dict[str, Any], bool]:
+                 launch: dict[str, Any] | None = None, ack: int = 0,
+                 timeout: float | None = None) -> tuple[P.Hello, bool]:
     """The handshake on a fresh channel: ``connect`` to the relay (which starts the agent
     when ``launch`` says how and none answers), then ``attach`` with the job's secret.
-    Returns (hello, launched); raises AgentGone, or AgentError naming the host. The channel
-    is closed when it fails."""
-    conn.send(P.connect(job_id, node_index, launch))
-    reply = conn.receive()
-    if reply is None or reply.get("type") not in (P.RELAY, P.GONE):
+    Returns (hello, launched); raises AgentGone, WrongVersion, ProtocolViolation, or
+    AgentError naming the host. The channel is closed when it fails."""
+    try:
+        conn.send(P.connect(job_id, node_index, launch))
+        raw = receive(conn, timeout)
+        reply = P.parse(raw) if raw is not None else None
+        if isinstance(reply, P.Gone):
+            raise AgentGone(conn.host, reply)
+        if not isinstance(reply, P.Relay):
+            tail = list(conn.framer.noise)[-3:]
+            what = reply.message if isinstance(reply, P.AgentError) else \
+                "the agent's relay exited"
+            raise AgentError(conn.host, f"{what}" + (": " + " | ".join(tail) if tail else ""))
+        conn.send(P.attach(secret, ack))
+        raw = receive(conn, timeout)
+        if raw is None or raw.get("type") != P.HELLO:
+            raise AgentError(conn.host, "the agent refused the attach (wrong job secret?)")
+        if raw.get("protocol") != P.VERSION:  # before its fields: they may differ
+            raise WrongVersion(conn.host, raw.get("protocol"))
+        hello = P.parse(raw)
+        assert isinstance(hello, P.Hello)
+        return hello, reply.launched
+    except P.ProtocolError as exc:
         conn.close()
-        tail = list(getattr(conn, "stderr_tail", []) or [])[-3:]
-        what = reply.get("message") if reply else "the agent's relay exited"
-        raise AgentError(conn.host, f"{what}" + (": " + " | ".join(tail) if tail else ""))
-    if reply["type"] == P.GONE:
+        raise ProtocolViolation(conn.host, str(exc)) from None
+    except AgentError:
         conn.close()
-        raise AgentGone(conn.host, reply.get("outcome"))
-    conn.send(P.attach(secret, ack))
-    hello = conn.receive()
-    if hello is None or hello.get("type") != P.HELLO:
-        conn.close()
-        raise AgentError(conn.host, "the agent refused the attach (wrong job secret?)")
-    return hello, bool(reply.get("launched"))
+        raise
 
 
 def agent_payload() -> bytes:

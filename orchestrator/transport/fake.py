@@ -1,14 +1,18 @@
-"""In-process fake agents that speak the protocol: for the policy tests and for running the
-real controller against thousands of simulated nodes (``benchmarks/bench_scale.py``).
+"""A testing transport, public like httpx's MockTransport: in-process fake agents that speak
+the real protocol over real sockets, for the policy tests and for running the real controller
+against thousands of simulated nodes (``benchmarks/bench_scale.py``). Nothing in the product
+imports it.
 
-A :class:`FakeAgent` is a NodeConnection whose "agent" answers from a script, in the
-thread that sends to it; a :class:`FakeCluster` is a connection factory that keeps one
-agent per host, which outlives each connection to it (:class:`FakeLink`) and replays what
-was not acknowledged when one attaches again, and, on one driver thread for all of them,
-sends what real agents send
-unprompted: heartbeats every ``min(heartbeat_interval, 0.5)`` s (as ``agents/agent.py``
-does) and numbered output lines at a rate per rank. It can silence a node (a host that
-died: no message, no reply, no new connection) and end every running worker.
+A :class:`FakeAgent` is a NodeConnection whose "agent" answers from a script, in the thread
+that sends to it, writing encoded lines into a socketpair that the controller's event loop
+reads like any channel; a :class:`FakeCluster` is a connection factory that keeps one agent
+per host, which outlives each connection to it (:class:`FakeLink`) and replays what was not
+acknowledged when one attaches again, and, on one driver thread for all of them, sends what
+real agents send unprompted: heartbeats every ``min(heartbeat_interval, 0.5)`` s (as
+``agents/agent.py`` does) and numbered output lines at a rate per rank. It can silence a
+node (a host that died: no message, no reply, no new connection) and end every running
+worker. What a fake agent says goes into a buffer first and into the socket as far as it
+has room (the driver keeps flushing): a controller that is behind never blocks the fakes.
 
 Exits are scripted per attempt and rank: ``exits[attempt][rank]`` is an exit code, a
 signal name, or None (runs until stopped, or until :meth:`FakeCluster.finish`). Missing
@@ -19,8 +23,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import queue
 import random
+import socket
 import threading
 import time
 from collections import deque
@@ -28,10 +32,90 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agents import protocol as P
+from agents.protocol import encode
 from orchestrator.errors import ConnectError
 from orchestrator.spec import JobSpec, NodeSpec
+from orchestrator.transport.base import Framer
 
 _pids = itertools.count(10_000)
+
+
+class Wire:
+    """One channel: a socketpair whose far end the fake agent writes to (buffered, never
+    blocking), and whose near end the controller reads (``fileno``, ``read``)."""
+
+    def __init__(self) -> None:
+        self.near, self.far = socket.socketpair()
+        for s in (self.near, self.far):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 21)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 21)
+        self.far.setblocking(False)
+        self._pending = bytearray()
+        self._lock = threading.Lock()
+        self._ending = False
+        self.framer = Framer()
+
+    def put(self, message: dict[str, Any] | None) -> None:
+        """A message to the controller; None: the agent's end closes (after what is queued)."""
+        with self._lock:
+            if message is None:
+                self._ending = True
+            elif not self._ending:
+                self._pending += encode(message)
+            self._flush()
+
+    def flush(self) -> None:
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
+        while self._pending:
+            try:
+                sent = self.far.send(self._pending)
+            except BlockingIOError:
+                return
+            except OSError:
+                self._pending.clear()
+                return
+            del self._pending[:sent]
+        if self._ending:
+            try:
+                self.far.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def fileno(self) -> int:
+        return self.near.fileno()
+
+    def read(self) -> bytes:
+        try:
+            return self.near.recv(65536)
+        except OSError:
+            return b""
+
+    def close(self) -> None:
+        for s in (self.near, self.far):
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+class Nowhere(Wire):
+    """No channel attached: what the agent says is dropped (its unacknowledged messages are
+    kept by the agent itself, and replayed on the next attach)."""
+
+    def __init__(self) -> None:  # no sockets
+        self.framer = Framer()
+
+    def put(self, message: dict[str, Any] | None) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -52,7 +136,8 @@ class FakeAgent:
         self.exits = exits or {}
         self.log = log
         self.cluster = cluster
-        self.inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        # Its channel; a FakeCluster's agent has none until a link opens (the last one wins).
+        self.wire: Wire = Nowhere() if cluster is not None else Wire()
         # Sequenced messages the controller has not acknowledged: replayed on the next attach,
         # as a real agent replays its spool.
         self.unacked: deque[dict[str, Any]] = deque()
@@ -72,16 +157,23 @@ class FakeAgent:
         self.drop_port = False
 
     # --- NodeConnection --------------------------------------------------------------------
+    @property
+    def framer(self) -> Framer:
+        return self.wire.framer
+
     def open(self) -> None:
         if self.fail_open or self.dead:
             raise ConnectError(self.host, "connection refused")
 
-    def receive(self) -> dict[str, Any] | None:
-        return self.inbox.get()
+    def fileno(self) -> int:
+        return self.wire.fileno()
+
+    def read(self) -> bytes:
+        return self.wire.read()
 
     def close(self) -> None:
         self.attached = False
-        self.inbox.put(None)
+        self.wire.close()
 
     def send(self, message: dict[str, Any]) -> None:
         if self.log is not None:
@@ -93,6 +185,7 @@ class FakeAgent:
             handler = getattr(self, f"_op_{op}", None)
             if handler is not None:
                 handler(message)
+            self.wire.flush()
 
     # --- what the agent says ------------------------------------------------------------------
     def _emit(self, message: dict[str, Any]) -> None:
@@ -102,23 +195,23 @@ class FakeAgent:
             self.seq += 1
             message["seq"] = self.seq
             self.unacked.append(message)
-        self.inbox.put(message)
+        self.wire.put(message)
 
     def _op_connect(self, message: dict[str, Any]) -> None:
-        self.inbox.put({"type": P.RELAY, "launched": not self.launched})
+        self.wire.put({"type": P.RELAY, "launched": not self.launched})
         self.launched = True
 
     def _op_attach(self, message: dict[str, Any]) -> None:
         self.attached = True
         workers = [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid, "running": True}
                    for w in self.running.values()]
-        self.inbox.put({"type": P.HELLO, "attempt": self.attempt, "hostname": self.host,
-                        "protocol": self.protocol, "workers": workers, "pid": self.pid,
-                        "instance": self.instance, "last_seq": self.seq})
+        self.wire.put({"type": P.HELLO, "attempt": self.attempt, "hostname": self.host,
+                       "protocol": self.protocol, "workers": workers, "pid": self.pid,
+                       "instance": self.instance, "last_seq": self.seq})
         ack = message.get("ack") or 0
         for old in self.unacked:
             if old["seq"] > ack:
-                self.inbox.put(old)
+                self.wire.put(old)
 
     def _op_ack(self, message: dict[str, Any]) -> None:
         while self.unacked and self.unacked[0]["seq"] <= message["seq"]:
@@ -126,9 +219,9 @@ class FakeAgent:
 
     def _op_free_port(self, message: dict[str, Any]) -> None:
         if self.drop_port:
-            self.inbox.put(None)  # the channel breaks before the reply
+            self.wire.put(None)  # the channel breaks before the reply
         else:
-            self.inbox.put({"type": P.PORT, "req": message["req"], "port": 29500, "ok": True})
+            self.wire.put({"type": P.PORT, "req": message["req"], "port": 29500, "ok": True})
 
     def _op_start(self, message: dict[str, Any]) -> None:
         self.attempt = a = message["attempt"]
@@ -169,12 +262,12 @@ class FakeAgent:
     def _op_shutdown(self, message: dict[str, Any]) -> None:
         self.running = {}
         self.attached = False
-        self.inbox.put(None)  # the agent exits: its channel closes
+        self.wire.put(None)  # the agent exits: its channel closes
 
     # --- driven by FakeCluster (under ``lock``) -----------------------------------------------
     def beat(self) -> None:
         if self.attached and not self.dead:
-            self.inbox.put({"type": P.HEARTBEAT, "attempt": self.attempt})
+            self.wire.put({"type": P.HEARTBEAT, "attempt": self.attempt})
 
     def print_lines(self, worker: FakeWorker, upto: int) -> None:
         """Numbered lines up to ``upto`` (exclusive), one output message."""
@@ -204,28 +297,32 @@ class FakeLink:
     def __init__(self, agent: FakeAgent):
         self.agent = agent
         self.host = agent.host
-        self.inbox: queue.SimpleQueue[dict[str, Any] | None] = queue.SimpleQueue()
+        self.wire = Wire()
+        self.framer = self.wire.framer
 
     def open(self) -> None:
         agent = self.agent
         agent.open()
         with agent.lock:
-            agent.inbox = self.inbox
+            agent.wire = self.wire
 
-    def receive(self) -> dict[str, Any] | None:
-        return self.inbox.get()
+    def fileno(self) -> int:
+        return self.wire.fileno()
+
+    def read(self) -> bytes:
+        return self.wire.read()
 
     def send(self, message: dict[str, Any]) -> None:
-        if self.agent.inbox is self.inbox:  # a link left behind says nothing more
+        if self.agent.wire is self.wire:  # a link left behind says nothing more
             self.agent.send(message)
 
     def close(self) -> None:
         agent = self.agent
         with agent.lock:
-            if agent.inbox is self.inbox:
+            if agent.wire is self.wire:
                 agent.attached = False
-                agent.inbox = queue.SimpleQueue()  # nobody listens: the spool keeps it
-        self.inbox.put(None)
+                agent.wire = Nowhere()  # nobody listens: its unacked messages are kept
+        self.wire.close()
 
 
 @dataclass(order=True)
@@ -290,6 +387,8 @@ class FakeCluster:
                 while self._heap and self._heap[0].at <= now:
                     due.append(heapq.heappop(self._heap))
                 wait = (self._heap[0].at - now) if self._heap else 0.05
+            for agent in list(self.agents.values()):  # what waited for room in a socket
+                agent.wire.flush()
             for item in due:
                 agent = self.agents[item.host]
                 with agent.lock:

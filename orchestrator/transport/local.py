@@ -13,28 +13,27 @@ from orchestrator.errors import AgentError
 from orchestrator.transport.base import (
     AGENT_PYTHON_FLAGS,
     BOOTSTRAP,
-    JsonLines,
-    LineConnection,
+    Framer,
+    PipeConnection,
     agent_payload,
     end_relay_process,
 )
 from orchestrator.world import UserWorld
 
 
-class LocalConnection(LineConnection):
+class LocalConnection(PipeConnection):
     """Runs the relay as a subprocess; its stderr is the controller's (controller.log).
     ``world`` None: this process's own environment and umask."""
 
     def __init__(self, host: str = "local", world: UserWorld | None = None):
         self.host = host
         self._world = world
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._lines: JsonLines | None = None
+        self.framer = Framer()
 
     def open(self) -> None:
+        world = self._world
         try:
-            world = self._world
-            self._proc = subprocess.Popen(
+            proc = subprocess.Popen(
                 [sys.executable, *AGENT_PYTHON_FLAGS, "-c", BOOTSTRAP],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
@@ -42,16 +41,14 @@ class LocalConnection(LineConnection):
                 env=dict(world.env) if world is not None else None,
                 umask=world.umask if world is not None else -1,
             )
-            assert self._proc.stdin is not None and self._proc.stdout is not None
-            self._proc.stdin.write(agent_payload())
-            self._proc.stdin.flush()
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(agent_payload())
+            proc.stdin.flush()
         except OSError as exc:
             raise AgentError(self.host, f"cannot start the agent's relay: {exc}") from exc
-        self._lines = JsonLines(self.host, self._proc.stdout, self._proc.stdin)
+        self._attach_pipes(proc)
 
     def close(self) -> None:
-        proc, self._lines = self._proc, None
-        self._proc = None
-        if proc is None:
-            return
-        end_relay_process(proc, timeout=5)
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            end_relay_process(proc, timeout=5)

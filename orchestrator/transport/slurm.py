@@ -27,8 +27,8 @@ from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.transport.base import (
     AGENT_PYTHON_FLAGS,
     BOOTSTRAP,
-    JsonLines,
-    LineConnection,
+    Framer,
+    PipeConnection,
     agent_payload,
     end_relay_process,
 )
@@ -44,11 +44,13 @@ def srun_argv(job_id: str, node: str, python: str, name: str = "orchestrator-age
             f"--job-name={name}", python, *AGENT_PYTHON_FLAGS, "-c", BOOTSTRAP]
 
 
-def _srun(argv: list[str], world: UserWorld | None) -> subprocess.Popen[bytes]:
+def _srun(argv: list[str], world: UserWorld | None, *, merge_stderr: bool = False
+          ) -> subprocess.Popen[bytes]:
     """srun, in the submitter's world: a step's tasks get srun's environment (--export=ALL)
     and umask, as under ``srun torchrun`` typed in that shell; never the controller's."""
     return subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         env=slurm_env(world.env if world is not None else None),
         umask=world.umask if world is not None else -1,
         start_new_session=True)  # a Ctrl-C at a terminal must not reach srun
@@ -102,8 +104,10 @@ class Holder:
         return self.proc.poll() is None
 
 
-class SlurmConnection(LineConnection):
-    """One node's agent through an ``srun --overlap`` step of the job's allocation."""
+class SlurmConnection(PipeConnection):
+    """One node's agent through an ``srun --overlap`` step of the job's allocation; srun's
+    own messages (Slurm's errors, the relay's traceback) come with the channel's output, and
+    the framer keeps them as its noise."""
 
     def __init__(self, job_id: str, node: str, python: str,
                  holder: Callable[[str], None] | None = None, world: UserWorld | None = None):
@@ -111,9 +115,7 @@ class SlurmConnection(LineConnection):
         self._argv = srun_argv(job_id, node, python)
         self._holder = holder
         self._world = world
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._lines: JsonLines | None = None
-        self.stderr_tail: deque[str] = deque(maxlen=20)
+        self.framer = Framer()
 
     def send(self, message: dict[str, Any]) -> None:
         if message.get("op") == P.CONNECT and message.get("launch") is not None and \
@@ -129,24 +131,20 @@ class SlurmConnection(LineConnection):
 
     def open(self) -> None:
         try:
-            self._proc = _srun(self._argv, self._world)
-            assert self._proc.stdin is not None and self._proc.stdout is not None
-            threading.Thread(target=_keep_tail, args=(self._proc, self.stderr_tail),
-                             daemon=True).start()
-            self._proc.stdin.write(agent_payload())
-            self._proc.stdin.flush()
+            proc = _srun(self._argv, self._world, merge_stderr=True)
+            self._attach_pipes(proc)
+            assert proc.stdin is not None
+            proc.stdin.write(agent_payload())
+            proc.stdin.flush()
         except OSError as exc:
             self.close()
             raise AgentError(self.host, f"cannot start the agent's step with srun: {exc}"
                              ) from exc
-        self._lines = JsonLines(self.host, self._proc.stdout, self._proc.stdin)
 
     def close(self) -> None:
-        proc, self._lines = self._proc, None
-        self._proc = None
-        if proc is None:
-            return
-        end_relay_process(proc, timeout=10)
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            end_relay_process(proc, timeout=10)
 
 
 class SlurmConnector:

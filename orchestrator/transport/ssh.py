@@ -19,26 +19,22 @@ import os
 import shlex
 import socket
 import threading
-from collections import deque
 from typing import Any
 
 import paramiko
 
+from agents.protocol import encode
 from orchestrator.errors import (
     AgentError,
     AuthenticationError,
     ConnectError,
+    HostKeyChanged,
     HostKeyError,
+    HostKeyUnknown,
     TransportError,
 )
 from orchestrator.spec import JobSpec, NodeSpec
-from orchestrator.transport.base import (
-    AGENT_PYTHON_FLAGS,
-    BOOTSTRAP,
-    JsonLines,
-    LineConnection,
-    agent_payload,
-)
+from orchestrator.transport.base import AGENT_PYTHON_FLAGS, BOOTSTRAP, Framer, agent_payload
 
 _known_hosts_lock = threading.Lock()
 
@@ -112,7 +108,7 @@ def _local_user() -> str:
     return getpass.getuser()
 
 
-class SSHConnection(LineConnection):
+class SSHConnection:
     """One node's agent over SSH."""
 
     def __init__(self, node: NodeSpec, spec: JobSpec):
@@ -121,8 +117,10 @@ class SSHConnection(LineConnection):
         self._spec = spec
         self._client: paramiko.SSHClient | None = None
         self._channel: paramiko.Channel | None = None
-        self._lines: JsonLines | None = None
-        self.stderr_tail: deque[str] = deque(maxlen=20)
+        self._fd = -1
+        self._write_lock = threading.Lock()
+        self._stderr_carry = b""
+        self.framer = Framer()
 
     # --- connecting -------------------------------------------------------------------
     def connect(self) -> paramiko.SSHClient:
@@ -159,13 +157,13 @@ class SSHConnection(LineConnection):
     def _translate(self, exc: Exception, target: dict[str, Any]) -> TransportError:
         where = f"{target['username']}@{target['hostname']}:{target['port']}"
         if isinstance(exc, paramiko.BadHostKeyException):
-            return HostKeyError(self.host, f"host key for {where} does not match known_hosts "
-                                           "(changed host key: refusing to connect)")
+            return HostKeyChanged(self.host, f"host key for {where} does not match known_hosts "
+                                             "(changed host key: refusing to connect)")
         if isinstance(exc, paramiko.AuthenticationException):
             return AuthenticationError(self.host, f"authentication failed for {where}: {exc}")
         if isinstance(exc, paramiko.SSHException) and "known_hosts" in str(exc):
-            return HostKeyError(self.host, f"host key for {where} is not in known_hosts "
-                                           "(add it, or set ssh.host_key_policy: accept-new)")
+            return HostKeyUnknown(self.host, f"host key for {where} is not in known_hosts "
+                                             "(add it, or set ssh.host_key_policy: accept-new)")
         if isinstance(exc, (socket.timeout, TimeoutError)):
             return ConnectError(self.host, f"connection to {where} timed out after "
                                            f"{self._spec.ssh.connect_timeout:g}s")
@@ -185,22 +183,50 @@ class SSHConnection(LineConnection):
             channel = transport.open_session(timeout=self._spec.ssh.connect_timeout)
             command = shlex.join([self._spec.python, *AGENT_PYTHON_FLAGS, "-c", BOOTSTRAP])
             channel.exec_command(command)
-            stdin = channel.makefile_stdin("wb")
-            stdin.write(agent_payload())
-            stdin.flush()
+            channel.sendall(agent_payload())
+            self._fd = channel.fileno()
         except (paramiko.SSHException, OSError, EOFError) as exc:
             self.close()
             raise AgentError(self.host, f"cannot start the agent: {exc}") from exc
         self._channel = channel
-        self._lines = JsonLines(self.host, channel.makefile("rb"), stdin)
-        threading.Thread(target=self._drain_stderr, args=(channel,), daemon=True).start()
 
-    def _drain_stderr(self, channel: paramiko.Channel) -> None:
-        # The agent's stderr (tracebacks, "python3: not found") must be read, or it fills
-        # the channel window; its last lines explain a failed start.
-        f = channel.makefile_stderr("rb")
-        for raw in iter(lambda: f.readline(4096), b""):  # bounded: a node may send anything
-            self.stderr_tail.append(raw.decode("utf-8", "replace").rstrip())
+    def send(self, message: dict[str, Any]) -> None:
+        channel = self._channel
+        if channel is None:
+            raise AgentError(self.host, "not open")
+        data = encode(message)
+        with self._write_lock:
+            try:
+                channel.sendall(data)
+            except (paramiko.SSHException, OSError, EOFError) as exc:
+                raise AgentError(self.host, f"agent channel closed: {exc}") from exc
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def read(self) -> bytes:
+        """The channel's fileno is readable for its stdout and its stderr alike: the relay's
+        stderr (a traceback, "python3: not found", a login script's noise) is drained here,
+        in bounded pieces, its last lines kept as the framer's noise to explain a failed
+        start; BlockingIOError when that was all there was."""
+        channel = self._channel
+        if channel is None:
+            return b""
+        try:
+            while channel.recv_stderr_ready():
+                self._stderr(channel.recv_stderr(65536))
+            if channel.recv_ready() or channel.eof_received or channel.closed:
+                return channel.recv(65536)
+        except (paramiko.SSHException, OSError, EOFError):
+            return b""
+        raise BlockingIOError("only stderr")
+
+    def _stderr(self, data: bytes) -> None:
+        lines = (self._stderr_carry + data).split(b"\n")
+        self._stderr_carry = lines.pop()[-300:]  # a line without end: its last part
+        for raw in lines[-20:]:
+            if raw.strip():
+                self.framer.noise.append(raw[:300].decode("utf-8", "replace").rstrip())
 
     def close(self) -> None:
         channel, client = self._channel, self._client

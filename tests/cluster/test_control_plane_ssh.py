@@ -48,7 +48,7 @@ def relay_sshd_on(host) -> int:
             cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"agents/protocol.py" not in cmdline:
+        if b"import agents.main" not in cmdline:  # the bootstrap
             continue
         netns = subprocess.run(["ip", "netns", "identify", entry], capture_output=True,
                                text=True).stdout.strip()

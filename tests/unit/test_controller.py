@@ -129,20 +129,36 @@ def test_agent_of_another_protocol_fails_the_launch_naming_the_node(tmp_path):
     assert "\n" not in message
 
 
-def test_mailbox_matches_replies_and_wakes_on_close():
+def test_requests_match_replies_drop_late_ones_and_wake_on_close():
+    """The one request helper (orchestrator/channel.py, was protocol.Mailbox)."""
     import threading
 
-    from agents.protocol import Mailbox
+    from orchestrator.channel import Channel, ask
 
-    box = Mailbox()
-    req, message = box.request("free_port", port=0)
-    assert message == {"op": "free_port", "req": req, "port": 0}
-    assert box.deliver({"type": "heartbeat"}) is False  # not a reply: the caller handles it
-    threading.Timer(0.05, box.deliver, args=({"type": "port", "req": req, "ok": True},)).start()
-    assert box.wait(req, 2.0) == {"type": "port", "req": req, "ok": True}
-    req2, _ = box.request("listen")
-    threading.Timer(0.05, box.deliver, args=(None,)).start()
-    assert box.wait(req2, 5.0) is None and box.closed
+    sent = []
+
+    class Conn:
+        host = "h"
+
+        def send(self, message):
+            sent.append(message)
+
+    hello = P.parse({"type": "hello", "protocol": P.VERSION, "pid": 1, "attempt": 0,
+                     "workers": []})
+    channel = Channel(0, Conn(), 1, hello, False)
+    future = channel.request("free_port", port=0)
+    assert sent[-1] == {"op": "free_port", "req": future.req, "port": 0}
+    # Not a reply: the loop hands it to the controller, never to a request.
+    assert not isinstance(P.parse({"type": "heartbeat", "attempt": 0}), P.Reply)
+    reply = P.parse({"type": "port", "req": future.req, "port": 5, "ok": True})
+    threading.Timer(0.05, channel.resolve, args=(reply,)).start()
+    assert future.result(2.0) == P.PortReply(future.req, 5, True)
+    # A reply nobody waits for any more is dropped; the channel's end wakes every waiter.
+    assert ask(channel, "listen", 0.05) is None
+    channel.resolve(P.parse({"type": "listening", "req": future.req + 1, "ok": True}))
+    later = channel.request("listen")
+    threading.Timer(0.05, channel.end).start()
+    assert later.result(5.0) is None and channel.closed
 
 
 def test_malformed_agent_message_loses_the_node_and_never_crashes_the_controller(tmp_path):
@@ -206,8 +222,10 @@ def test_a_stop_answered_before_the_deadline_counts_though_read_after_it(tmp_pat
     channel and, with it, the lines still queued behind."""
     from orchestrator import controller as controller_module
 
+    from orchestrator.engine import Engine
+
     monkeypatch.setattr(controller_module, "STOP_MARGIN", 0.3)
-    original = Controller._pump
+    original = Engine.turn  # one turn of the controller's loop (was Controller._pump)
     lagged: list[float] = []
 
     def behind(self, timeout):
@@ -220,7 +238,7 @@ def test_a_stop_answered_before_the_deadline_counts_though_read_after_it(tmp_pat
                 return
         original(self, timeout)
 
-    monkeypatch.setattr(Controller, "_pump", behind)
+    monkeypatch.setattr(Engine, "turn", behind)
     exits = {"b": {1: {2: 5, 3: None}}, "a": {1: {0: None, 1: None}}}
     store, job_id, _ = run_job(tmp_path, SPEC.replace("command: [train]",
                                                       "command: [train]\nstop_grace_period: 0.1"),

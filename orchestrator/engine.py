@@ -1,0 +1,444 @@
+"""The controller's machinery: the event loop and everything one turn of it does.
+
+:meth:`Engine.wait` is the controller's one wait: it turns the loop until a condition holds,
+and every turn runs the same checks, in this order: the events of the turn, handled (node
+news to the node book, agents' messages to the attempt, connects, preparations); the node
+and rank writes of the turn, in one transaction each; readers' requests (cancel, stacks);
+the stop reasons (cancel, a signal, ``max_duration``); silent nodes; a hang; a checkpoint;
+the liveness ``status --watch`` shows. Nothing here raises for a node's fault: a node that
+says something out of protocol, or whose message makes anything fail, loses its channel and
+the attempt fails for it, naming the field; the controller lives. A wait returns early when
+a stop reason is set (unless it must not be interrupted) and the caller decides.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from agents import protocol as P
+from orchestrator import events as E
+from orchestrator import hang
+from orchestrator.attempt import Attempt, Failure
+from orchestrator.channel import Channel, ask_all
+from orchestrator.logfiles import LogSink
+from orchestrator.loop import EventLoop
+from orchestrator.nodebook import LIVE, Node, NodeBook, NodeInfo, Order
+from orchestrator.nodepool import NodePool
+from orchestrator.prepare import Preparer
+from orchestrator.spec import JobSpec
+from orchestrator.state import FailureCause, JobState, NodeState
+from orchestrator.store import Store
+from orchestrator.transport.base import ConnectionFactory
+
+log = logging.getLogger("orchestrator.controller")
+
+POLL = 0.05  # seconds a turn waits for an event before its checks
+CHECKPOINT_EVERY = 0.05  # seconds between checkpoints while messages arrive
+# How often every node is looked at for silence: a scan of thousands of nodes costs
+# milliseconds, not to be paid on every turn of the loop (20 a second).
+SCAN_EVERY = 0.2
+REQUESTS_EVERY = 0.25  # seconds between two looks at readers' requests (cancel, stacks)
+
+
+class Stop(enum.Enum):
+    """Why the job stops going on (set by a turn's checks; the controller acts on it)."""
+
+    CANCEL = "cancel"  # `orchestrator cancel`
+    DETACH = "detach"  # told to exit with no cancel (a logout, a host shutting down)
+    TIMEOUT = "timeout"  # max_duration is over
+
+
+class Engine:
+    def __init__(self, store: Store, job_id: str, spec: JobSpec, spec_dir: str,
+                 connect: ConnectionFactory, secret: str):
+        self.store, self.job_id, self.spec = store, job_id, spec
+        self.loop = EventLoop()
+        self.pool = NodePool(job_id, spec, secret, connect, self.loop)
+        self.book = NodeBook(job_id, spec, store, self.pool)
+        self.nodes = self.book.nodes
+        self.preparer = Preparer(job_id, spec, spec_dir, store, self.loop)
+        self.hosts = {n.index: "local" if n.spec.is_local else n.spec.hostname
+                      for n in self.nodes}
+        self.state = JobState.PENDING
+        self.current: Attempt | None = None
+        # The attempt before: its log stays open so that what an agent that was unreachable
+        # while it was stopped replays later (the lines that explain a failure) still lands.
+        self.previous: Attempt | None = None
+        self.stop: Stop | None = None
+        self.cancel_requested = False
+        self.exit_requested = False
+        self.deadline: float | None = None  # wall clock: max_duration after the start
+        self.launch_failure: Failure | None = None  # the job's own setup failed
+        self.resuming = False
+        self.lingering = False  # the job ended: an agent that attaches is shut down
+        self.ending = False  # stopping for good: nothing interrupts it
+        self.setup_sink: LogSink | None = None
+        self.on_attached: Callable[[Node, Channel], None] | None = None  # for benchmarks
+        self._busy = False  # collecting stacks: the turns inside do not start another
+        self._next_requests = self._scanned = self._liveness = self._checkpointed = 0.0
+        self._checkpoint_every = CHECKPOINT_EVERY
+
+    # --- the one wait ---------------------------------------------------------------------
+    def wait(self, done: Callable[[], bool], timeout: float | None = None, *,
+             interruptible: bool = True) -> bool:
+        """Turn the loop until ``done()`` (True), ``timeout`` seconds (False), or, when
+        ``interruptible``, a stop reason or a launch failure (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            if done():
+                return True
+            if interruptible and (self.stop is not None or self.launch_failure is not None):
+                return False
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            self.turn(POLL if left is None else min(POLL, left))
+
+    def turn(self, timeout: float) -> None:
+        self.pool.main_tick = time.monotonic()
+        for event in self.loop.poll(timeout):
+            self._dispatch(event)
+        self.flush()
+        self._checks()
+
+    def ask_all(self, channels: dict[Any, Channel], op: str, within: float | None,
+                **fields: Any) -> dict[Any, P.Reply | None]:
+        """Requests to many nodes at once; the loop turns while their replies come (up to
+        ``within`` seconds)."""
+        return ask_all(channels, op, within, lambda d, t: self.wait(d, t), **fields)
+
+    def flush(self) -> None:
+        """The node and rank changes of this turn, in one transaction each."""
+        self.book.flush()
+        for attempt in (self.previous, self.current):
+            if attempt is not None:
+                attempt.flush_ranks()
+
+    def set_state(self, new: JobState, **fields: Any) -> None:
+        self.flush()  # whoever reads a job state also sees the node states that led to it
+        self.store.set_state(self.job_id, new, **fields)
+        self.state = new
+        log.info("job %s -> %s", self.job_id, new.value)
+
+    # --- the checks of every turn ----------------------------------------------------------
+    def _checks(self) -> None:
+        now = time.monotonic()
+        if now >= self._next_requests or self.exit_requested:
+            self._next_requests = now + REQUESTS_EVERY
+            cancel, stacks_wanted = self.store.requests(self.job_id)
+            self.cancel_requested = self.cancel_requested or cancel
+            if stacks_wanted and not self.cancel_requested and not self._busy:
+                self._answer_stacks()
+        if self.stop is None:
+            if self.cancel_requested:
+                self.stop = Stop.CANCEL
+            elif self.exit_requested:
+                self.stop = Stop.DETACH
+            elif self.deadline is not None and time.time() > self.deadline:
+                self.stop = Stop.TIMEOUT
+        if now - self._scanned >= SCAN_EVERY:
+            self._scanned = now
+            for node, why in self.book.silent(now):
+                if node.state == NodeState.UNREACHABLE:
+                    self.lose(node, why)
+                else:
+                    self.book.unreachable(node, why)
+        self._check_hang(now)
+        self.checkpoint()
+        attempt = self.current
+        if attempt is not None and not attempt.ended and now - self._liveness >= 1.0:
+            self._liveness = now  # for `status --watch`: once a second
+            offset = time.time() - now
+            self.store.liveness(self.job_id, attempt.number,
+                                {n.index: n.last_heard + offset for n in self.nodes
+                                 if n.last_heard}, dict(attempt.output_at))
+
+    def _check_hang(self, now: float) -> None:
+        hang_timeout, attempt = self.spec.health.hang_timeout, self.current
+        if not (hang_timeout and attempt is not None and self.state == JobState.RUNNING
+                and attempt.failure is None and not attempt.stopping and not self._busy
+                and now - attempt.last_activity > hang_timeout):
+            return
+        # Where every rank is, and what collectives each had issued, taken before anything
+        # is stopped: that is the why. (The turns inside start no second collection.)
+        found = self.stacks(flight_recorder=True)
+        diagnosis = found.diagnosis
+        self._busy = True
+        try:
+            dumps = hang.fetch_dumps(found, self.store.log_dir(self.job_id, attempt.number) /
+                                     "flight_recorder", self.ask_all)
+        finally:
+            self._busy = False
+        attempt.fail(Failure(
+            FailureCause.HUNG, f"no output or heartbeat from any rank for {hang_timeout:g}s "
+            "(health.hang_timeout)" + (f": {diagnosis}" if diagnosis else ""),
+            stacks=found.texts, diagnosis=diagnosis, flight_recorder=dumps))
+
+    def stacks(self, flight_recorder: bool = False) -> hang.Stacks:
+        """Every live rank's stack, from every reachable node."""
+        channels = {n.index: n.channel for n in self.nodes
+                    if n.channel is not None and n.state in LIVE}
+        self._busy = True
+        try:
+            return hang.collect(channels, self.hosts, self.ask_all,  # type: ignore[arg-type]
+                                flight_recorder=flight_recorder)
+        finally:
+            self._busy = False
+
+    def _answer_stacks(self) -> None:
+        """A reader asked (``orchestrator stacks``): collect, and record the answer."""
+        found = self.stacks()
+        self.store.update_job(self.job_id, stacks_at=time.time(), stacks_json=json.dumps({
+            "stacks": found.found, "diagnosis": found.diagnosis}))
+
+    def checkpoint(self, force: bool = False) -> None:
+        """Record log sizes and handled messages together, then let the agents forget them."""
+        attempt = self.current
+        if attempt is None:
+            return
+        now = time.monotonic()
+        dirty = any(n.received > n.acked for n in self.nodes)
+        if not force and (not dirty or now - self._checkpointed < self._checkpoint_every):
+            return
+        state = {**attempt.snapshot(), "participants": attempt.participants,
+                 "master_port": attempt.plan.master_port, "nprocs": attempt.nprocs,
+                 "sync_tree": self.preparer.tree_name}
+        if self.previous is not None:  # late lines of the attempt before: on disk first
+            self.previous.sink.flush()
+        self.store.checkpoint(self.job_id, attempt.number, state,
+                              {n.index: n.received for n in self.nodes})
+        self._checkpointed = time.monotonic()
+        # A checkpoint fsyncs every log written since the last one: with thousands of ranks
+        # that is most of them, so checkpoints may take at most a fifth of the loop's time.
+        self._checkpoint_every = max(CHECKPOINT_EVERY, 4 * (self._checkpointed - now))
+        for node in self.nodes:
+            if node.received > node.acked:
+                node.acked = node.received
+                self.pool.send(node, {"op": P.ACK, "seq": node.acked})
+
+    # --- events ---------------------------------------------------------------------------
+    def _dispatch(self, event: E.Event) -> None:
+        match event:
+            case E.Received(channel, message):
+                node = self.nodes[channel.node_index]
+                if node.channel is not channel:
+                    return  # a channel we already left
+                try:
+                    self._on_message(node, message)
+                except OSError:
+                    raise  # the controller's own trouble (descriptors, disk): not the node's
+                except Exception as exc:  # one node's message must never end the controller
+                    log.exception("%s: handling its message failed", node.host)
+                    self.reject(node, f"{type(message).__name__.lower()}: {exc!r}")
+            case E.Rejected(channel, problem):
+                if self.nodes[channel.node_index].channel is channel:
+                    self.reject(self.nodes[channel.node_index], problem)
+            case E.Attached(index, channel):
+                if self.on_attached is not None:
+                    self.on_attached(self.nodes[index], channel)
+                self._on_attached(self.nodes[index], channel)
+            case E.Closed(channel):
+                self._on_closed(channel)
+            case E.Unavailable():
+                self._on_unavailable(event)
+            case E.Prepared(index, failure, interrupted):
+                self._on_prepared(self.nodes[index], failure, interrupted)
+            case E.SyncProgress(index, progress):
+                node = self.nodes[index]
+                self.book.note(node, replace(node.info, sync=progress))
+            case E.Wake():
+                pass
+
+    def _on_message(self, node: Node, message: P.Message) -> None:
+        if isinstance(message, P.Sequenced):
+            order = self.book.order(node, message.seq)
+            if order == Order.DUPLICATE:
+                return
+            if order == Order.GAP:
+                if node.state in LIVE:
+                    self.book.unreachable(node, "a message went missing")
+                else:
+                    self.pool.drop_channel(node)
+                    self.pool.connect(node, launch=True, retry=True)
+                return
+        if isinstance(message, P.AgentError):
+            log.warning("%s: agent error: %s", node.host, message.message)
+            return
+        if isinstance(message, P.SetupOutput):
+            if self.setup_sink is None:
+                self.setup_sink = LogSink(self.store.job_dir(self.job_id) / "logs" / "setup",
+                                          cap=self.spec.logs.max_bytes_per_rank,
+                                          min_free=self.spec.logs.min_free_bytes)
+            self.setup_sink.write(self.hosts[node.index], "setup", "stdout",
+                                  list(message.lines))
+            self.setup_sink.flush()
+            return
+        if isinstance(message, P.Stopped) and self.book.drained(node, message.attempt):
+            attempt = self.current
+            if (attempt is not None and not attempt.ended and not attempt.stopping and
+                    node.index in attempt.participants and message.attempt != attempt.number):
+                self.book.set(node, NodeState.RUNNING)
+                self.send_start(node)  # a participant whose start waited for the drain
+        for attempt in (self.current, self.previous):
+            if attempt is None or (attempt is self.previous and
+                                   getattr(message, "attempt", None) != attempt.number):
+                continue
+            problem = attempt.handle(node.index, message)
+            if problem is not None:
+                self.reject(node, problem)
+                return
+
+    def _on_attached(self, node: Node, channel: Channel) -> None:
+        if self.lingering:
+            self.pool.adopt(node, channel)
+            self.pool.send(node, {"op": P.SHUTDOWN})
+            return
+        attempt = self.current
+        plan = self.book.attach(node, channel, attempt, resuming=self.resuming,
+                                needs_prep=self.preparer.needed)
+        stop_grace = self.spec.stop_grace_period
+        if plan.drain is not None:
+            self.pool.send(node, {"op": P.STOP, "attempt": plan.drain, "grace": stop_grace})
+        elif plan.start:
+            self.send_start(node)
+        elif plan.stop is not None:
+            self.pool.send(node, {"op": P.STOP, "attempt": plan.stop, "grace": stop_grace})
+        if plan.prepare:
+            self.preparer.start(node.index, node.host, node.spec.is_local, channel)
+
+    def send_start(self, node: Node) -> None:
+        attempt = self.current
+        assert attempt is not None
+        self.pool.send(node, attempt.start_message(node.index, self.spec.stop_grace_period,
+                                                   self.spec.health.flight_recorder))
+
+    def _on_closed(self, channel: Channel) -> None:
+        node = self.nodes[channel.node_index]
+        if node.channel is not channel:
+            return
+        self.pool.drop_channel(node)
+        if self.lingering:
+            return
+        if node.state in LIVE:
+            self.book.unreachable(node, "agent channel closed")
+        elif node.state in (NodeState.LOST, NodeState.FAILED):
+            self.pool.connect(node, launch=True, retry=True)
+
+    def _on_unavailable(self, event: E.Unavailable) -> None:
+        node, error = self.nodes[event.node], event.error
+        if self.lingering:
+            node.retry = node.retry and not event.gone
+            return
+        if event.refused is not None:  # another version, or out of protocol: not retried
+            log.error("%s", error)
+            was_running = node.state in (NodeState.RUNNING, NodeState.UNREACHABLE)
+            self.book.lose(node, error, retry=False)
+            if was_running:
+                self.fail_participant(node, FailureCause.LAUNCH_FAILED
+                                      if event.refused == "version" else FailureCause.NODE_FAIL,
+                                      error)
+            return
+        if event.gone:
+            self.book.note(node, replace(node.info, gone_reason=event.reason))
+            if self.resuming and node.state != NodeState.PENDING:
+                # Its workers died with it while no controller was there: resume decides.
+                self.book.set(node, NodeState.LOST, error, info=replace(node.info, error=error))
+                return
+        if node.state == NodeState.PENDING:
+            self.book.set(node, NodeState.FAILED, error, info=NodeInfo(error=error))
+        elif node.state in LIVE or node.state == NodeState.UNREACHABLE:
+            if event.gone:
+                self.lose(node, error)
+            else:  # a resumed controller could not reach it yet
+                self.book.unreachable(node, error)
+        elif node.state in (NodeState.LOST, NodeState.FAILED, NodeState.DONE):
+            if not self.resuming:  # gone for good: a fresh agent may rejoin later
+                self.pool.connect(node, launch=True, retry=True)
+
+    def _on_prepared(self, node: Node, failure: Failure | None, interrupted: bool) -> None:
+        node.preparing = False
+        if interrupted:
+            if node.channel is not None and not node.prepared and self.preparer.needed:
+                # The channel it ran on dropped, and a newer one is already attached.
+                node.preparing = True
+                self.preparer.start(node.index, node.host, node.spec.is_local, node.channel)
+        elif failure is None:
+            node.prepared = True
+            log.info("%s: prepared (sync, setup)", node.host)
+        elif self.current is None and not self.ending:
+            self.launch_failure = failure  # the job's own setup: it would fail again
+        else:
+            # Later (a node rejoining while the job runs): that node stays out, the job goes on.
+            log.error("%s: %s", node.host, failure.message)
+            self.book.lose(node, failure.message, retry=False)
+
+    # --- losing nodes -----------------------------------------------------------------------
+    def lose(self, node: Node, message: str) -> None:
+        """The node is LOST (see NodeBook.lose); the attempt fails for it if it ran there."""
+        if self.book.lose(node, message):
+            self.fail_participant(node, FailureCause.NODE_FAIL, message)
+
+    def reject(self, node: Node, problem: str) -> None:
+        """An agent out of protocol is not trusted further: the node is lost (tried again
+        only before a later attempt), and the controller carries on."""
+        error = f"{node.host}: malformed message from the agent ({problem})"
+        log.error(error)
+        was_running = node.state in (NodeState.RUNNING, NodeState.UNREACHABLE)
+        self.book.lose(node, error, retry=False)
+        if was_running:
+            self.fail_participant(node, FailureCause.NODE_FAIL, error)
+
+    def fail_participant(self, node: Node, cause: FailureCause, message: str) -> None:
+        attempt = self.current
+        if attempt is not None and not attempt.ended and node.index in attempt.participants:
+            attempt.fail(Failure(cause, message, node_index=node.index,
+                                 node_rank=node.node_rank, host=node.host))
+
+    # --- the end --------------------------------------------------------------------------
+    def shutdown(self, wait: float) -> None:
+        """Tell every attached agent to stop its workers and exit, and wait until it has."""
+        self.checkpoint(force=True)
+        attached = [n for n in self.nodes if n.channel is not None]
+        for node in attached:
+            self.pool.send(node, {"op": P.SHUTDOWN})
+        self.lingering = True  # from here on, attaching means shutting down
+        self.wait(lambda: all(n.channel is None for n in attached), wait, interruptible=False)
+        for node in attached:
+            self.pool.drop_channel(node)
+            if node.state not in (NodeState.LOST, NodeState.FAILED, NodeState.UNREACHABLE):
+                self.book.set(node, NodeState.DONE)
+        self.close_sinks()
+
+    def linger(self) -> None:
+        """After the end: agents we could not reach may still hold workers. Keep trying to
+        reach them (never launching one) and shut them down; they give up by themselves
+        after controller_grace, so trying longer than that is pointless."""
+        grace = self.spec.health.controller_grace
+        # Also nodes whose connector is still out: what it reaches is shut down on arrival.
+        targets = [n for n in self.nodes if n.state in (NodeState.UNREACHABLE, NodeState.LOST)
+                   or n.connecting]
+        for node in targets:
+            self.pool.connect(node, launch=False, retry=node.state != NodeState.PENDING)
+        # With no grace the agents keep the workers forever: then so must we keep trying.
+        self.wait(lambda: not any(n.connecting or n.channel is not None for n in targets),
+                  grace + 5 if grace is not None else None, interruptible=False)
+        for node in targets:
+            node.retry = False
+            self.pool.drop_channel(node)
+
+    def close_sinks(self) -> None:
+        for attempt in (self.previous, self.current):
+            if attempt is not None:
+                attempt.sink.close()
+        if self.setup_sink is not None:
+            self.setup_sink.close()
+
+    def close(self) -> None:
+        self.pool.close()
+        self.preparer.close()
