@@ -144,7 +144,14 @@ class Engine:
                 self.stop = Stop.TIMEOUT
         if now - self._scanned >= SCAN_EVERY:
             self._scanned = now
-            for node, why in self.book.silent(now):
+            silent = self.book.silent(now)
+            # A node whose news waits to be read is not silent: the controller is behind
+            # (a long turn), not the node.
+            talking = set(self.loop.readable([n.channel for n, _ in silent if n.channel],
+                                             now=True))
+            for node, why in silent:
+                if node.channel in talking:
+                    continue
                 if node.state == NodeState.UNREACHABLE:
                     self.lose(node, why)
                 else:

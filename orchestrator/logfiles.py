@@ -17,6 +17,7 @@ closes. ``labels`` says on which host each label ran.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -67,12 +68,22 @@ class CappedLog:
     quarter to half: lines go to tail segments beside it (``<stem>.tail<k>.log``), the
     oldest of which is dropped, and counted, when a third one starts. ``close`` puts the
     tail back after a marker that says how much was cut. ``cap`` None: no cap. The sidecar
-    (see the module's docstring) tells readers the layout while it is cut."""
+    (see the module's docstring) tells readers the layout while it is cut.
+
+    Writes are kept in memory and reach the files at the next ``sizes()`` (a checkpoint,
+    which runs that on a pool of threads for many files at once), or when a file has more
+    than FLUSH_AT waiting: the controller's loop does no file system call per line, and
+    opens no file itself for the thousands of ranks that print their first line at once
+    (each call lets go of the GIL, and with other busy threads the loop waits to get it
+    back: a convoy that made a 4,000-rank launch take seconds of opens)."""
+
+    FLUSH_AT = 1 << 20  # bytes waiting for one file before they are written at once
 
     def __init__(self, path: Path, cap: int | None, state: dict[str, Any] | None = None,
-                 buffering: int = -1):
+                 buffering: int = -1, *, fresh: bool = False):
         self.path = path
         self.cap = cap
+        self._buffering = buffering
         state = state or {}
         self.segments: list[int] = [int(k) for k in state.get("segments", [])]
         self.segment_lines = {int(k): int(v) for k, v in state.get("segment_lines", {}).items()}
@@ -84,23 +95,27 @@ class CappedLog:
         self.starts = {int(k): int(v) for k, v in state.get("starts", {}).items()}
         # A dropped segment's file goes only once a checkpoint has counted it as cut: a
         # replaced controller must not count the replayed lines twice.
-        self._synced: dict[int, int] = {}  # file -> size at its last fsync
+        self._synced: dict[str, int] = {}  # file name -> size at its last fsync
         self._dropped: list[Path] = []  # not yet in any state()
         self._deletable: list[Path] = []  # in the last state(): gone at the next flush
-        if path.exists():  # a new file has no strays: no scan of a directory of 1000s
+        self._waiting: list[tuple[int | None, bytes]] = []  # (segment, or None: the head)
+        self._waiting_bytes = 0
+        self._open: dict[int | None, Any] = {}  # the head's and the current segment's files
+        # ``fresh``: a new attempt's file, which has no strays, no sidecar and no size.
+        self.main_size = self.current_size = 0
+        if not fresh and path.exists():
             for stray in path.parent.glob(f"{path.stem}.tail*.log"):  # begun after a checkpoint
                 if stray.name not in {self._segment(k).name for k in self.segments}:
                     stray.unlink()
-        self.main = open(path, "ab", buffering)  # noqa: SIM115 (open while the attempt runs)
-        self.current = open(self._segment(self.segments[-1]), "ab") if self.segments else None  # noqa: SIM115
-        # Sizes counted here, not asked of the files: tell() is a system call, which lets
-        # go of the GIL, and with thousands of busy threads the controller's main thread
-        # waits to get it back after each (a convoy: once per line was most of its time).
-        self.main_size = self.main.tell()
-        self.current_size = self.current.tell() if self.current is not None else 0
+            self.main_size = path.stat().st_size
+            if self.segments:
+                self.current_size = self._segment(self.segments[-1]).stat().st_size \
+                    if self._segment(self.segments[-1]).exists() else 0
+        self.segment_bytes = {k: 0 for k in self.segments}  # of segments written by us
         if self.segments:
+            self.segment_bytes[self.segments[-1]] = self.current_size
             self._restore_layout()
-        else:
+        elif not fresh:
             _sidecar(path).unlink(missing_ok=True)  # one begun after the checkpoint
 
     def _restore_layout(self) -> None:
@@ -120,23 +135,43 @@ class CappedLog:
     def _segment(self, k: int) -> Path:
         return self.path.with_name(f"{self.path.stem}.tail{k}.log")
 
+    def _put(self, target: int | None, data: bytes) -> None:
+        self._waiting.append((target, data))
+        self._waiting_bytes += len(data)
+        if self._waiting_bytes > self.FLUSH_AT:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Write what waits, to the head or its segment (opening files as needed)."""
+        for target, data in self._waiting:
+            f = self._open.get(target)
+            if f is None:
+                if target is not None:  # a newer segment: the older one is complete
+                    for old in [k for k in self._open if k is not None]:
+                        self._open.pop(old).close()
+                path = self.path if target is None else self._segment(target)
+                f = self._open[target] = open(path, "ab",  # noqa: SIM115
+                                              self._buffering if target is None else -1)
+            f.write(data)
+        self._waiting, self._waiting_bytes = [], 0
+
     def write(self, data: bytes) -> None:
         """Whole lines (``data`` ends with a newline); split at line ends where a part of
         the file fills up."""
         if self.cap is None:
-            self.main.write(data)
+            self._put(None, data)
             self.main_size += len(data)
             return
         while data:
-            if self.current is None:  # still in the head
+            if not self.segments:  # still in the head
                 room = self.cap // 2 - self.main_size
                 if len(data) <= room:
-                    self.main.write(data)
+                    self._put(None, data)
                     self.main_size += len(data)
                     self.head_lines += data.count(b"\n")
                     return
                 cut = data.rfind(b"\n", 0, max(0, room)) + 1
-                self.main.write(data[:cut])
+                self._put(None, data[:cut])
                 self.main_size += cut
                 self.head_lines += data.count(b"\n", 0, cut)
                 data = data[cut:]
@@ -149,32 +184,34 @@ class CappedLog:
                     self._next_segment()
                     continue
                 cut = data.find(b"\n") + 1 or len(data)  # one line longer than a segment
-            self.current.write(data[:cut])
+            k = self.segments[-1]
+            self._put(k, data[:cut])
             self.current_size += cut
-            self.segment_lines[self.segments[-1]] += data.count(b"\n", 0, cut)
+            self.segment_bytes[k] += cut
+            self.segment_lines[k] += data.count(b"\n", 0, cut)
             data = data[cut:]
             if data:
                 self._next_segment()
 
     def _next_segment(self) -> None:
-        if self.current is not None:
-            self.current.close()
-        else:
+        if not self.segments:
             self.head_bytes = self.main_size
         k = self.segments[-1] + 1 if self.segments else 0
         self.starts[k] = self.head_lines + self.cut_lines + sum(
             self.segment_lines[j] for j in self.segments)
         self.segments.append(k)
-        self.segment_lines[k] = 0
-        self.current = open(self._segment(k), "ab")  # noqa: SIM115
-        self.current_size = self.current.tell()
+        self.segment_lines[k] = self.segment_bytes[k] = 0
+        self.current_size = 0
         while len(self.segments) > 2:
             old = self.segments.pop(0)
-            path = self._segment(old)
-            self.cut_bytes += path.stat().st_size
+            self.cut_bytes += self.segment_bytes.pop(old)
             self.cut_lines += self.segment_lines.pop(old)
             self.starts.pop(old, None)
-            self._dropped.append(path)
+            self._waiting = [(t, d) for t, d in self._waiting if t != old]  # never written
+            self._waiting_bytes = sum(len(d) for _, d in self._waiting)
+            if old in self._open:
+                self._open.pop(old).close()
+            self._dropped.append(self._segment(old))
         self._write_layout()
 
     def _write_layout(self) -> None:
@@ -184,22 +221,25 @@ class CappedLog:
             "head_lines": self.head_lines, "cut_lines": self.cut_lines,
             "cut_bytes": self.cut_bytes, "segments": [[k, self.starts[k]] for k in self.segments]})
 
-    def sizes(self) -> dict[str, int]:
-        """Flushed and on disk (fsync): a checkpoint records these sizes, and then the
-        agents forget what they sent, so the bytes must survive a crash of this host."""
+    def sizes(self, sync: bool = True) -> dict[str, int]:
+        """Written, flushed and on disk (fsync; ``sync`` False: the caller syncs the whole
+        filesystem): a checkpoint records these sizes, and then the agents forget what they
+        sent, so the bytes must survive a crash of this host."""
         for path in self._deletable:
             path.unlink(missing_ok=True)
         self._deletable = []
-        out = {}
-        for f, name, size in ((self.main, self.path.name, self.main_size),
-                              (self.current, None, self.current_size)):
-            if f is None:
-                continue
+        self._drain()
+        out = {self.path.name: self.main_size}
+        if self.segments:
+            out[self._segment(self.segments[-1]).name] = self.current_size
+        for target, f in self._open.items():
             f.flush()
-            if size != self._synced.get(id(f)):
-                os.fsync(f.fileno())
-                self._synced[id(f)] = size
-            out[name or self._segment(self.segments[-1]).name] = size
+            name = self.path.name if target is None else self._segment(target).name
+            size = out.get(name)
+            if size is not None and size != self._synced.get(name):
+                if sync:
+                    os.fsync(f.fileno())
+                self._synced[name] = size
         return out
 
     def state(self) -> dict[str, Any]:
@@ -213,34 +253,47 @@ class CappedLog:
 
     def close(self, note: str | None = None) -> None:
         """Put the kept tail back after the marker; then ``note``, if any."""
-        if self.current is not None:
-            self.current.close()
-            self.current = None
+        self._drain()
+        for k in [k for k in self._open if k is not None]:
+            self._open.pop(k).close()
+        main = self._open.pop(None, None) or open(self.path, "ab")  # noqa: SIM115
         marker = b""
         if self.cut_lines:
             marker = (cut_marker(self.cut_lines, self.cut_bytes, self.cap) + "\n").encode()
-            self.main.write(marker)
+            main.write(marker)
         tail = []
         for k in self.segments:
-            with open(self._segment(k), "rb") as f:
+            with open(self._segment(k), "ab+") as f:  # (created if it never got a line)
+                f.seek(0)
                 tail.append([k, self.starts.get(k, 0), os.fstat(f.fileno()).st_size])
-                shutil.copyfileobj(f, self.main)
+                shutil.copyfileobj(f, main)
         if note:
-            self.main.write(note.encode())
-        self.main.close()
+            main.write(note.encode())
+        main.close()
         if self.segments:  # where a reader that was in a segment finds its place again
             _write_json(_sidecar(self.path), {
                 "closed": True, "cap": self.cap, "head_bytes": self.head_bytes,
                 "head_lines": self.head_lines, "cut_lines": self.cut_lines,
                 "marker_bytes": len(marker), "tail": tail})
         for k in self.segments:
-            self._segment(k).unlink()
+            self._segment(k).unlink(missing_ok=True)
         for path in self._dropped + self._deletable:
             path.unlink(missing_ok=True)
         self.segments = []
 
 
 _pool: ThreadPoolExecutor | None = None
+SYNCFS_AT = 256  # files due at one checkpoint beyond which the filesystem is synced once
+
+
+def _load_syncfs() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).syncfs  # type: ignore[no-any-return]
+    except (OSError, AttributeError):  # not Linux
+        return None
+
+
+_syncfs = _load_syncfs()
 
 
 def _sync_pool() -> ThreadPoolExecutor:
@@ -269,6 +322,8 @@ class LogSink:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.directory = directory
         self._restored = dict(sizes or {})  # files this process has not reopened keep these
+        # A new attempt's directory: its files are new too (a resumed one's are not).
+        self._fresh = sizes is None and not any(directory.glob("*.log"))
         if sizes is not None:
             for path in directory.glob("*.log"):
                 with open(path, "r+b") as f:
@@ -281,6 +336,7 @@ class LogSink:
         self.not_written: dict[str, int] = dict(state.get("not_written", {}))
         self._not_written_shown: dict[str, int] = {}
         self.labels = labels(directory)
+        self._labels_file: Any = None  # appended to, kept open while the attempt runs
         self._files: dict[str, CappedLog] = {}
         # Only files written since the last checkpoint are flushed and asked for their state:
         # with thousands of ranks, most are quiet between two checkpoints.
@@ -295,10 +351,11 @@ class LogSink:
         if f is None:
             combined = name == "combined.log"
             # combined.log takes every line: a large buffer, fewer writes (see sizes()).
+            state = self._states.get(name)
             f = self._files[name] = CappedLog(self.directory / name,
                                               self.combined_cap if combined else self.cap,
-                                              self._states.get(name),
-                                              buffering=1 << 20 if combined else -1)
+                                              state, buffering=1 << 20 if combined else -1,
+                                              fresh=self._fresh and state is None)
         return f
 
     def _low_on_space(self) -> bool:
@@ -313,8 +370,10 @@ class LogSink:
             return
         if label not in self.labels:  # before its first line can reach the file
             self.labels[label] = host
-            with open(self.directory / LABELS, "a", encoding="utf-8") as f:
-                f.write(f"{label} {host}\n")
+            if self._labels_file is None:
+                self._labels_file = open(self.directory / LABELS, "a", encoding="utf-8")  # noqa: SIM115
+            self._labels_file.write(f"{label} {host}\n")
+            self._labels_file.flush()
         if stream == "stderr":
             self.stderr.setdefault(label, deque(maxlen=STDERR_TAIL)).extend(lines[-STDERR_TAIL:])
         if self.full:
@@ -341,7 +400,19 @@ class LogSink:
         sizes = dict(self._restored)
         due = [(name, f) for name, f in self._files.items()
                if name in self._dirty or f._dropped or f._deletable or name not in self._sizes]
-        if len(due) > 8:
+        if len(due) > SYNCFS_AT and _syncfs is not None:
+            # Thousands of files (a launch of thousands of ranks): written on the pool, then
+            # the filesystem synced once, instead of a journal commit per file.
+            written = list(_sync_pool().map(lambda f: f.sizes(sync=False), (f for _, f in due)))
+            fd = os.open(self.directory, os.O_RDONLY)
+            try:
+                if _syncfs(fd) != 0:  # refused (an old kernel, a FUSE mount): file by file
+                    written = [f.sizes() for _, f in due]
+            finally:
+                os.close(fd)
+            for (name, _), got in zip(due, written, strict=True):
+                self._sizes[name] = got
+        elif len(due) > 8:
             # fsync lets go of the GIL and, with thousands of busy threads, waits to get it
             # back: a few threads waiting at once instead of the main thread once per file.
             for (name, _), got in zip(due, _sync_pool().map(CappedLog.sizes, (f for _, f in due)),
@@ -374,6 +445,9 @@ class LogSink:
             note = not_written_note(count, self.min_free) + "\n" if count else None
             f.close(note)
         self._files = {}
+        if self._labels_file is not None:
+            self._labels_file.close()
+            self._labels_file = None
         (self.directory / NOT_WRITTEN).unlink(missing_ok=True)  # noted in the files now
 
 

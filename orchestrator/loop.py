@@ -16,6 +16,7 @@ import heapq
 import itertools
 import os
 import queue
+import select
 import selectors
 import threading
 import time
@@ -40,6 +41,7 @@ class EventLoop:
         self._order = itertools.count()
         self._backlog: set[Channel] = set()  # read before they joined: their messages wait
         self._channels: set[Channel] = set()
+        self._ready: set[Channel] = set()  # read at the last turn
 
     # --- channels ---------------------------------------------------------------------------
     def watch(self, channel: Channel) -> None:
@@ -63,17 +65,19 @@ class EventLoop:
             except (ValueError, KeyError, OSError):
                 pass
 
-    def readable(self, channels: list[Channel]) -> bool:
-        """Whether any of these channels has something to read right now."""
+    def readable(self, channels: list[Channel], *, now: bool = False) -> list[Channel]:
+        """Those of ``channels`` that had something at the last turn (``now``: that have
+        something right now, asked of the kernel: for a few channels only)."""
         watched = [c for c in channels if c in self._channels]
-        if not watched:
-            return False
-        if any(c in self._backlog for c in watched):
-            return True
-        with selectors.DefaultSelector() as probe:
-            for c in watched:
-                probe.register(c.conn.fileno(), selectors.EVENT_READ)
-            return bool(probe.select(0))
+        if not now:
+            return [c for c in watched if c in self._backlog or c in self._ready]
+        poller = select.poll()
+        by_fd = {}
+        for c in watched:
+            by_fd[c.conn.fileno()] = c
+            poller.register(c.conn.fileno(), select.POLLIN)
+        ready = {fd for fd, _ in poller.poll(0)} if by_fd else set()
+        return [c for c in watched if c in self._backlog or c.conn.fileno() in ready]
 
     # --- from other threads ---------------------------------------------------------------------
     def post(self, event: E.Event) -> None:
@@ -104,6 +108,7 @@ class EventLoop:
                 if self._timers:
                     timeout = max(0.0, min(timeout, self._timers[0][0] - time.monotonic()))
         out: list[E.Event] = []
+        self._ready = set(self._backlog)
         for channel in list(self._backlog):
             self._backlog.discard(channel)
             self._messages(channel, channel.conn.framer.take(), out)
@@ -114,6 +119,7 @@ class EventLoop:
                 continue
             if channel not in self._channels:
                 continue
+            self._ready.add(channel)
             raw = channel.read()
             if raw is None:  # its end
                 self.forget(channel)

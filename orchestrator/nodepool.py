@@ -147,6 +147,7 @@ class NodePool:
         """Close the node's channel in the background (closing SSH can take a while)."""
         channel, node.channel = node.channel, None
         if channel is not None:
+            node.heard = max(node.heard, channel.heard)  # silence counts from what it said
             self._channels.pop(node.index, None)
             self.discard(channel)
 

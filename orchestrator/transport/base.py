@@ -123,8 +123,10 @@ def receive(conn: NodeConnection, timeout: float | None = None) -> dict[str, Any
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             return None
-        try:
-            ready, _, _ = select.select([conn.fileno()], [], [], left)
+        try:  # poll, not select: descriptors above 1023 are common at scale
+            poller = select.poll()
+            poller.register(conn.fileno(), select.POLLIN)
+            ready = poller.poll(None if left is None else max(0, int(left * 1000)))
         except (OSError, ValueError):
             return None
         if not ready:
