@@ -315,7 +315,7 @@ class Controller:
         logs = self.spec.logs
         return LogSink(self.store.log_dir(self.job_id, self.attempt), sizes,
                        cap=logs.max_bytes_per_rank, ranks=ranks, min_free=logs.min_free_bytes,
-                       state=state)
+                       state=state, max_open=log_files_budget(len(self.nodes)))
 
     def _prune_logs(self) -> None:
         keep = self.spec.logs.keep_attempts
@@ -510,6 +510,16 @@ def raise_open_files_limit() -> None:
                                 hard))
         except (ValueError, OSError):
             pass
+
+
+def log_files_budget(nodes: int) -> int:
+    """Log files an attempt may hold open: what the descriptor limit leaves after every
+    node's channel (up to 4 descriptors: a socket or pipes, paramiko's event pipe), the
+    store, the pools and a margin, shared by the two attempts whose logs may be open."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 16
+    return max(16, (soft - 4 * nodes - 256) // 2)
 
 
 def _describe(exc: BaseException) -> str:

@@ -251,6 +251,17 @@ class CappedLog:
                 "head_lines": self.head_lines, "head_bytes": self.head_bytes,
                 "starts": dict(self.starts)}
 
+    @property
+    def descriptors(self) -> int:
+        return len(self._open)
+
+    def release(self) -> None:
+        """Close the files (after a checkpoint wrote and synced them): they open again at
+        the next write that reaches them. Descriptors are a budget (LogSink)."""
+        for f in self._open.values():
+            f.close()
+        self._open.clear()
+
     def close(self, note: str | None = None) -> None:
         """Put the kept tail back after the marker; then ``note``, if any."""
         self._drain()
@@ -318,7 +329,7 @@ class LogSink:
 
     def __init__(self, directory: Path, sizes: dict[str, int] | None = None, *,
                  cap: int | None = None, ranks: int = 1, min_free: int = 0,
-                 state: dict[str, Any] | None = None):
+                 state: dict[str, Any] | None = None, max_open: int | None = None):
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.directory = directory
         self._restored = dict(sizes or {})  # files this process has not reopened keep these
@@ -336,6 +347,10 @@ class LogSink:
         self.not_written: dict[str, int] = dict(state.get("not_written", {}))
         self._not_written_shown: dict[str, int] = {}
         self.labels = labels(directory)
+        # Open log files at most (None: no bound): past it, those written longest ago are
+        # closed after a checkpoint, and open again when written to (see release()).
+        self.max_open = max_open
+        self._recent: dict[str, None] = {}  # file names, least recently written first
         self._labels_file: Any = None  # appended to, kept open while the attempt runs
         self._files: dict[str, CappedLog] = {}
         # Only files written since the last checkpoint are flushed and asked for their state:
@@ -382,6 +397,9 @@ class LogSink:
         body = ("\n".join(lines) + "\n").encode()
         name = f"rank-{label}.log"
         self._file(name).write(body)
+        if self.max_open is not None:
+            self._recent.pop(name, None)
+            self._recent[name] = None
         self._dirty.add(name)
         self._dirty.add("combined.log")
         prefix = f"[{host}:{label}] "
@@ -400,6 +418,16 @@ class LogSink:
         sizes = dict(self._restored)
         due = [(name, f) for name, f in self._files.items()
                if name in self._dirty or f._dropped or f._deletable or name not in self._sizes]
+        # Within the descriptor budget: in groups, each closed again once written.
+        group = len(due) if self.max_open is None else max(1, self.max_open // 2)
+        for first in range(0, len(due), group):
+            self._write(due[first:first + group])
+            self._release()
+        for name in self._files:
+            sizes.update(self._sizes[name])
+        return sizes
+
+    def _write(self, due: list[tuple[str, CappedLog]]) -> None:
         if len(due) > SYNCFS_AT and _syncfs is not None:
             # Thousands of files (a launch of thousands of ranks): written on the pool, then
             # the filesystem synced once, instead of a journal commit per file.
@@ -410,20 +438,29 @@ class LogSink:
                     written = [f.sizes() for _, f in due]
             finally:
                 os.close(fd)
-            for (name, _), got in zip(due, written, strict=True):
-                self._sizes[name] = got
         elif len(due) > 8:
             # fsync lets go of the GIL and, with thousands of busy threads, waits to get it
             # back: a few threads waiting at once instead of the main thread once per file.
-            for (name, _), got in zip(due, _sync_pool().map(CappedLog.sizes, (f for _, f in due)),
-                                      strict=True):
-                self._sizes[name] = got
+            written = list(_sync_pool().map(CappedLog.sizes, (f for _, f in due)))
         else:
-            for name, f in due:
-                self._sizes[name] = f.sizes()
-        for name in self._files:
-            sizes.update(self._sizes[name])
-        return sizes
+            written = [f.sizes() for _, f in due]
+        for (name, _), got in zip(due, written, strict=True):
+            self._sizes[name] = got
+
+    def _release(self) -> None:
+        """Keep the open files within ``max_open``: close the least recently written."""
+        if self.max_open is None:
+            return
+        held = sum(f.descriptors for f in self._files.values())
+        for name in list(self._recent):
+            if held <= self.max_open:
+                break
+            f = self._files.get(name)
+            if f is None:
+                del self._recent[name]
+            elif f.descriptors and not f._waiting:  # written and synced: close it
+                held -= f.descriptors
+                f.release()
 
     def state(self) -> dict[str, Any]:
         """For the checkpoint, taken after flush()."""
