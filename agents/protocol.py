@@ -304,7 +304,7 @@ def _hello(f: _Fields) -> Hello:
         w = _Fields({**item, "type": "hello.workers"})
         workers.append(WorkerInfo(_rank(w), w.int("local_rank", 0, MAX_LOCAL),
                                   w.int("pid", 1, MAX_PID), w.bool("running", False)))
-    gpus = f.int("gpus", 0, 1 << 20, optional=True) or 0
+    gpus = f.int("gpus", 0, MAX_COUNT, optional=True) or 0  # capped below, not refused
     return Hello(f.int("protocol", 0, 1 << 20), f.int("pid", 1, MAX_PID),
                  f.int("attempt", 0, MAX_COUNT), f.str("hostname", 255, True),
                  f.str("python", 64, True), f.str("torch", 64, True), min(gpus, MAX_GPUS),

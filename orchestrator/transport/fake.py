@@ -28,6 +28,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,8 +154,12 @@ class FakeAgent:
         # Faults for the policy tests.
         self.fail_open = False
         self.protocol = P.VERSION
+        self.gpus = 0
         self.malformed = False
         self.drop_port = False
+        # Rewrites (or drops: None) what it says, as a broken or hostile agent would.
+        self.tamper: Callable[[dict[str, Any]], dict[str, Any] | None] | None = None
+        self.stacks: dict[str, Any] = {}  # what a stacks request is answered
 
     # --- NodeConnection --------------------------------------------------------------------
     @property
@@ -195,23 +200,23 @@ class FakeAgent:
             self.seq += 1
             message["seq"] = self.seq
             self.unacked.append(message)
-        self.wire.put(message)
+        self._say(message)
 
     def _op_connect(self, message: dict[str, Any]) -> None:
-        self.wire.put({"type": P.RELAY, "launched": not self.launched})
+        self._say({"type": P.RELAY, "launched": not self.launched})
         self.launched = True
 
     def _op_attach(self, message: dict[str, Any]) -> None:
         self.attached = True
         workers = [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid, "running": True}
                    for w in self.running.values()]
-        self.wire.put({"type": P.HELLO, "attempt": self.attempt, "hostname": self.host,
-                       "protocol": self.protocol, "workers": workers, "pid": self.pid,
-                       "instance": self.instance, "last_seq": self.seq})
+        self._say({"type": P.HELLO, "attempt": self.attempt, "hostname": self.host,
+                   "protocol": self.protocol, "workers": workers, "pid": self.pid,
+                   "instance": self.instance, "last_seq": self.seq, "gpus": self.gpus})
         ack = message.get("ack") or 0
         for old in self.unacked:
             if old["seq"] > ack:
-                self.wire.put(old)
+                self._say(old)
 
     def _op_ack(self, message: dict[str, Any]) -> None:
         while self.unacked and self.unacked[0]["seq"] <= message["seq"]:
@@ -221,7 +226,19 @@ class FakeAgent:
         if self.drop_port:
             self.wire.put(None)  # the channel breaks before the reply
         else:
-            self.wire.put({"type": P.PORT, "req": message["req"], "port": 29500, "ok": True})
+            self._say({"type": P.PORT, "req": message["req"], "port": 29500, "ok": True})
+
+    def _op_stacks(self, message: dict[str, Any]) -> None:
+        self._say({"type": P.STACKS, "req": message["req"], "stacks": self.stacks,
+                   "traces": {}})
+
+    def _say(self, message: dict[str, Any]) -> None:
+        if self.tamper is not None:
+            changed = self.tamper(dict(message))
+            if changed is None:
+                return
+            message = changed
+        self.wire.put(message)
 
     def _op_start(self, message: dict[str, Any]) -> None:
         self.attempt = a = message["attempt"]
@@ -267,7 +284,7 @@ class FakeAgent:
     # --- driven by FakeCluster (under ``lock``) -----------------------------------------------
     def beat(self) -> None:
         if self.attached and not self.dead:
-            self.wire.put({"type": P.HEARTBEAT, "attempt": self.attempt})
+            self._say({"type": P.HEARTBEAT, "attempt": self.attempt})
 
     def print_lines(self, worker: FakeWorker, upto: int) -> None:
         """Numbered lines up to ``upto`` (exclusive), one output message."""
