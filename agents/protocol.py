@@ -171,7 +171,7 @@ class _Fields:
     def bad(self, name: str, value: Any = None) -> ProtocolError:
         return ProtocolError(self.kind, name, self.raw.get(name) if value is None else value)
 
-    def int(self, name: str, low: int = 0, high: int = MAX_COUNT, optional: bool = False,
+    def integer(self, name: str, low: int = 0, high: int = MAX_COUNT, optional: bool = False,
             value: Any = ...) -> Any:
         v = self.raw.get(name) if value is ... else value
         if v is None and optional:
@@ -180,7 +180,7 @@ class _Fields:
             raise self.bad(name, v)
         return v
 
-    def str(self, name: str, limit: int = 4096, optional: bool = False, value: Any = ...
+    def text(self, name: str, limit: int = 4096, optional: bool = False, value: Any = ...
             ) -> Any:
         v = self.raw.get(name) if value is ... else value
         if v is None and optional:
@@ -189,21 +189,21 @@ class _Fields:
             raise self.bad(name, v)
         return v
 
-    def bool(self, name: str, default: bool | None = None) -> bool:
+    def flag(self, name: str, default: bool | None = None) -> bool:
         v = self.raw.get(name, default)
         if not isinstance(v, bool):
             raise self.bad(name, v)
         return v
 
     def number(self, name: str, optional: bool = False, value: Any = ...) -> Any:
-        v = self.raw.get(name) if value is ... else value
+        v: Any = self.raw.get(name) if value is ... else value
         if v is None and optional:
             return None
         if type(v) not in (int, float) or not math.isfinite(v):
             raise self.bad(name, v)
         return float(v)
 
-    def list(self, name: str, optional: bool = False, limit: int = MAX_ITEMS) -> Any:
+    def array(self, name: str, optional: bool = False, limit: int = MAX_ITEMS) -> Any:
         v = self.raw.get(name)
         if v is None and optional:
             return []
@@ -220,7 +220,7 @@ class _Fields:
         return v
 
     def lines(self, name: str = "lines") -> tuple[str, ...]:
-        v = self.list(name, limit=MAX_MESSAGE)
+        v = self.array(name, limit=MAX_MESSAGE)
         try:
             "".join(v)  # every line is text (checked at C speed: floods)
         except TypeError:
@@ -231,15 +231,15 @@ class _Fields:
         """A mapping key that names a rank ("3")."""
         if not isinstance(key, str) or not key.isdigit() or len(key) > 9:
             raise ProtocolError(self.kind, name, key)
-        return self.int(name, 0, MAX_RANK, value=int(key))
+        return self.integer(name, 0, MAX_RANK, value=int(key))
 
 
 def _seq(f: _Fields) -> int | None:
-    return f.int("seq", 1, MAX_COUNT, optional=True)
+    return f.integer("seq", 1, MAX_COUNT, optional=True)
 
 
 def _rank(f: _Fields) -> int | None:
-    return f.int("rank", 0, MAX_RANK, optional=True)
+    return f.integer("rank", 0, MAX_RANK, optional=True)
 
 
 # --- relay and hello -----------------------------------------------------------------------
@@ -298,17 +298,17 @@ class Hello:
 
 def _hello(f: _Fields) -> Hello:
     workers = []
-    for item in f.list("workers"):
+    for item in f.array("workers"):
         if not isinstance(item, dict):
             raise f.bad("workers", item)
         w = _Fields({**item, "type": "hello.workers"})
-        workers.append(WorkerInfo(_rank(w), w.int("local_rank", 0, MAX_LOCAL),
-                                  w.int("pid", 1, MAX_PID), w.bool("running", False)))
-    gpus = f.int("gpus", 0, MAX_COUNT, optional=True) or 0  # capped below, not refused
-    return Hello(f.int("protocol", 0, 1 << 20), f.int("pid", 1, MAX_PID),
-                 f.int("attempt", 0, MAX_COUNT), f.str("hostname", 255, True),
-                 f.str("python", 64, True), f.str("torch", 64, True), min(gpus, MAX_GPUS),
-                 f.str("instance", 64, True), f.int("last_seq", 0, MAX_COUNT, True) or 0,
+        workers.append(WorkerInfo(_rank(w), w.integer("local_rank", 0, MAX_LOCAL),
+                                  w.integer("pid", 1, MAX_PID), w.flag("running", False)))
+    gpus = f.integer("gpus", 0, MAX_COUNT, optional=True) or 0  # capped below, not refused
+    return Hello(f.integer("protocol", 0, 1 << 20), f.integer("pid", 1, MAX_PID),
+                 f.integer("attempt", 0, MAX_COUNT), f.text("hostname", 255, True),
+                 f.text("python", 64, True), f.text("torch", 64, True), min(gpus, MAX_GPUS),
+                 f.text("instance", 64, True), f.integer("last_seq", 0, MAX_COUNT, True) or 0,
                  tuple(workers))
 
 
@@ -354,12 +354,12 @@ def _progress(f: _Fields) -> Progress:
         if waits is not None:
             if not (isinstance(waits, list) and len(waits) == 2):
                 raise r.bad("waits", waits)
-            waits = (r.int("waits", value=waits[0]), r.int("waits", value=waits[1]))
+            waits = (r.integer("waits", value=waits[0]), r.integer("waits", value=waits[1]))
         step = record.get("step")
         ranks[rank] = RankProgress(
             step if type(step) is int and abs(step) < MAX_COUNT else None, kept,
             r.number("at", optional=True) if "at" in record else None, waits)
-    return Progress(f.int("attempt"), f.bool("beat", True), ranks)
+    return Progress(f.integer("attempt"), f.flag("beat", True), ranks)
 
 
 @dataclass(frozen=True)
@@ -449,7 +449,7 @@ class TraceChunk(Reply):
 
 
 def _ports(f: _Fields, name: str) -> tuple[int, ...]:
-    return tuple(f.int(name, 0, 65535, value=p) for p in f.list(name, optional=True))
+    return tuple(f.integer(name, 0, 65535, value=p) for p in f.array(name, optional=True))
 
 
 def _stacks(f: _Fields, req: int) -> Stacks:
@@ -459,36 +459,36 @@ def _stacks(f: _Fields, req: int) -> Stacks:
         if not isinstance(entry, dict):
             raise f.bad("stacks", entry)
         e = _Fields({**entry, "type": "stacks.stacks"})
-        stacks[rank] = Stack(e.str("method", 32), e.str("text", MAX_TEXT),
-                             e.str("error", MAX_TEXT, True), e.str("note", MAX_TEXT, True))
-    traces = {f.rank_key(k, "traces"): f.str("traces", 4096, value=v)
+        stacks[rank] = Stack(e.text("method", 32), e.text("text", MAX_TEXT),
+                             e.text("error", MAX_TEXT, True), e.text("note", MAX_TEXT, True))
+    traces = {f.rank_key(k, "traces"): f.text("traces", 4096, value=v)
               for k, v in f.mapping("traces", optional=True).items()}
     return Stacks(req, stacks, traces)
 
 
 def _trace_chunk(f: _Fields, req: int) -> TraceChunk:
     try:
-        data = base64.b64decode(f.str("data", 2 * MAX_TEXT), validate=True)
+        data = base64.b64decode(f.text("data", 2 * MAX_TEXT), validate=True)
     except (ValueError, binascii.Error):
         raise f.bad("data") from None
-    return TraceChunk(req, data, f.int("size", 0, MAX_COUNT))
+    return TraceChunk(req, data, f.integer("size", 0, MAX_COUNT))
 
 
 _REPLIES: dict[str, Callable[[_Fields, int], Reply]] = {
-    FAILED: lambda f, req: Failed(req, f.str("error", MAX_TEXT)),
-    PORT: lambda f, req: PortReply(req, f.int("port", 0, 65535), f.bool("ok")),
+    FAILED: lambda f, req: Failed(req, f.text("error", MAX_TEXT)),
+    PORT: lambda f, req: PortReply(req, f.integer("port", 0, 65535), f.flag("ok")),
     LISTENING: lambda f, req: Listening(req, _ports(f, "ports"), _ports(f, "busy"),
-                                        f.bool("ok"), f.str("error", MAX_TEXT, True)),
+                                        f.flag("ok"), f.text("error", MAX_TEXT, True)),
     PROBE_RESULT: lambda f, req: ProbeResult(
-        req, f.str("interface", 64, True), f.bool("reachable"), _ports(f, "unreachable"),
-        f.str("error", MAX_TEXT, True)),
+        req, f.text("interface", 64, True), f.flag("reachable"), _ports(f, "unreachable"),
+        f.text("error", MAX_TEXT, True)),
     SYNC_MISSING: lambda f, req: SyncMissing(req, tuple(
-        f.str("missing", 64, value=s) for s in f.list("missing"))),
-    SYNC_PUT: lambda f, req: SyncPut(req, f.bool("ok"), f.str("error", MAX_TEXT, True)),
-    SYNC_BUILT: lambda f, req: SyncBuilt(req, f.str("path")),
-    SETUP_DONE: lambda f, req: SetupDone(req, f.int("exit_code", -255, 255), f.bool("cached"),
-                                         tuple(f.str("tail", MAX_TEXT, value=t)
-                                               for t in f.list("tail", optional=True))),
+        f.text("missing", 64, value=s) for s in f.array("missing"))),
+    SYNC_PUT: lambda f, req: SyncPut(req, f.flag("ok"), f.text("error", MAX_TEXT, True)),
+    SYNC_BUILT: lambda f, req: SyncBuilt(req, f.text("path")),
+    SETUP_DONE: lambda f, req: SetupDone(req, f.integer("exit_code", -255, 255), f.flag("cached"),
+                                         tuple(f.text("tail", MAX_TEXT, value=t)
+                                               for t in f.array("tail", optional=True))),
     STACKS: _stacks,
     TRACE_CHUNK: _trace_chunk,
 }
@@ -556,35 +556,35 @@ _SIGNAL_RE = re.compile(r"^SIG[A-Z0-9+]{1,12}$")
 
 
 def _stream(f: _Fields) -> str:
-    stream = f.str("stream", 16)
+    stream = f.text("stream", 16)
     if stream not in _STREAMS:
         raise f.bad("stream")
     return stream
 
 
 def _signal(f: _Fields) -> str | None:
-    sig = f.str("signal", 16, True)
+    sig = f.text("signal", 16, True)
     if sig is not None and not _SIGNAL_RE.match(sig):
         raise f.bad("signal")
     return sig
 
 
 _SEQUENCED: dict[str, Callable[[_Fields], Sequenced]] = {
-    STARTED: lambda f: Started(_seq(f), f.int("attempt"), _rank(f),
-                               f.int("local_rank", 0, MAX_LOCAL), f.int("pid", 1, MAX_PID)),
-    SPAWN_FAILED: lambda f: SpawnFailed(_seq(f), f.int("attempt"), _rank(f),
-                                        f.int("local_rank", 0, MAX_LOCAL),
-                                        f.str("error", MAX_TEXT)),
-    OUTPUT: lambda f: Output(_seq(f), f.int("attempt"), _rank(f), _stream(f), f.lines()),
-    EXITED: lambda f: Exited(_seq(f), f.int("attempt"), _rank(f),
-                             f.int("local_rank", 0, MAX_LOCAL),
-                             f.int("exit_code", 0, 255, optional=True), _signal(f),
-                             f.str("error_file", MAX_TEXT, True)),
-    STOPPED: lambda f: Stopped(_seq(f), f.int("attempt")),
-    DROPPED: lambda f: Dropped(_seq(f), f.int("attempt"), _rank(f), _stream(f),
-                               f.int("lines", 0, MAX_COUNT)),
-    ERROR: lambda f: AgentError(_seq(f), f.int("attempt", optional=True) or 0,
-                                f.str("message", MAX_TEXT)),
+    STARTED: lambda f: Started(_seq(f), f.integer("attempt"), _rank(f),
+                               f.integer("local_rank", 0, MAX_LOCAL), f.integer("pid", 1, MAX_PID)),
+    SPAWN_FAILED: lambda f: SpawnFailed(_seq(f), f.integer("attempt"), _rank(f),
+                                        f.integer("local_rank", 0, MAX_LOCAL),
+                                        f.text("error", MAX_TEXT)),
+    OUTPUT: lambda f: Output(_seq(f), f.integer("attempt"), _rank(f), _stream(f), f.lines()),
+    EXITED: lambda f: Exited(_seq(f), f.integer("attempt"), _rank(f),
+                             f.integer("local_rank", 0, MAX_LOCAL),
+                             f.integer("exit_code", 0, 255, optional=True), _signal(f),
+                             f.text("error_file", MAX_TEXT, True)),
+    STOPPED: lambda f: Stopped(_seq(f), f.integer("attempt")),
+    DROPPED: lambda f: Dropped(_seq(f), f.integer("attempt"), _rank(f), _stream(f),
+                               f.integer("lines", 0, MAX_COUNT)),
+    ERROR: lambda f: AgentError(_seq(f), f.integer("attempt", optional=True) or 0,
+                                f.text("message", MAX_TEXT)),
 }
 
 # typing.Union, not "|": this module runs on the nodes' Python too, which may be 3.9.
@@ -601,9 +601,9 @@ def parse(raw: dict[str, Any]) -> Message:
     if kind in _SEQUENCED:
         return _SEQUENCED[kind](f)
     if "req" in raw and kind in _REPLIES:
-        return _REPLIES[kind](f, f.int("req", 0, MAX_COUNT))
+        return _REPLIES[kind](f, f.integer("req", 0, MAX_COUNT))
     if kind == HEARTBEAT:
-        return Heartbeat(f.int("attempt"))
+        return Heartbeat(f.integer("attempt"))
     if kind == PROGRESS:
         return _progress(f)
     if kind == SETUP_OUTPUT:
@@ -611,12 +611,12 @@ def parse(raw: dict[str, Any]) -> Message:
     if kind == HELLO:
         return _hello(f)
     if kind == RELAY:
-        return Relay(f.bool("launched", False))
+        return Relay(f.flag("launched", False))
     if kind == GONE:
         outcome = raw.get("outcome")
         return Gone(outcome if isinstance(outcome, dict) else None)
     if kind == HOLDING:
-        return Holding(f.bool("standby", False))
+        return Holding(f.flag("standby", False))
     raise ProtocolError(kind, "type", kind)
 
 

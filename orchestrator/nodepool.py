@@ -111,7 +111,11 @@ class NodePool:
         log.info("%s: not reachable yet: %s", node.host, error)
         delay, node.reconnect_delay = node.reconnect_delay, min(RECONNECT_MAX,
                                                                 node.reconnect_delay * 2)
-        self.loop.call_later(delay, lambda: self._connectors.submit(self._connect_once, node))
+        self.loop.call_later(delay, lambda: self._resubmit(node))
+
+    def _resubmit(self, node: Node) -> None:
+        if not self.closing:
+            self._connectors.submit(self._connect_once, node)
 
     def _open(self, node: Node, launch: bool) -> Channel:
         spec = self.spec

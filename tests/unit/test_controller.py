@@ -221,7 +221,6 @@ def test_a_stop_answered_before_the_deadline_counts_though_read_after_it(tmp_pat
     answered `stopped` in time LOST because it read the answer late: that drops the node's
     channel and, with it, the lines still queued behind."""
     from orchestrator import controller as controller_module
-
     from orchestrator.engine import Engine
 
     monkeypatch.setattr(controller_module, "STOP_MARGIN", 0.3)
