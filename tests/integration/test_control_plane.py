@@ -135,8 +135,8 @@ def test_dropped_channels_reattach_without_a_restart(home, tmp_path):
                                       env={"STEPS": "60", "STEP_SLEEP": "0.05"}))
     wait_for_output(job_id, "step 1 10", 1)
     controller = orchestrator.status(job_id)["controller"]["pid"]
-    relays = [pid for pid in _children(controller)
-              if b"import agents.main" in Path(f"/proc/{pid}/cmdline").read_bytes()]  # the bootstrap
+    relays = [pid for pid in _children(controller)  # the bootstrap imports agents.main
+              if b"import agents.main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
     assert len(relays) == 2, relays
     for pid in relays:  # both channels drop; the agents and workers carry on
         os.kill(pid, signal.SIGKILL)
