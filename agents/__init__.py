@@ -20,7 +20,8 @@ from __future__ import annotations
 import os
 
 #: What is shipped to a node, in this order (packages before their modules).
-MODULES = ("agents", "agents.protocol", "agents.paths", "agents.text", "agents.netinfo",
+MODULES = ("agents", "agents.fields", "agents.protocol", "agents.paths", "agents.text",
+           "agents.netinfo",
            "agents.processes", "agents.outbox", "agents.cache", "agents.shims",
            "agents.shims.sitecustomize", "agents.shims.orchestrator_worker",
            "agents.workers", "agents.stacks", "agents.ops", "agents.agent", "agents.holder",

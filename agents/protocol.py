@@ -64,11 +64,14 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
+
+from agents.fields import MAX_COUNT, MAX_RANK, Fields
+from agents.fields import MAX_MESSAGE as MAX_MESSAGE  # part of this module's surface
+from agents.fields import ProtocolError as ProtocolError
 
 VERSION = 3
 
@@ -120,20 +123,16 @@ ERROR = "error"
 #: Messages replayed after a dropped channel; the rest only matter while attached.
 SEQUENCED = frozenset({STARTED, SPAWN_FAILED, OUTPUT, EXITED, STOPPED, DROPPED, ERROR})
 
-MAX_MESSAGE = 4 * 1024 * 1024  # one JSON line; an output batch is cut well below this
 MAX_LINE = 8192  # bytes of one worker output line; longer lines are split
 BATCH_BYTES = 64 * 1024  # an output message holds up to this many bytes of lines
 BATCH_DELAY = 0.005  # seconds a partial batch may wait for more lines
 WINDOW_BYTES = 4 * 1024 * 1024  # unacknowledged bytes an agent may have in flight
 
 # Bounds of what a node may plausibly say (beyond them: out of protocol).
-MAX_RANK = 1 << 24  # global ranks
 MAX_LOCAL = 4096  # workers on one node
 MAX_PID = 1 << 31
-MAX_COUNT = 1 << 62  # sequence numbers, attempts, sizes, steps
 MAX_GPUS = 64  # more than any node has: hello.gpus is capped here
 MAX_TEXT = 1 << 20  # one text field (an error file, a stack)
-MAX_ITEMS = 1 << 16  # entries of one list or mapping
 
 
 def encode(message: dict[str, Any]) -> bytes:
@@ -151,94 +150,11 @@ def decode(line: bytes) -> dict[str, Any] | None:
     return message if isinstance(message, dict) else None
 
 
-class ProtocolError(ValueError):
-    """A message out of protocol: ``field`` names what is wrong."""
-
-    def __init__(self, kind: str, field_name: str, value: Any):
-        shown = repr(value)[:40]
-        super().__init__(f"{kind}: bad {field_name} {shown}")
-        self.kind, self.field, self.value = kind, field_name, value
-
-
-# --- field checks ---------------------------------------------------------------------------
-
-class _Fields:
-    """Reads the fields of one raw message, raising ProtocolError for the first bad one."""
-
-    def __init__(self, raw: dict[str, Any]):
-        self.raw, self.kind = raw, str(raw.get("type"))
-
-    def bad(self, name: str, value: Any = None) -> ProtocolError:
-        return ProtocolError(self.kind, name, self.raw.get(name) if value is None else value)
-
-    def integer(self, name: str, low: int = 0, high: int = MAX_COUNT, optional: bool = False,
-            value: Any = ...) -> Any:
-        v = self.raw.get(name) if value is ... else value
-        if v is None and optional:
-            return None
-        if type(v) is not int or not low <= v <= high:
-            raise self.bad(name, v)
-        return v
-
-    def text(self, name: str, limit: int = 4096, optional: bool = False, value: Any = ...
-            ) -> Any:
-        v = self.raw.get(name) if value is ... else value
-        if v is None and optional:
-            return None
-        if not isinstance(v, str) or len(v) > limit:
-            raise self.bad(name, v)
-        return v
-
-    def flag(self, name: str, default: bool | None = None) -> bool:
-        v = self.raw.get(name, default)
-        if not isinstance(v, bool):
-            raise self.bad(name, v)
-        return v
-
-    def number(self, name: str, optional: bool = False, value: Any = ...) -> Any:
-        v: Any = self.raw.get(name) if value is ... else value
-        if v is None and optional:
-            return None
-        if type(v) not in (int, float) or not math.isfinite(v):
-            raise self.bad(name, v)
-        return float(v)
-
-    def array(self, name: str, optional: bool = False, limit: int = MAX_ITEMS) -> Any:
-        v = self.raw.get(name)
-        if v is None and optional:
-            return []
-        if not isinstance(v, list) or len(v) > limit:
-            raise self.bad(name, v)
-        return v
-
-    def mapping(self, name: str, optional: bool = False) -> dict[str, Any]:
-        v = self.raw.get(name)
-        if v is None and optional:
-            return {}
-        if not isinstance(v, dict) or len(v) > MAX_ITEMS:
-            raise self.bad(name, v)
-        return v
-
-    def lines(self, name: str = "lines") -> tuple[str, ...]:
-        v = self.array(name, limit=MAX_MESSAGE)
-        try:
-            "".join(v)  # every line is text (checked at C speed: floods)
-        except TypeError:
-            raise ProtocolError(self.kind, name, "lines must be text") from None
-        return tuple(v)
-
-    def rank_key(self, key: Any, name: str) -> int:
-        """A mapping key that names a rank ("3")."""
-        if not isinstance(key, str) or not key.isdigit() or len(key) > 9:
-            raise ProtocolError(self.kind, name, key)
-        return self.integer(name, 0, MAX_RANK, value=int(key))
-
-
-def _seq(f: _Fields) -> int | None:
+def _seq(f: Fields) -> int | None:
     return f.integer("seq", 1, MAX_COUNT, optional=True)
 
 
-def _rank(f: _Fields) -> int | None:
+def _rank(f: Fields) -> int | None:
     return f.integer("rank", 0, MAX_RANK, optional=True)
 
 
@@ -296,12 +212,12 @@ class Hello:
         return any(w.running for w in self.workers)
 
 
-def _hello(f: _Fields) -> Hello:
+def _hello(f: Fields) -> Hello:
     workers = []
     for item in f.array("workers"):
         if not isinstance(item, dict):
             raise f.bad("workers", item)
-        w = _Fields({**item, "type": "hello.workers"})
+        w = Fields({**item, "type": "hello.workers"})
         workers.append(WorkerInfo(_rank(w), w.integer("local_rank", 0, MAX_LOCAL),
                                   w.integer("pid", 1, MAX_PID), w.flag("running", False)))
     gpus = f.integer("gpus", 0, MAX_COUNT, optional=True) or 0  # capped below, not refused
@@ -337,13 +253,13 @@ class Progress:
     ranks: dict[int, RankProgress]
 
 
-def _progress(f: _Fields) -> Progress:
+def _progress(f: Fields) -> Progress:
     ranks = {}
     for key, record in f.mapping("ranks", optional=True).items():
         rank = f.rank_key(key, "ranks")
         if not isinstance(record, dict):
             raise f.bad("ranks", record)
-        r = _Fields({**record, "type": "progress.ranks"})
+        r = Fields({**record, "type": "progress.ranks"})
         metrics = record.get("metrics") or {}
         if not isinstance(metrics, dict) or len(metrics) > 256:
             raise r.bad("metrics", metrics)
@@ -448,17 +364,17 @@ class TraceChunk(Reply):
     size: int = 0
 
 
-def _ports(f: _Fields, name: str) -> tuple[int, ...]:
+def _ports(f: Fields, name: str) -> tuple[int, ...]:
     return tuple(f.integer(name, 0, 65535, value=p) for p in f.array(name, optional=True))
 
 
-def _stacks(f: _Fields, req: int) -> Stacks:
+def _stacks(f: Fields, req: int) -> Stacks:
     stacks = {}
     for key, entry in f.mapping("stacks", optional=True).items():
         rank = f.rank_key(key, "stacks")
         if not isinstance(entry, dict):
             raise f.bad("stacks", entry)
-        e = _Fields({**entry, "type": "stacks.stacks"})
+        e = Fields({**entry, "type": "stacks.stacks"})
         stacks[rank] = Stack(e.text("method", 32), e.text("text", MAX_TEXT),
                              e.text("error", MAX_TEXT, True), e.text("note", MAX_TEXT, True))
     traces = {f.rank_key(k, "traces"): f.text("traces", 4096, value=v)
@@ -466,7 +382,7 @@ def _stacks(f: _Fields, req: int) -> Stacks:
     return Stacks(req, stacks, traces)
 
 
-def _trace_chunk(f: _Fields, req: int) -> TraceChunk:
+def _trace_chunk(f: Fields, req: int) -> TraceChunk:
     try:
         data = base64.b64decode(f.text("data", 2 * MAX_TEXT), validate=True)
     except (ValueError, binascii.Error):
@@ -474,7 +390,7 @@ def _trace_chunk(f: _Fields, req: int) -> TraceChunk:
     return TraceChunk(req, data, f.integer("size", 0, MAX_COUNT))
 
 
-_REPLIES: dict[str, Callable[[_Fields, int], Reply]] = {
+_REPLIES: dict[str, Callable[[Fields, int], Reply]] = {
     FAILED: lambda f, req: Failed(req, f.text("error", MAX_TEXT)),
     PORT: lambda f, req: PortReply(req, f.integer("port", 0, 65535), f.flag("ok")),
     LISTENING: lambda f, req: Listening(req, _ports(f, "ports"), _ports(f, "busy"),
@@ -486,9 +402,9 @@ _REPLIES: dict[str, Callable[[_Fields, int], Reply]] = {
         f.text("missing", 64, value=s) for s in f.array("missing"))),
     SYNC_PUT: lambda f, req: SyncPut(req, f.flag("ok"), f.text("error", MAX_TEXT, True)),
     SYNC_BUILT: lambda f, req: SyncBuilt(req, f.text("path")),
-    SETUP_DONE: lambda f, req: SetupDone(req, f.integer("exit_code", -255, 255), f.flag("cached"),
-                                         tuple(f.text("tail", MAX_TEXT, value=t)
-                                               for t in f.array("tail", optional=True))),
+    SETUP_DONE: lambda f, req: SetupDone(
+        req, f.integer("exit_code", -255, 255), f.flag("cached"),
+        tuple(f.text("tail", MAX_TEXT, value=t) for t in f.array("tail", optional=True))),
     STACKS: _stacks,
     TRACE_CHUNK: _trace_chunk,
 }
@@ -555,23 +471,24 @@ _STREAMS = ("stdout", "stderr")
 _SIGNAL_RE = re.compile(r"^SIG[A-Z0-9+]{1,12}$")
 
 
-def _stream(f: _Fields) -> str:
+def _stream(f: Fields) -> str:
     stream = f.text("stream", 16)
     if stream not in _STREAMS:
         raise f.bad("stream")
     return stream
 
 
-def _signal(f: _Fields) -> str | None:
+def _signal(f: Fields) -> str | None:
     sig = f.text("signal", 16, True)
     if sig is not None and not _SIGNAL_RE.match(sig):
         raise f.bad("signal")
     return sig
 
 
-_SEQUENCED: dict[str, Callable[[_Fields], Sequenced]] = {
+_SEQUENCED: dict[str, Callable[[Fields], Sequenced]] = {
     STARTED: lambda f: Started(_seq(f), f.integer("attempt"), _rank(f),
-                               f.integer("local_rank", 0, MAX_LOCAL), f.integer("pid", 1, MAX_PID)),
+                               f.integer("local_rank", 0, MAX_LOCAL),
+                               f.integer("pid", 1, MAX_PID)),
     SPAWN_FAILED: lambda f: SpawnFailed(_seq(f), f.integer("attempt"), _rank(f),
                                         f.integer("local_rank", 0, MAX_LOCAL),
                                         f.text("error", MAX_TEXT)),
@@ -597,7 +514,7 @@ def parse(raw: dict[str, Any]) -> Message:
     kind = raw.get("type")
     if not isinstance(kind, str):
         raise ProtocolError("message", "type", kind)
-    f = _Fields(raw)
+    f = Fields(raw)
     if kind in _SEQUENCED:
         return _SEQUENCED[kind](f)
     if "req" in raw and kind in _REPLIES:

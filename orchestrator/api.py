@@ -16,11 +16,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orchestrator import logfiles, preflight, slurm, sync
+from orchestrator import logfiles, logread, preflight, slurm, sync
 from orchestrator.errors import JobEndedError, LaunchError
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
-from orchestrator.state import FailureCause, JobState
+from orchestrator.state import AttemptOutcome, FailureCause, JobState
 from orchestrator.store import JobRecord, Store, check_job_id, pid_namespace
 from orchestrator.world import UserWorld
 
@@ -332,7 +332,7 @@ def log_tail(job_id: str, *, rank: int | None = None, attempt: int | None = None
         stream = _Stream(store, job, number, rank, None)
     finally:
         store.close()
-    found, partial = logfiles.tail_lines(stream.path, lines, max_bytes, stream.keep)
+    found, partial = logread.tail_lines(stream.path, lines, max_bytes, stream.keep)
     found = [stream.shown(line) for line in found] + stream.notes(job)
     return {"attempt": number, "lines": found[-lines:] if lines > 0 else [],
             "partial": partial}
@@ -446,7 +446,8 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
         "failure": job.failure,
         "attempts": [
             {"attempt": a.attempt, "started_at": _iso(a.started_at), "ended_at": _iso(a.ended_at),
-             "outcome": a.outcome or "RUNNING", "master_addr": a.master_addr,
+             "outcome": a.outcome or AttemptOutcome.RUNNING.value,
+             "master_addr": a.master_addr,
              "master_port": a.master_port, "world_size": a.world_size, "failure": a.failure,
              "steps_per_s": min(rates[a.attempt]) if a.attempt in rates else None,
              "stragglers": a.stragglers}
@@ -468,7 +469,7 @@ class _Stream:
         self.rank, self.attempt = rank, attempt
         self.path = self.directory / (f"rank-{rank}.log" if rank is not None and attempt
                                       else "combined.log")
-        self.follower = logfiles.Follower(self.path)
+        self.follower = logread.Follower(self.path)
         self.labels = _node_labels(job, node) if node is not None else None
         self._noted = 0
         self._host: str | None = None
@@ -495,7 +496,7 @@ class _Stream:
     def notes(self, job: JobRecord) -> list[str]:
         """While the attempt runs, what the disk had no room for (its files say it once they
         close), each time the count grows."""
-        counts, floor = logfiles.not_written(self.directory)
+        counts, floor = logread.not_written(self.directory)
         if self.rank is not None:
             count = counts.get(str(self.rank), 0)
         else:

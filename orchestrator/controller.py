@@ -259,11 +259,11 @@ class Controller:
         """Start attempt n+1 on ``participants`` and watch it to its end (None: a stop
         reason came first)."""
         engine = self.engine
-        port = self._pick_port(participants[0])
+        port = pick_port(engine, self.spec, participants[0])
         if isinstance(port, Failure) or engine.stop is not None:
             return AttemptResult(AttemptOutcome.FAILED, port) if isinstance(port, Failure) \
                 else None
-        nprocs = self._nprocs(participants)
+        nprocs = workers_per_node(self.spec, participants)
         if isinstance(nprocs, Failure):
             return AttemptResult(AttemptOutcome.FAILED, nprocs)
         self.attempt += 1
@@ -294,22 +294,6 @@ class Controller:
             engine.send_start(node)
         return self._watch(attempt)
 
-    def _nprocs(self, participants: list[Node]) -> dict[int, int] | Failure:
-        """Workers per node for ``nproc_per_node: gpu|auto``, from what each agent reported."""
-        mode = self.spec.nproc_per_node
-        counts = {}
-        for node in participants:
-            if node.spec.slots or isinstance(mode, int):
-                counts[node.index] = node.spec.slots or int(mode)
-                continue
-            gpus = node.info.gpus or 0
-            if mode == "gpu" and gpus == 0:
-                return Failure(FailureCause.LAUNCH_FAILED, f"nproc_per_node: gpu, but "
-                               f"{node.host} has no GPU (use a number, or auto)",
-                               node_index=node.index, host=node.host)
-            counts[node.index] = gpus or 1
-        return counts
-
     def _sink(self, ranks: int, sizes: dict[str, int] | None = None,
               state: dict[str, Any] | None = None) -> LogSink:
         logs = self.spec.logs
@@ -322,34 +306,6 @@ class Controller:
         if keep is not None:
             for old in range(1, self.attempt - keep + 1):
                 shutil.rmtree(self.store.log_dir(self.job_id, old), ignore_errors=True)
-
-    def _pick_port(self, node: Node) -> int | None | Failure:
-        """A master port that node 0 can bind now (the spec's own, if it fixed one; None:
-        the spec's auto with no node to ask... never; a Failure when node 0 did not answer
-        or has none)."""
-        wanted, span = self.spec.rendezvous.port, self.spec.rendezvous.port_range
-        if span is not None and span[0] == span[1]:
-            return span[0]  # a range of one port is that port
-        fields: dict[str, Any] = {"range": list(span)} if span is not None else \
-            {"port": wanted if isinstance(wanted, int) else 0}
-        for _ in range(1 if span is not None else 5):
-            channel = node.channel
-            reply = None if channel is None else self.engine.ask_all(
-                {0: channel}, P.FREE_PORT, self.spec.launch_timeout, **fields)[0]
-            if self.engine.stop is not None:
-                return None
-            if not isinstance(reply, P.PortReply):  # node 0 went away: a node failure
-                return Failure(FailureCause.NODE_FAIL, f"{node.host}: no answer while picking "
-                               "the master port", node_index=node.index, host=node.host)
-            if reply.ok:
-                return reply.port
-            if span is not None:
-                return Failure(FailureCause.LAUNCH_FAILED, f"no free port in rendezvous.port "
-                               f"{wanted} on {node.host}", node_index=node.index, host=node.host)
-            if isinstance(wanted, int):
-                return Failure(FailureCause.LAUNCH_FAILED, f"rendezvous.port {wanted} is in "
-                               f"use on {node.host}", node_index=node.index, host=node.host)
-        return Failure(FailureCause.LAUNCH_FAILED, f"{node.host}: could not find a free port")
 
     def _watch(self, attempt: Attempt) -> AttemptResult | None:
         """Until the attempt ends (None: a stop reason came first)."""
@@ -497,6 +453,51 @@ def _wake() -> Any:
     from orchestrator.events import Wake
 
     return Wake()
+
+
+def pick_port(engine: Engine, spec: JobSpec, node: Node) -> int | None | Failure:
+    """A master port that node 0 can bind now (the spec's own, if it fixed one), None when a
+    stop reason came meanwhile, or a Failure when node 0 did not answer or has none."""
+    wanted, span = spec.rendezvous.port, spec.rendezvous.port_range
+    if span is not None and span[0] == span[1]:
+        return span[0]  # a range of one port is that port
+    fields: dict[str, Any] = {"range": list(span)} if span is not None else \
+        {"port": wanted if isinstance(wanted, int) else 0}
+    for _ in range(1 if span is not None else 5):
+        channel = node.channel
+        reply = None if channel is None else engine.ask_all(
+            {0: channel}, P.FREE_PORT, spec.launch_timeout, **fields)[0]
+        if engine.stop is not None:
+            return None
+        if not isinstance(reply, P.PortReply):  # node 0 went away: a node failure
+            return Failure(FailureCause.NODE_FAIL, f"{node.host}: no answer while picking "
+                           "the master port", node_index=node.index, host=node.host)
+        if reply.ok:
+            return reply.port
+        if span is not None:
+            return Failure(FailureCause.LAUNCH_FAILED, f"no free port in rendezvous.port "
+                           f"{wanted} on {node.host}", node_index=node.index, host=node.host)
+        if isinstance(wanted, int):
+            return Failure(FailureCause.LAUNCH_FAILED, f"rendezvous.port {wanted} is in "
+                           f"use on {node.host}", node_index=node.index, host=node.host)
+    return Failure(FailureCause.LAUNCH_FAILED, f"{node.host}: could not find a free port")
+
+
+def workers_per_node(spec: JobSpec, participants: list[Node]) -> dict[int, int] | Failure:
+    """Workers per node for ``nproc_per_node: gpu|auto``, from what each agent reported."""
+    mode = spec.nproc_per_node
+    counts = {}
+    for node in participants:
+        if node.spec.slots or isinstance(mode, int):
+            counts[node.index] = node.spec.slots or int(mode)
+            continue
+        gpus = node.info.gpus or 0
+        if mode == "gpu" and gpus == 0:
+            return Failure(FailureCause.LAUNCH_FAILED, f"nproc_per_node: gpu, but "
+                           f"{node.host} has no GPU (use a number, or auto)",
+                           node_index=node.index, host=node.host)
+        counts[node.index] = gpus or 1
+    return counts
 
 
 def raise_open_files_limit() -> None:

@@ -46,7 +46,7 @@ def not_written_note(lines: int, min_free: int | None) -> str:
             "(logs.min_free_bytes)")
 
 
-def _sidecar(path: Path) -> Path:
+def sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".cut.json")
 
 
@@ -56,7 +56,7 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _read_json(path: Path) -> Any:
+def read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text())
     except (OSError, ValueError):
@@ -116,7 +116,7 @@ class CappedLog:
             self.segment_bytes[self.segments[-1]] = self.current_size
             self._restore_layout()
         elif not fresh:
-            _sidecar(path).unlink(missing_ok=True)  # one begun after the checkpoint
+            sidecar(path).unlink(missing_ok=True)  # one begun after the checkpoint
 
     def _restore_layout(self) -> None:
         """After a checkpoint of an older version: what its state did not hold yet."""
@@ -216,7 +216,7 @@ class CappedLog:
 
     def _write_layout(self) -> None:
         """The sidecar while the tail is in segments (rewritten per segment, not per line)."""
-        _write_json(_sidecar(self.path), {
+        _write_json(sidecar(self.path), {
             "closed": False, "cap": self.cap, "head_bytes": self.head_bytes,
             "head_lines": self.head_lines, "cut_lines": self.cut_lines,
             "cut_bytes": self.cut_bytes, "segments": [[k, self.starts[k]] for k in self.segments]})
@@ -282,7 +282,7 @@ class CappedLog:
             main.write(note.encode())
         main.close()
         if self.segments:  # where a reader that was in a segment finds its place again
-            _write_json(_sidecar(self.path), {
+            _write_json(sidecar(self.path), {
                 "closed": True, "cap": self.cap, "head_bytes": self.head_bytes,
                 "head_lines": self.head_lines, "cut_lines": self.cut_lines,
                 "marker_bytes": len(marker), "tail": tail})
@@ -488,102 +488,6 @@ class LogSink:
         (self.directory / NOT_WRITTEN).unlink(missing_ok=True)  # noted in the files now
 
 
-# --- reading --------------------------------------------------------------------------------
-
-class Follower:
-    """Reads one log file's lines as they are written, across the head, the tail segments
-    and the close (see the module's docstring), with a cut marker, naming how many lines,
-    wherever lines were cut before this reader saw them."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.line = 0  # the number (in the whole output) of the next line to read
-        self.segment: int | None = None  # reading this tail segment, else the file itself
-        self.offset = 0  # in the segment, or in the file
-        self.plain = False  # past the head of a closed file: just its remaining bytes
-
-    def read(self) -> list[str]:
-        """Every complete line written since the last read (cut markers included)."""
-        out: list[str] = []
-        while self._step(_read_json(_sidecar(self.path)), out):
-            pass
-        return out
-
-    def _step(self, layout: dict[str, Any] | None, out: list[str]) -> bool:
-        """Read what one source has; True when the reader moved on (call again)."""
-        if layout is None or self.plain or (self.segment is None and
-                                            self.offset < int(layout["head_bytes"])):
-            end = None if layout is None or self.plain else int(layout["head_bytes"])
-            got, self.offset = _lines(self.path, self.offset, end)
-            self.line += len(got)
-            out += got
-            at_head_end = end is not None and self.offset >= end
-            return bool(got) and not at_head_end or at_head_end
-        if layout["closed"]:
-            return self._into_closed(layout, out)
-        starts = {int(k): int(s) for k, s in layout["segments"]}
-        if self.segment not in starts:  # past the head, or its segment was dropped meanwhile
-            first = min(starts, key=starts.get)  # type: ignore[arg-type]
-            self._cut(starts[first] - self.line, layout, out)
-            self.segment, self.offset, self.line = first, 0, starts[first]
-            return True
-        got, self.offset = _lines(self._segment_path(self.segment), self.offset, None)
-        self.line += len(got)
-        out += got
-        after = [k for k in starts if k > self.segment]
-        if after and self.line >= starts[min(after)]:  # that one is complete: the next
-            self.segment, self.offset = min(after), 0
-            return True
-        return bool(got)
-
-    def _into_closed(self, layout: dict[str, Any], out: list[str]) -> bool:
-        """The file closed while this reader was past its head: the kept tail now follows the
-        marker in the file itself."""
-        base = int(layout["head_bytes"]) + int(layout["marker_bytes"])
-        tail = [(int(k), int(s), int(n)) for k, s, n in layout["tail"]]
-        before = 0
-        for k, _, size in tail:
-            if k == self.segment:
-                self.offset = base + before + self.offset
-                break
-            before += size
-        else:  # its segment was dropped before the close
-            first = tail[0][1] if tail else self.line
-            self._cut(first - self.line, layout, out)
-            self.offset, self.line = base, max(self.line, first)
-        self.plain, self.segment = True, None
-        return True
-
-    def _cut(self, count: int, layout: dict[str, Any], out: list[str]) -> None:
-        if count > 0:
-            out.append(cut_marker(count, None, layout.get("cap")))
-            self.line += count
-
-    def _segment_path(self, k: int) -> Path:
-        return self.path.with_name(f"{self.path.stem}.tail{k}.log")
-
-
-def _lines(path: Path, offset: int, end: int | None) -> tuple[list[str], int]:
-    """Complete lines of ``path`` from ``offset`` (up to ``end``), and the new offset."""
-    try:
-        f = open(path, "rb")  # noqa: SIM115
-    except OSError:
-        return [], offset
-    with f:
-        f.seek(offset)
-        data = f.read() if end is None else f.read(max(0, end - offset))
-    cut = data.rfind(b"\n") + 1
-    if cut == 0:
-        return [], offset
-    return data[:cut - 1].decode("utf-8", "replace").split("\n"), offset + cut
-
-
-def not_written(directory: Path) -> tuple[dict[str, int], int | None]:
-    """Lines per label that a running attempt's disk had no room for, and the floor."""
-    data = _read_json(directory / NOT_WRITTEN) or {}
-    return {str(k): int(v) for k, v in (data.get("lines") or {}).items()}, data.get("min_free")
-
-
 def labels(directory: Path) -> dict[str, str]:
     """The host each label's lines came from (``labels``: a line "label host" per label,
     appended before the label's first line is written)."""
@@ -593,63 +497,3 @@ def labels(directory: Path) -> dict[str, str]:
         return {}
     whole = text[:text.rfind("\n") + 1]  # not a line still being written
     return dict(line.split(" ", 1) for line in whole.splitlines() if " " in line)
-
-
-def tail_lines(path: Path, count: int, max_bytes: int,
-               keep: Callable[[str], bool] = lambda _: True) -> tuple[list[str], bool]:
-    """The last ``count`` lines of a log that ``keep`` accepts (a cut marker where lines were
-    cut), read from the end: at most ``max_bytes``, so that a poll costs the same whatever the
-    log's size. Returns the lines and whether the read stopped at ``max_bytes`` first."""
-    layout = _read_json(_sidecar(path))
-    parts: list[tuple[Path, int, int | None] | str] = [(path, 0, None)]
-    if layout is not None and not layout["closed"]:
-        parts = [(path, 0, int(layout["head_bytes"]))]
-        first = min((int(s) for _, s in layout["segments"]), default=0)
-        cut = first - int(layout["head_lines"])
-        if cut > 0:
-            parts.append(cut_marker(cut, None, layout.get("cap")))
-        parts += [(path.with_name(f"{path.stem}.tail{int(k)}.log"), 0, None)
-                  for k, _ in sorted(layout["segments"])]
-    found: deque[str] = deque(maxlen=max(0, count))
-    budget, partial = max_bytes, False
-    for part in reversed(parts):
-        if len(found) >= count:
-            break
-        if isinstance(part, str):
-            if keep(part):
-                found.appendleft(part)
-            continue
-        lines, used, stopped = _read_back(*part, budget)
-        budget -= used
-        for line in reversed(lines):
-            if len(found) >= count:
-                break
-            if keep(line):
-                found.appendleft(line)
-        if stopped:
-            partial = len(found) < count
-            break
-    return list(found), partial
-
-
-def _read_back(path: Path, start: int, end: int | None, budget: int
-               ) -> tuple[list[str], int, bool]:
-    """The complete lines of ``path`` between ``start`` and ``end`` that fit in the last
-    ``budget`` bytes; the bytes read; whether the budget ended the read."""
-    try:
-        f = open(path, "rb")  # noqa: SIM115
-    except OSError:
-        return [], 0, False
-    with f:
-        size = f.seek(0, os.SEEK_END)
-        stop = size if end is None else min(end, size)
-        begin = max(start, stop - max(0, budget))
-        f.seek(begin)
-        data = f.read(stop - begin)
-    stopped = begin > start
-    if stopped:
-        data = data[data.find(b"\n") + 1:]  # a line cut by the window is not shown
-    data = data[:data.rfind(b"\n") + 1]  # nor a line still being written
-    text = data.decode("utf-8", "replace")
-    return (text[:-1].split("\n") if text else []), stop - begin, stopped
-

@@ -26,11 +26,11 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from orchestrator.errors import JobNotFoundError, StoreError
+from orchestrator.records import AttemptRecord, JobRecord, NodeEvent, NodeRecord, RankRecord
 from orchestrator.state import JobState, NodeState, check_node_transition, check_transition
 
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
@@ -186,85 +186,6 @@ def check_job_id(job_id: str) -> str:
     return job_id
 
 
-@dataclass
-class RankRecord:
-    attempt: int
-    rank: int
-    node_index: int
-    local_rank: int
-    pid: int | None
-    state: str
-    exit_code: int | None
-    signal: str | None
-    step: int | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
-    steps_per_s: float | None = None
-    heartbeat_at: float | None = None
-    output_at: float | None = None
-    wait_share: float | None = None  # of the last 30 s, spent waiting in collectives
-
-
-@dataclass
-class NodeEvent:
-    at: float
-    state: NodeState
-    message: str | None
-
-
-@dataclass
-class NodeRecord:
-    node_index: int
-    host: str
-    node_rank: int | None
-    state: NodeState
-    info: dict[str, Any]
-    acked_seq: int = 0
-    heard_at: float | None = None
-    history: list[NodeEvent] = field(default_factory=list)
-
-
-@dataclass
-class AttemptRecord:
-    attempt: int
-    started_at: float
-    ended_at: float | None
-    outcome: str | None
-    master_addr: str | None
-    master_port: int | None
-    world_size: int | None
-    failure: dict[str, Any] | None
-    checkpoint: dict[str, Any] | None = None
-    stragglers: list[int] = field(default_factory=list)
-
-
-@dataclass
-class JobRecord:
-    job_id: str
-    name: str
-    state: JobState
-    spec_json: str
-    spec_dir: str
-    submitted_at: float
-    started_at: float | None
-    ended_at: float | None
-    attempt: int
-    restarts: int
-    max_restarts: int
-    controller_pid: int | None
-    cancel_requested: bool
-    failure: dict[str, Any] | None
-    secret: str | None = None
-    controller_host: str | None = None
-    controller_since: float | None = None
-    supervisor_pid: int | None = None
-    free_restarts: int = 0
-    controller_pidns: str | None = None
-    slurm: dict[str, Any] | None = None  # the Slurm allocation (orchestrator.slurm.Allocation)
-    nodes: list[NodeRecord] = field(default_factory=list)
-    ranks: list[RankRecord] = field(default_factory=list)
-    attempts: list[AttemptRecord] = field(default_factory=list)
-
-
 class Store:
     """Access to the state database and the log tree of one ``$ORCHESTRATOR_HOME``."""
 
@@ -369,15 +290,11 @@ class Store:
         with self._transaction() as db:
             self._update(db, "jobs", fields, job_id=job_id)
 
-    def set_node(self, job_id: str, node_index: int, state: NodeState,
-                 message: str | None = None, **fields: Any) -> None:
-        """Change a node's state (checked against the node transition table); a change of
-        state is kept in the node's history with ``message``."""
-        self.set_nodes(job_id, [(node_index, state, message, fields)])
-
     def set_nodes(self, job_id: str,
                   changes: list[tuple[int, NodeState, str | None, dict[str, Any]]]) -> None:
-        """Several set_node changes, in order, in one transaction (one fsync, not one per
+        """Changes of nodes' states (each checked against the node transition table, and kept
+        in the node's history with its message when the state changes) and fields, in order,
+        in one transaction (one fsync, not one per
         node: a launch on thousands of nodes)."""
         if not changes:
             return
@@ -469,9 +386,6 @@ class Store:
                 [(job_id, attempt, r, n, lr) for r, n, lr in ranks],
             )
             self._update(db, "jobs", {"attempt": attempt}, job_id=job_id)
-
-    def update_rank(self, job_id: str, attempt: int, rank: int, **fields: Any) -> None:
-        self.update_ranks(job_id, attempt, {rank: fields})
 
     def update_ranks(self, job_id: str, attempt: int,
                      fields_by_rank: dict[int, dict[str, Any]]) -> None:

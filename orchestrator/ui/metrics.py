@@ -24,7 +24,7 @@ import os
 import time
 from typing import Any
 
-from orchestrator.state import JobState, NodeState
+from orchestrator.state import AttemptOutcome, JobState, NodeState
 from orchestrator.store import JobRecord, Store
 
 RECENT = 3600.0  # seconds an ended job keeps its per-job series
@@ -109,7 +109,8 @@ def _job_metrics(job: JobRecord, now: float, restarts: Any, free: Any, attempt: 
     attempt.add_metric(labels, job.attempt)
     for a in job.attempts:
         end = a.ended_at if a.ended_at is not None else now
-        duration.add_metric([job.job_id, str(a.attempt), a.outcome or "RUNNING"],
+        outcome = a.outcome or AttemptOutcome.RUNNING.value
+        duration.add_metric([job.job_id, str(a.attempt), outcome],
                             max(0.0, end - a.started_at))
     hosts = {}
     for n in job.nodes:

@@ -77,7 +77,7 @@ def accounted(lines_read):
 
 def test_a_follower_reads_every_line_or_a_marker_counting_it_across_cuts_and_the_close(
         tmp_path):
-    from orchestrator.logfiles import Follower
+    from orchestrator.logread import Follower
 
     sink = LogSink(tmp_path, cap=4096)
     follower, seen = Follower(tmp_path / "rank-0.log"), []
@@ -108,7 +108,7 @@ def test_a_follower_reads_every_line_or_a_marker_counting_it_across_cuts_and_the
 
 
 def test_reading_a_cut_log_while_it_runs_and_after_shows_the_marker_with_its_count(tmp_path):
-    from orchestrator.logfiles import Follower, tail_lines
+    from orchestrator.logread import Follower, tail_lines
 
     sink = LogSink(tmp_path, cap=4096)
     for i in range(1500):

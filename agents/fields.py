@@ -1,0 +1,93 @@
+"""Reading the fields of one raw message from a node, each checked for its type and its
+bounds: the first bad one raises ProtocolError naming it (agents/protocol.py uses these)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+MAX_COUNT = 1 << 62  # sequence numbers, attempts, sizes, steps
+MAX_ITEMS = 1 << 16  # entries of one list or mapping
+MAX_RANK = 1 << 24  # global ranks
+MAX_MESSAGE = 4 * 1024 * 1024  # one JSON line (a line count is bounded by it too)
+
+
+class ProtocolError(ValueError):
+    """A message out of protocol: ``field`` names what is wrong."""
+
+    def __init__(self, kind: str, field_name: str, value: Any):
+        shown = repr(value)[:40]
+        super().__init__(f"{kind}: bad {field_name} {shown}")
+        self.kind, self.field, self.value = kind, field_name, value
+
+
+class Fields:
+    """Reads the fields of one raw message, raising ProtocolError for the first bad one."""
+
+    def __init__(self, raw: dict[str, Any]):
+        self.raw, self.kind = raw, str(raw.get("type"))
+
+    def bad(self, name: str, value: Any = None) -> ProtocolError:
+        return ProtocolError(self.kind, name, self.raw.get(name) if value is None else value)
+
+    def integer(self, name: str, low: int = 0, high: int = MAX_COUNT, optional: bool = False,
+            value: Any = ...) -> Any:
+        v = self.raw.get(name) if value is ... else value
+        if v is None and optional:
+            return None
+        if type(v) is not int or not low <= v <= high:
+            raise self.bad(name, v)
+        return v
+
+    def text(self, name: str, limit: int = 4096, optional: bool = False, value: Any = ...
+            ) -> Any:
+        v = self.raw.get(name) if value is ... else value
+        if v is None and optional:
+            return None
+        if not isinstance(v, str) or len(v) > limit:
+            raise self.bad(name, v)
+        return v
+
+    def flag(self, name: str, default: bool | None = None) -> bool:
+        v = self.raw.get(name, default)
+        if not isinstance(v, bool):
+            raise self.bad(name, v)
+        return v
+
+    def number(self, name: str, optional: bool = False, value: Any = ...) -> Any:
+        v: Any = self.raw.get(name) if value is ... else value
+        if v is None and optional:
+            return None
+        if type(v) not in (int, float) or not math.isfinite(v):
+            raise self.bad(name, v)
+        return float(v)
+
+    def array(self, name: str, optional: bool = False, limit: int = MAX_ITEMS) -> Any:
+        v = self.raw.get(name)
+        if v is None and optional:
+            return []
+        if not isinstance(v, list) or len(v) > limit:
+            raise self.bad(name, v)
+        return v
+
+    def mapping(self, name: str, optional: bool = False) -> dict[str, Any]:
+        v = self.raw.get(name)
+        if v is None and optional:
+            return {}
+        if not isinstance(v, dict) or len(v) > MAX_ITEMS:
+            raise self.bad(name, v)
+        return v
+
+    def lines(self, name: str = "lines") -> tuple[str, ...]:
+        v = self.array(name, limit=MAX_MESSAGE)
+        try:
+            "".join(v)  # every line is text (checked at C speed: floods)
+        except TypeError:
+            raise ProtocolError(self.kind, name, "lines must be text") from None
+        return tuple(v)
+
+    def rank_key(self, key: Any, name: str) -> int:
+        """A mapping key that names a rank ("3")."""
+        if not isinstance(key, str) or not key.isdigit() or len(key) > 9:
+            raise ProtocolError(self.kind, name, key)
+        return self.integer(name, 0, MAX_RANK, value=int(key))

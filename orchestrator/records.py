@@ -1,0 +1,88 @@
+"""What the store gives back: a job, its nodes (with their history), its ranks and its
+attempts, as plain records read in one transaction (orchestrator/store.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestrator.state import JobState, NodeState
+
+
+@dataclass
+class RankRecord:
+    attempt: int
+    rank: int
+    node_index: int
+    local_rank: int
+    pid: int | None
+    state: str
+    exit_code: int | None
+    signal: str | None
+    step: int | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    steps_per_s: float | None = None
+    heartbeat_at: float | None = None
+    output_at: float | None = None
+    wait_share: float | None = None  # of the last 30 s, spent waiting in collectives
+
+
+@dataclass
+class NodeEvent:
+    at: float
+    state: NodeState
+    message: str | None
+
+
+@dataclass
+class NodeRecord:
+    node_index: int
+    host: str
+    node_rank: int | None
+    state: NodeState
+    info: dict[str, Any]
+    acked_seq: int = 0
+    heard_at: float | None = None
+    history: list[NodeEvent] = field(default_factory=list)
+
+
+@dataclass
+class AttemptRecord:
+    attempt: int
+    started_at: float
+    ended_at: float | None
+    outcome: str | None
+    master_addr: str | None
+    master_port: int | None
+    world_size: int | None
+    failure: dict[str, Any] | None
+    checkpoint: dict[str, Any] | None = None
+    stragglers: list[int] = field(default_factory=list)
+
+
+@dataclass
+class JobRecord:
+    job_id: str
+    name: str
+    state: JobState
+    spec_json: str
+    spec_dir: str
+    submitted_at: float
+    started_at: float | None
+    ended_at: float | None
+    attempt: int
+    restarts: int
+    max_restarts: int
+    controller_pid: int | None
+    cancel_requested: bool
+    failure: dict[str, Any] | None
+    secret: str | None = None
+    controller_host: str | None = None
+    controller_since: float | None = None
+    supervisor_pid: int | None = None
+    free_restarts: int = 0
+    controller_pidns: str | None = None
+    slurm: dict[str, Any] | None = None  # the Slurm allocation (orchestrator.slurm.Allocation)
+    nodes: list[NodeRecord] = field(default_factory=list)
+    ranks: list[RankRecord] = field(default_factory=list)
+    attempts: list[AttemptRecord] = field(default_factory=list)
