@@ -1,4 +1,4 @@
-"""The ``orchestrator`` command: parse, call the API, print. Exit codes (DESIGN.md):
+"""The ``orchestrator`` command: parse, call the API, print. Exit codes (README, CLI):
 
     0 succeeded   1 failed (or an operational error)   2 bad spec or usage   3 cancelled
 """

@@ -66,6 +66,19 @@ class _AcceptNewPolicy(paramiko.MissingHostKeyPolicy):
                 f.write(f"{hostname} {key.get_name()} {key.get_base64()}\n")
 
 
+class _RejectUnknown(paramiko.MissingHostKeyPolicy):
+    """paramiko's RejectPolicy, raising our own type: an unknown key is told from a changed
+    one by the exception, never by its message."""
+
+    def __init__(self, host: str):
+        self.host = host
+
+    def missing_host_key(self, client: paramiko.SSHClient, hostname: str,
+                         key: paramiko.PKey) -> None:
+        raise HostKeyUnknown(self.host, f"host key for {hostname} is not in known_hosts "
+                                        "(add it, or set ssh.host_key_policy: accept-new)")
+
+
 def resolve_target(node: NodeSpec, spec: JobSpec) -> dict[str, Any]:
     """Hostname, port, user and identity for a node: the spec first, then ~/.ssh/config."""
     user, hostname, port = node.resolved(spec.ssh)
@@ -138,7 +151,7 @@ class SSHConnection:
         if opts.host_key_policy == "accept-new":
             client.set_missing_host_key_policy(_AcceptNewPolicy(known_hosts))
         else:
-            client.set_missing_host_key_policy(paramiko.RejectPolicy())
+            client.set_missing_host_key_policy(_RejectUnknown(self.host))
         timeout = opts.connect_timeout
         try:
             client.connect(
@@ -156,14 +169,14 @@ class SSHConnection:
 
     def _translate(self, exc: Exception, target: dict[str, Any]) -> TransportError:
         where = f"{target['username']}@{target['hostname']}:{target['port']}"
+        if isinstance(exc, HostKeyUnknown):
+            return HostKeyUnknown(self.host, f"host key for {where} is not in known_hosts "
+                                             "(add it, or set ssh.host_key_policy: accept-new)")
         if isinstance(exc, paramiko.BadHostKeyException):
             return HostKeyChanged(self.host, f"host key for {where} does not match known_hosts "
                                              "(changed host key: refusing to connect)")
         if isinstance(exc, paramiko.AuthenticationException):
             return AuthenticationError(self.host, f"authentication failed for {where}: {exc}")
-        if isinstance(exc, paramiko.SSHException) and "known_hosts" in str(exc):
-            return HostKeyUnknown(self.host, f"host key for {where} is not in known_hosts "
-                                             "(add it, or set ssh.host_key_policy: accept-new)")
         if isinstance(exc, (socket.timeout, TimeoutError)):
             return ConnectError(self.host, f"connection to {where} timed out after "
                                            f"{self._spec.ssh.connect_timeout:g}s")
