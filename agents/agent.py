@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agents import cache, ops
+from agents import cache, ops, rankfiles
 from agents import protocol as P
 from agents.netinfo import gpu_count, torch_version
 from agents.outbox import Outbox
@@ -234,7 +234,7 @@ class Agent:
     def _worker_progress(self) -> tuple[bool, dict[str, Any]]:
         """Whether any worker called heartbeat() since the last look; the step and metrics
         those that gave them wrote (see agents/shims/orchestrator_worker.py), and new sampler
-        reports."""
+        reports. A file the agent cannot use is that rank's problem: a line in its log."""
         touched, ranks = False, dict[str, dict[str, Any]]()
         for w in list(self.workers):
             if w.rank is not None:
@@ -249,15 +249,11 @@ class Agent:
                 continue
             w.heartbeat_seen, touched = st.st_mtime, True
             if st.st_size and w.rank is not None:
-                try:
-                    with open(w.heartbeat_file, encoding="utf-8") as f:
-                        record = json.loads(f.read(16384))
-                except (OSError, ValueError, RecursionError):
-                    continue  # half a record, or not ours: the next look will do
-                if isinstance(record, dict):
-                    ranks.setdefault(str(w.rank), {}).update(
-                        step=record.get("step"), metrics=record.get("metrics") or {},
-                        at=st.st_mtime)
+                record, problems = rankfiles.heartbeat(w.heartbeat_file)
+                for problem in problems:
+                    self._rank_problem(w, problem)
+                if record is not None:
+                    ranks.setdefault(str(w.rank), {}).update(record, at=st.st_mtime)
         return touched, ranks
 
     def _waits(self, w: Worker) -> list[int] | None:
@@ -265,14 +261,23 @@ class Agent:
         path = os.path.join(self.directory, f"attempt-{w.attempt}", f"waits-{w.rank}.json")
         try:
             mtime = os.stat(path).st_mtime
-            if mtime <= w.waits_seen:
-                return None
-            with open(path, encoding="utf-8") as f:
-                record = json.loads(f.read(4096))
-            w.waits_seen = mtime
-            return [int(record["samples"]), int(record["waiting"])]
-        except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        except OSError:
             return None
+        if mtime <= w.waits_seen:
+            return None
+        w.waits_seen = mtime
+        waits, problem = rankfiles.waits(path)
+        if problem is not None:
+            self._rank_problem(w, problem)
+        return waits
+
+    def _rank_problem(self, w: Worker, problem: str) -> None:
+        """Say once per attempt, in the rank's own log, what of its files was not used."""
+        kind = problem.split(" ", 2)[:2]
+        key = " ".join(kind)
+        if key not in w.problems_said:
+            w.problems_said.add(key)
+            self.outbox.add_lines(w.attempt, w.rank, "stderr", [f"[orchestrator] {problem}"])
 
     def reply(self, msg: dict[str, Any], type_: str, **fields: Any) -> None:
         self.outbox.put({"type": type_, "req": msg.get("req"), "attempt": self.attempt,

@@ -12,11 +12,26 @@ MAX_RANK = 1 << 24  # global ranks
 MAX_MESSAGE = 4 * 1024 * 1024  # one JSON line (a line count is bounded by it too)
 
 
+def finite(value: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else (bools, text, NaN, infinities,
+    integers beyond any float)."""
+    if type(value) not in (int, float):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    return number if math.isfinite(number) else None
+
+
 class ProtocolError(ValueError):
     """A message out of protocol: ``field`` names what is wrong."""
 
     def __init__(self, kind: str, field_name: str, value: Any):
-        shown = repr(value)[:40]
+        try:
+            shown = repr(value)[:40]
+        except ValueError:  # an int past Python's digit limit
+            shown = f"<{type(value).__name__}>"
         super().__init__(f"{kind}: bad {field_name} {shown}")
         self.kind, self.field, self.value = kind, field_name, value
 
@@ -58,9 +73,10 @@ class Fields:
         v: Any = self.raw.get(name) if value is ... else value
         if v is None and optional:
             return None
-        if type(v) not in (int, float) or not math.isfinite(v):
+        number = finite(v)
+        if number is None:
             raise self.bad(name, v)
-        return float(v)
+        return number
 
     def array(self, name: str, optional: bool = False, limit: int = MAX_ITEMS) -> Any:
         v = self.raw.get(name)

@@ -69,7 +69,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from agents.fields import MAX_COUNT, MAX_RANK, Fields
+from agents.fields import MAX_COUNT, MAX_RANK, Fields, finite
 from agents.fields import MAX_MESSAGE as MAX_MESSAGE  # part of this module's surface
 from agents.fields import ProtocolError as ProtocolError
 
@@ -263,9 +263,9 @@ def _progress(f: Fields) -> Progress:
         metrics = record.get("metrics") or {}
         if not isinstance(metrics, dict) or len(metrics) > 256:
             raise r.bad("metrics", metrics)
-        # Metrics are the user's: non-numbers are left out, as before, not an offence.
-        kept = {str(k)[:128]: float(v) for k, v in metrics.items()
-                if type(v) in (int, float)}
+        # Metrics are the user's: what is not a finite number is left out, not an offence.
+        kept = {str(k)[:128]: v for k, v in
+                ((k, finite(v)) for k, v in metrics.items()) if v is not None}
         waits = record.get("waits")
         if waits is not None:
             if not (isinstance(waits, list) and len(waits) == 2):

@@ -17,7 +17,7 @@ import time
 from typing import Any, BinaryIO
 
 from agents import protocol as P
-from agents import shims
+from agents import rankfiles, shims
 from agents.cache import prune_traces
 from agents.netinfo import (
     FR_DUMP_NAMES,
@@ -30,8 +30,6 @@ from agents.outbox import Outbox
 from agents.paths import traces
 from agents.processes import TOKEN_VAR, pidfd, set_pdeathsig, signal_name
 from agents.text import cut, text
-
-MAX_ERROR_FILE = 64 * 1024
 
 
 def worker_env(msg: dict[str, Any], token: str, agent_dir: str, job_id: str,
@@ -113,6 +111,7 @@ class Worker:
         self.proc = proc
         self.heartbeat_seen = 0.0  # mtime of its heartbeat file at the last look
         self.waits_seen = 0.0  # mtime of its sampler's file at the last look
+        self.problems_said: set[str] = set()  # of its files, told in its log already
         self.pidfd = pidfd(proc.pid)  # taken before anyone can reap it
         self.done = threading.Event()
         self._readers = [
@@ -163,18 +162,9 @@ class Worker:
         self.outbox.put({
             "type": P.EXITED, "attempt": self.attempt, "rank": self.rank,
             "local_rank": self.local_rank, "exit_code": exit_code, "signal": sig,
-            "error_file": self._read_error_file(), "at": time.time(),
+            "error_file": rankfiles.error_file(self.error_file), "at": time.time(),
         })
         self.done.set()
-
-    def _read_error_file(self) -> str | None:
-        if not self.error_file:
-            return None
-        try:
-            with open(self.error_file, encoding="utf-8", errors="replace") as f:
-                return f.read(MAX_ERROR_FILE)
-        except OSError:
-            return None
 
     def signal_group(self, sig: int) -> None:
         """Signal the worker's process group while its leader is alive: a live leader holds

@@ -81,7 +81,10 @@ def _check_tree(node: yaml.Node, path: str, memo: dict[int, int], active: set[in
 
 def _load_yaml(text: str) -> dict[str, Any]:
     """One YAML document that is a mapping, or a SpecError."""
-    loader = _SpecLoader(text)
+    try:
+        loader = _SpecLoader(text)  # refuses control characters already
+    except yaml.YAMLError as exc:
+        raise SpecError("", f"invalid YAML: {exc}") from None
     try:
         if not loader.check_node():
             raise SpecError("", "the spec is empty; expected a mapping of fields")
