@@ -16,12 +16,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orchestrator import logfiles, logread, preflight, slurm, sync
+from orchestrator import logfiles, logread, pids, preflight, slurm, sync
 from orchestrator.errors import JobEndedError, LaunchError
+from orchestrator.pids import pid_namespace
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
 from orchestrator.state import AttemptOutcome, FailureCause, JobState
-from orchestrator.store import JobRecord, Store, check_job_id, pid_namespace
+from orchestrator.store import JobRecord, Store, check_job_id
 from orchestrator.world import UserWorld
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
@@ -142,7 +143,7 @@ def _start_controller(store: Store, job_id: str, *, resume: bool) -> int:
             env=env, cwd=str(store.home),
             start_new_session=True,  # outlives the terminal that submitted it
         )
-    store.update_job(job_id, supervisor_pid=proc.pid)
+    store.claim_supervisor(job_id, proc.pid)
     return proc.pid
 
 
@@ -256,12 +257,9 @@ def cancel(job_id: str, *, wait_seconds: float = 60.0,
             return _status_dict(job)
         store.request_cancel(job_id)
         pid = job.controller_pid
-        if pid and _is_controller(pid, job_id):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except OSError:
-                pass
-        else:  # only a controller stops workers: start one, it sees the request at once
+        if not (pid and _is_controller(pid, job.controller_ident, job_id)
+                and pids.send(pid, job.controller_ident, signal.SIGTERM)):
+            # Only a controller stops workers: start one, it sees the request at once.
             _ensure_controller(store, job_id)
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:
@@ -347,13 +345,11 @@ def _controller_view(job: JobRecord) -> dict[str, Any]:
         job.controller_pidns in (None, pid_namespace())
     alive: bool | None
     if job.state.is_terminal():
-        alive = any(_is_controller(p, job.job_id) for p in
-                    (job.controller_pid, job.supervisor_pid) if p) if here else None
+        alive = _any_controller(job) if here else None
     elif not here:
         alive = None
     else:
-        alive = any(_is_controller(p, job.job_id)
-                    for p in (job.controller_pid, job.supervisor_pid) if p)
+        alive = _any_controller(job)
     return {"pid": job.controller_pid, "host": job.controller_host, "alive": alive,
             "since": _iso(job.controller_since), "supervisor_pid": job.supervisor_pid}
 
@@ -374,16 +370,19 @@ def _ensure_controller(store: Store, job_id: str) -> None:
         _start_controller(store, job_id, resume=True)
 
 
-def _is_controller(pid: int, job_id: str) -> bool:
-    """Is ``pid`` alive and this job's controller (not a recycled pid)?"""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            argv = f.read().split(b"\0")
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            zombie = f.read().rsplit(b")", 1)[1].split()[0] == b"Z"
-    except OSError:
+def _any_controller(job: JobRecord) -> bool:
+    return any(_is_controller(pid, ident, job.job_id) for pid, ident in (
+        (job.controller_pid, job.controller_ident), (job.supervisor_pid, job.supervisor_ident))
+        if pid)
+
+
+def _is_controller(pid: int, ident: str | None, job_id: str) -> bool:
+    """Is ``pid`` the recorded process (this user's, started when recorded: not a recycled
+    pid, not another user's controller of a job with the same id) and this job's controller?"""
+    if not pids.is_ours(pid, ident):
         return False
-    return not zombie and b"orchestrator.controller" in argv and job_id.encode() in argv
+    argv = pids.argv(pid)
+    return b"orchestrator.controller" in argv and job_id.encode() in argv
 
 
 def _iso(ts: float | None) -> str | None:

@@ -82,6 +82,8 @@ class JobRecord:
     supervisor_pid: int | None = None
     free_restarts: int = 0
     controller_pidns: str | None = None
+    controller_ident: str | None = None  # orchestrator.pids.identity of controller_pid
+    supervisor_ident: str | None = None
     slurm: dict[str, Any] | None = None  # the Slurm allocation (orchestrator.slurm.Allocation)
     nodes: list[NodeRecord] = field(default_factory=list)
     ranks: list[RankRecord] = field(default_factory=list)

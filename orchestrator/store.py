@@ -29,6 +29,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
+from orchestrator import pids
 from orchestrator.errors import JobNotFoundError, StoreError
 from orchestrator.records import AttemptRecord, JobRecord, NodeEvent, NodeRecord, RankRecord
 from orchestrator.state import JobState, NodeState, check_node_transition, check_transition
@@ -61,7 +62,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     stacks_json TEXT,
     stacks_at REAL,
     slurm_json TEXT,
-    world_json TEXT
+    world_json TEXT,
+    controller_ident TEXT,
+    supervisor_ident TEXT
 );
 CREATE TABLE IF NOT EXISTS nodes (
     job_id TEXT NOT NULL,
@@ -130,7 +133,7 @@ _ADDED_COLUMNS = {
              "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
              "controller_pidns": "TEXT", "stacks_requested_at": "REAL",
              "stacks_json": "TEXT", "stacks_at": "REAL", "slurm_json": "TEXT",
-             "world_json": "TEXT"},
+             "world_json": "TEXT", "controller_ident": "TEXT", "supervisor_ident": "TEXT"},
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
               "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL"},
@@ -169,14 +172,6 @@ def _make_private(home: Path) -> None:
                          f"(uid {os.getuid()}): use a directory of your own")
     if st.st_mode & 0o077:
         os.chmod(home, 0o700)  # ours, but readable by others: an older version, or by hand
-
-
-def pid_namespace() -> str | None:
-    """This process's PID namespace (pids are only comparable within one)."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
 
 
 def check_job_id(job_id: str) -> str:
@@ -348,9 +343,13 @@ class Store:
 
     def claim_controller(self, job_id: str, pid: int, host: str, pidns: str | None) -> None:
         """Record the process that controls the job from now on, and where its pid means
-        something (host and PID namespace)."""
+        something (host and PID namespace), and which process it is (pids.identity)."""
         self.update_job(job_id, controller_pid=pid, controller_host=host,
-                        controller_pidns=pidns, controller_since=time.time())
+                        controller_pidns=pidns, controller_since=time.time(),
+                        controller_ident=pids.identity(pid))
+
+    def claim_supervisor(self, job_id: str, pid: int) -> None:
+        self.update_job(job_id, supervisor_pid=pid, supervisor_ident=pids.identity(pid))
 
     def liveness(self, job_id: str, attempt: int, nodes: dict[int, float],
                  ranks: dict[int, float]) -> None:
@@ -586,5 +585,6 @@ class Store:
             secret=row["secret"], controller_host=row["controller_host"],
             controller_since=row["controller_since"], supervisor_pid=row["supervisor_pid"],
             free_restarts=row["free_restarts"], controller_pidns=row["controller_pidns"],
+            controller_ident=row["controller_ident"], supervisor_ident=row["supervisor_ident"],
             slurm=json.loads(row["slurm_json"]) if row["slurm_json"] else None,
         )

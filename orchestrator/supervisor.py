@@ -25,9 +25,10 @@ from typing import Any
 from orchestrator import slurm
 from orchestrator.controller import Controller, raise_open_files_limit
 from orchestrator.errors import LaunchError, OrchestratorError, SpecError
+from orchestrator.pids import pid_namespace
 from orchestrator.spec import JobSpec
 from orchestrator.state import FailureCause, JobState
-from orchestrator.store import Store, pid_namespace
+from orchestrator.store import Store
 from orchestrator.transport import Connector
 from orchestrator.transport.base import ConnectionFactory
 from orchestrator.transport.slurm import SlurmConnector
@@ -125,7 +126,7 @@ def _supervise(job_id: str, resume: bool) -> int:
     """Run the controller as a child and start it again, resuming, whenever it dies before
     the job has ended (a crash, the OOM killer, a stray kill)."""
     store = Store()
-    store.update_job(job_id, supervisor_pid=os.getpid())
+    store.claim_supervisor(job_id, os.getpid())
     child: _Forked | None = None
     told_to_exit = False
 

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import stat
+import signal
 import subprocess
 
 import pytest
@@ -136,3 +137,48 @@ def test_an_endless_line_is_cut_into_bounded_pieces_and_nothing_is_lost(home, tm
     pieces = (home / "jobs" / job_id / "logs" / "attempt-1" / "rank-0.log").read_text().split()
     assert max(map(len, pieces)) <= 8192 and sum(map(len, pieces)) == size
     assert all(len(t) <= 8192 for t in result["failure"]["stderr_tail"])
+
+
+def test_a_recycled_pid_is_never_taken_for_the_jobs_controller(home, tmp_path):
+    """Another user's process, or one of ours started later, on the recorded pid, with the
+    controller's very command line (the same job id, from another store): not the job's
+    controller. On a pid alone, cancel signalled it and waited in vain."""
+    from orchestrator import pids
+    from orchestrator.store import Store
+
+    job_id = orchestrator.submit(spec(tmp_path, [PYTHON, str(WORKERS / "steps.py")],
+                                      env={"STEPS": "2000", "STEP_SLEEP": "0.05"}))
+    wait_for(lambda: orchestrator.status(job_id)["state"] == "RUNNING", 30, what="RUNNING")
+    before = orchestrator.status(job_id)["controller"]
+    store = Store(home)
+    recorded = store.get_job(job_id).controller_ident
+    assert before["alive"] and recorded == pids.identity(before["pid"])
+    os.kill(before["supervisor_pid"], signal.SIGKILL)  # first, or it would start a new one
+    os.kill(before["pid"], signal.SIGKILL)
+    wait_for(lambda: orchestrator.status(job_id)["controller"]["alive"] is False, 10,
+             what="controller dead")
+    look_alike = ["sh", "-c", "sleep 120; :", "orchestrator.controller", job_id, "--supervise"]
+    impostors = [
+        # another user's (nobody's), on a record from before identities were kept
+        (subprocess.Popen(["setpriv", "--reuid", "65534", "--regid", "65534",
+                           "--clear-groups", *look_alike]), None),
+        # ours, started after the recorded controller
+        (subprocess.Popen(look_alike), recorded),
+    ]
+    try:
+        for proc, ident in impostors:
+            wait_for(lambda p=proc: pids.argv(p.pid)[:1] == [b"sh"], 10,
+                     what="impostor started")  # setpriv has exec'd
+            store.update_job(job_id, controller_pid=proc.pid, supervisor_pid=proc.pid,
+                             controller_ident=ident, supervisor_ident=ident)
+            shown = orchestrator.status(job_id)
+            assert shown["controller"]["alive"] is False and shown["state"] == "UNKNOWN"
+        # cancel knows there is no controller: it starts one, which stops the workers
+        assert orchestrator.cancel(job_id, wait_seconds=30)["state"] == "CANCELLED"
+        assert all(proc.poll() is None for proc, _ in impostors)  # never signalled
+    finally:
+        for proc, _ in impostors:
+            proc.kill()
+            proc.wait()
+        store.close()
+    assert_no_job_processes(job_id)
