@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agents import cache, ops, rankfiles
+from agents import cache, leases, ops, rankfiles
 from agents import protocol as P
 from agents.netinfo import gpu_count, torch_version
 from agents.outbox import Outbox
@@ -225,6 +225,7 @@ class Agent:
         self.outbox.close()
         if self.listener is not None:
             self.listener.close()
+        leases.release()  # its tree and blobs may go now (another job's pruning)
         shutil.rmtree(self.directory, ignore_errors=True)
         try:
             os.unlink(self.directory + ".lock")

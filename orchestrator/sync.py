@@ -7,17 +7,21 @@ built from them under ``~/.cache/orchestrator/sync/<tree>`` (the agent does that
 tree costs one manifest and no file contents. What is shipped is what git tracks or would
 track (``shipped_files``: git itself in a work tree, every .gitignore on the way otherwise),
 less the spec's ``exclude`` globs. A symlink is shipped as the file it points to when that
-is inside the tree, and refused when it points outside; an unreadable file and a tree over
-``sync.max_bytes`` are refused too, all before anything starts.
+is inside the tree, and refused when it points outside; a symlink loop, an unreadable file,
+directory or .gitignore, and a tree over ``sync.max_bytes`` are refused too, each in one
+line naming the path, all before anything starts.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import re
 import stat
 import subprocess
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -148,6 +152,12 @@ def _git_files(root: Path) -> list[str] | None:
         return None
     if listed.returncode != 0:
         return None
+    # git lists around a directory it cannot open, with a warning: that is a file not shipped
+    unreadable = re.search(r"could not open directory '(.*)': (.*)",
+                           listed.stderr.decode("utf-8", "replace"))
+    if unreadable:
+        raise LaunchError(f"sync: cannot read {root / unreadable[1].rstrip('/')}: "
+                          f"{unreadable[2]}")
     names = listed.stdout.decode("utf-8", "surrogateescape").split("\0")
     return sorted({n.rstrip("/") for n in names if n})
 
@@ -157,19 +167,27 @@ def _walk(root: Path) -> list[str]:
     rules: list[str] = []
     spec = GitIgnoreSpec.from_lines([".git/"])
     out = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_unreadable):
         here = Path(dirpath)
         rel_dir = here.relative_to(root).as_posix()
         rel_dir = "" if rel_dir == "." else rel_dir
         gitignore = here / ".gitignore"
         if gitignore.is_file():
-            rules += _rebase(gitignore.read_text(errors="replace").splitlines(), rel_dir)
+            try:
+                text = gitignore.read_text(errors="replace")
+            except OSError as exc:
+                _unreadable(exc)
+            rules += _rebase(text.splitlines(), rel_dir)
             spec = GitIgnoreSpec.from_lines([".git/", *rules])
         prefix = f"{rel_dir}/" if rel_dir else ""
         # An ignored directory is not entered: nothing below it can be taken back (git).
         dirnames[:] = sorted(d for d in dirnames if not spec.match_file(f"{prefix}{d}/"))
         out += [prefix + f for f in filenames if not spec.match_file(prefix + f)]
     return sorted(out)
+
+
+def _unreadable(exc: OSError) -> typing.NoReturn:
+    raise LaunchError(f"sync: cannot read {exc.filename}: {exc.strerror or exc}") from None
 
 
 def _rebase(lines: list[str], directory: str) -> list[str]:
@@ -224,7 +242,14 @@ def _largest(found: list[tuple[str, Path, os.stat_result]], count: int = 3) -> s
 
 
 def _inside(root: Path, link: Path) -> Path:
-    target = link.resolve()
+    try:
+        target = link.resolve(strict=True)
+    except RuntimeError:  # Python before 3.13
+        raise LaunchError(f"sync: {link} is a symlink loop") from None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise LaunchError(f"sync: {link} is a symlink loop") from None
+        raise LaunchError(f"sync: cannot read {link}: {exc.strerror or exc}") from None
     if target != root and root not in target.parents:
         raise LaunchError(f"sync: {link} points outside the synced tree ({target})")
     return target

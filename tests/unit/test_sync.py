@@ -169,3 +169,166 @@ def test_submit_refuses_a_tree_over_max_bytes_before_recording_anything(home, tm
     with pytest.raises(LaunchError, match=r"more than sync.max_bytes .*largest: data/ 4.0 KiB"):
         orchestrator.submit(spec)
     assert orchestrator.list_jobs() == []
+
+
+# --- edge cases: refused in one line naming the path, before anything starts -------------------
+
+def git_init(root):
+    import subprocess
+
+    subprocess.run(["git", "-C", str(root), "init", "-q"], check=True)
+    return root
+
+
+@pytest.mark.parametrize("in_git", [False, True])
+def test_a_symlink_loop_is_refused_naming_it(tmp_path, in_git):
+    root = tree(tmp_path / "proj", {"train.py": "x"})
+    (root / "a").symlink_to("b")
+    (root / "b").symlink_to("a")
+    if in_git:
+        git_init(root)
+    with pytest.raises(LaunchError) as refused:
+        build_manifest(root)
+    assert str(refused.value) == f"sync: {root / 'a'} is a symlink loop"
+
+
+UNREADABLE = """
+import sys
+from orchestrator.errors import LaunchError
+from orchestrator.sync import build_manifest
+try:
+    build_manifest(sys.argv[1])
+except LaunchError as exc:
+    print(exc)
+    sys.exit(3)
+"""
+
+
+def refused_without_privileges(root) -> str:
+    """build_manifest(root) run as a process that cannot read what its mode forbids (root
+    reads anything: it runs without its DAC capabilities): its one-line refusal."""
+    import subprocess
+
+    from tests.helpers import PYTHON, ROOT
+
+    drop = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search"] \
+        if os.geteuid() == 0 else []
+    done = subprocess.run([*drop, PYTHON, "-c", UNREADABLE, str(root)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=60)
+    assert done.returncode == 3, (done.stdout, done.stderr)
+    assert done.stdout.count("\n") == 1
+    return done.stdout.strip()
+
+
+@pytest.mark.parametrize("in_git", [False, True])
+def test_an_unreadable_directory_or_gitignore_is_refused_naming_it(tmp_path, in_git):
+    root = tree(tmp_path / "proj", {"train.py": "x", "locked/secret.py": "s",
+                                    "sub/.gitignore": "*.log\n"})
+    if in_git:
+        git_init(root)
+    (root / "locked").chmod(0)
+    try:
+        assert refused_without_privileges(root) == \
+            f"sync: cannot read {root / 'locked'}: Permission denied"
+    finally:
+        (root / "locked").chmod(0o755)
+    if not in_git:  # git reads .gitignore files its own way
+        (root / "sub" / ".gitignore").chmod(0)
+        assert refused_without_privileges(root) == \
+            f"sync: cannot read {root / 'sub' / '.gitignore'}: Permission denied"
+
+
+@pytest.fixture
+def node_cache(tmp_path, monkeypatch):
+    """A node's cache under a home of its own; this process plays its agent (its lease is
+    given back at the end)."""
+    from agents import leases
+
+    monkeypatch.setenv("HOME", str(tmp_path / "node-home"))
+    yield tmp_path / "node-home" / ".cache" / "orchestrator"
+    leases.release()
+
+
+def _put_blob(content: bytes) -> str:
+    import base64
+    import hashlib
+
+    import agents.cache as node
+
+    sha = hashlib.sha256(content).hexdigest()
+    assert node.put_chunk(sha, 0, base64.b64encode(content).decode(), True, 1) is None
+    return sha
+
+
+def test_a_users_file_named_like_our_manifest_is_shipped_as_it_is(node_cache):
+    import agents.cache as node
+
+    mine = _put_blob(b"the user's own json\n")
+    code = _put_blob(b"print(1)\n")
+    files = [[".orchestrator-manifest.json", mine, False], ["train.py", code, False]]
+    built = node.build_tree("ab" * 12, files, 5)
+    assert open(os.path.join(built, ".orchestrator-manifest.json"), "rb").read() == \
+        b"the user's own json\n"
+    assert sorted(os.listdir(built)) == [".orchestrator-manifest.json", "train.py"]
+
+
+def test_a_failed_build_leaves_nothing_half_built(node_cache):
+    import agents.cache as node
+
+    cache = node_cache
+    code = _put_blob(b"print(1)\n")
+    files = [["train.py", code, False], ["lost.py", "cd" * 32, False]]  # a blob not there
+    with pytest.raises(FileNotFoundError):
+        node.build_tree("ef" * 12, files, 5)
+    assert sorted(os.listdir(cache / "sync")) == [".prune.lock"]
+    assert sorted(os.listdir(cache / "leases")) != []  # its agent still holds it
+
+
+LEASE_HOLDER = """
+import sys, time
+from agents import leases
+leases.held().hold(trees=(sys.argv[1],), blobs=(sys.argv[2],))
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def test_what_a_live_agent_leases_is_never_pruned_however_old(node_cache):
+    """A tree and a blob unused for two hours (a long setup, a slow upload) stay while the
+    agent that leases them lives, and go once it is gone, however it died."""
+    import subprocess
+    import time
+
+    import agents.cache as node
+    from agents import leases
+    from tests.helpers import PYTHON, ROOT
+
+    cache = node_cache
+    old_code, other = _put_blob(b"old\n"), _put_blob(b"other\n")
+    uploading = _put_blob(b"half of a slow upload\n")
+    old_tree = node.build_tree("01" * 12, [["a.py", old_code, False]], 5)
+    node.build_tree("02" * 12, [["b.py", other, False]], 5)
+    assert len(os.listdir(cache / "leases")) == 1
+    leases.release()  # the agent that built them is gone: only the holder below uses 01
+    long_ago = time.time() - 7200
+    for path in [old_tree, *(cache / "blobs").rglob("*")]:
+        os.utime(path, (long_ago, long_ago))
+    holder = subprocess.Popen([PYTHON, "-c", LEASE_HOLDER, "01" * 12, uploading],
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        assert holder.stdout.readline() == "held\n"
+        node.prune_trees(str(cache / "sync"), 0, str(cache / "sync" / ("02" * 12)))
+        assert (cache / "sync" / ("01" * 12)).is_dir()
+        assert (cache / "blobs" / uploading[:2] / uploading).exists()
+        assert (cache / "blobs" / old_code[:2] / old_code).exists()  # its tree's
+    finally:
+        holder.kill()  # no goodbye: the kernel drops its lock
+        holder.wait()
+    node.prune_trees(str(cache / "sync"), 0, str(cache / "sync" / ("02" * 12)))
+    assert not (cache / "sync" / ("01" * 12)).exists()
+    assert not (cache / "sync" / f"{'01' * 12}.manifest.json").exists()
+    assert not (cache / "blobs" / uploading[:2] / uploading).exists()
+    assert not (cache / "blobs" / old_code[:2] / old_code).exists()
+    assert (cache / "blobs" / other[:2] / other).exists()  # the current tree's
+    assert os.listdir(cache / "leases") == []  # the dead lease went with it
