@@ -15,6 +15,7 @@ sync, setup) run aside so that heartbeats keep flowing, and a request always get
 
 from __future__ import annotations
 
+import fcntl
 import hmac
 import json
 import os
@@ -33,11 +34,19 @@ from agents import cache, leases, ops, rankfiles
 from agents import protocol as P
 from agents.netinfo import gpu_count, torch_version
 from agents.outbox import Outbox
-from agents.paths import close_socket
+from agents.paths import alive_path, bind_unix, close_socket, private_base
 from agents.processes import kill_token_processes, processes_with_token, signal_name, start_watchdog
 from agents.workers import Worker, spawn, worker_env
 
 ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
+
+
+def _file_id(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 class Agent:
@@ -66,6 +75,8 @@ class Agent:
         self.last_heard = time.monotonic()
         self._stop_lock = threading.Lock()
         self.listener: socket.socket | None = None
+        self.socket_id: tuple[int, int] | None = None
+        self.alive = -1  # the descriptor of its alive_path lock
         self.preflight_listeners: list[socket.socket] = []
         self.workdir: str | None = None  # the running attempt's (a synced tree is kept fresh)
         self._slow: queue.SimpleQueue[tuple[Callable[[dict[str, Any]], None],
@@ -75,27 +86,52 @@ class Agent:
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
         start_watchdog(self.token, self.directory)  # first: it must inherit no socket
+        # Held for life (the kernel lets go when the agent dies): relays know it lives.
+        self.alive = os.open(alive_path(self.job_id, self.node_index),
+                             os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fcntl.flock(self.alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        self._bind()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, lambda signum, _frame: self.events.put(("signal", signum)))
+        threading.Thread(target=self.outbox.run, daemon=True).start()
+
+    def _bind(self) -> None:
         path = os.path.join(self.directory, "agent.sock")
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         # Mode set after the bind (its directory is 0700 anyway), never through the umask:
         # the agent's umask is what its workers inherit, as from torchrun.
-        s.bind(path)
+        bind_unix(s, path)
         os.chmod(path, 0o600)
         s.listen(16)
-        self.listener = s
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            signal.signal(sig, lambda signum, _frame: self.events.put(("signal", signum)))
-        threading.Thread(target=self._accept, daemon=True).start()
-        threading.Thread(target=self.outbox.run, daemon=True).start()
+        self.listener, self.socket_id = s, _file_id(path)
+        threading.Thread(target=self._accept, args=(s,), daemon=True).start()
 
-    def _accept(self) -> None:
-        assert self.listener is not None
+    def _accept(self, listener: socket.socket) -> None:
         while True:
             try:
-                conn, _ = self.listener.accept()
+                conn, _ = listener.accept()
             except OSError:
-                return
+                return  # closed: another listener took over (see _keep_listening)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _keep_listening(self) -> None:
+        """Listen again where the socket was if it was removed under us: systemd removes
+        /run/user/<uid> once the user's last session ends, while the agent goes on."""
+        path = os.path.join(self.directory, "agent.sock")
+        if _file_id(path) == self.socket_id:
+            return
+        try:
+            if os.path.dirname(self.directory) != private_base():
+                return  # the runtime base is not the same any more: nothing to find us by
+            os.makedirs(self.directory, mode=0o700, exist_ok=True)
+            for w in self.workers:  # their heartbeat and error files' directories
+                os.makedirs(os.path.dirname(w.heartbeat_file), mode=0o700, exist_ok=True)
+            old = self.listener
+            self._bind()
+            if old is not None:
+                old.close()
+        except (OSError, RuntimeError):
+            pass  # the base itself is gone: the next login makes it again
 
     def _serve(self, conn: socket.socket) -> None:
         """One controller connection: prove the secret, then read its commands."""
@@ -185,6 +221,7 @@ class Agent:
 
     def _tick(self, now: float) -> bool:
         """Heartbeat, progress, silence and grace checks. True: the agent gave up."""
+        self._keep_listening()
         if self.workdir and self.workers and now - self._touched > 60:
             self._touched = now
             try:  # a tree in use must not look unused to another job's pruning
@@ -226,6 +263,10 @@ class Agent:
         if self.listener is not None:
             self.listener.close()
         leases.release()  # its tree and blobs may go now (another job's pruning)
+        try:
+            os.unlink(alive_path(self.job_id, self.node_index))
+        except OSError:
+            pass
         shutil.rmtree(self.directory, ignore_errors=True)
         try:
             os.unlink(self.directory + ".lock")

@@ -18,7 +18,7 @@ import time
 from typing import Any
 
 from agents import protocol as P
-from agents.paths import Lock, agent_paths, connect_unix, holder_path
+from agents.paths import Lock, agent_paths, bind_unix, connect_unix, holder_path
 
 
 def start_agent_by_holder(job_id: str, node_index: int, config: dict[str, Any]) -> None:
@@ -60,7 +60,7 @@ def holder_main(job_id: str, say: Any) -> int:
                     except FileNotFoundError:
                         pass
                     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    server.bind(path)
+                    bind_unix(server, path)
                     server.listen(16)
                     server.settimeout(1.0)
                 else:

@@ -13,6 +13,7 @@ import collections
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
 from typing import Any, BinaryIO
@@ -229,11 +230,20 @@ class Outbox:
 
     def _append_spool(self, data: bytes, is_output: bool) -> None:
         if self._spool is None:
-            self._spool = open(self._spool_path, "a+b")  # noqa: SIM115 (kept open)
+            self._spool = self._open_spool()
             self._spool_offset = 0
+        self._spool.seek(0, os.SEEK_END)  # a replay reads it from where it got to
         self._spool.write(data)
         if is_output:
             self._spool_bytes += len(data)
+
+    def _open_spool(self) -> BinaryIO:
+        """A file only this thread knows, read back through the same descriptor: it needs no
+        name (and keeps what it holds if its directory is removed under the agent)."""
+        try:
+            return tempfile.TemporaryFile(dir=os.path.dirname(self._spool_path))
+        except OSError:  # the directory was removed under the agent (see Agent._keep_listening)
+            return tempfile.TemporaryFile()  # unnamed, 0600: safe in any temp directory
 
     def _write(self, conn: socket.socket, data: bytes) -> bool:
         try:
@@ -277,7 +287,6 @@ class Outbox:
                     self._spool.close()
                     self._spool = None
                     self._spool_bytes = 0
-                    os.unlink(self._spool_path)
                     self._cond.notify_all()
                     return
                 self._spool.seek(0, os.SEEK_END)

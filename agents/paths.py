@@ -1,38 +1,66 @@
 """Where an agent keeps things on its node, and the small file helpers around them.
 
-- ``/tmp/orchestrator-<uid>/<job>.<node>/``: one agent's private directory (its socket,
-  spool, workers' error files), 0700, refused if anybody else could have planted it;
+- The runtime base: ``$XDG_RUNTIME_DIR/orchestrator`` where the user has a runtime directory
+  (systemd's ``/run/user/<uid>``), else ``~/.cache/orchestrator/run``; never a fixed name
+  under /tmp, which any other user could create first. In it, ``<job>.<node>/`` is one
+  agent's private directory (its socket, spool, workers' small files), 0700, and
   ``<job>.<node>.outcome`` beside it says why an agent that gave up did so.
 - ``~/.cache/orchestrator/``: what outlives jobs (synced trees, blobs, setup markers,
-  flight recorder dumps), 0700.
+  flight recorder dumps, the agents' liveness locks), 0700.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import re
 import socket
 import stat
+from collections.abc import Iterator
 
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
 
 def private_base() -> str:
-    """This user's directory for agents: created 0700, and refused unless it is a real
-    directory owned by this user that nobody else can enter (never one another user planted)."""
-    # Not $TMPDIR: every controller of the job (a resumed one may have another environment)
-    # must find the same agent.
-    base = f"/tmp/orchestrator-{os.getuid()}"
+    """This user's runtime directory for agents (see above), created 0700 and taken only if
+    it is a real directory of this user that nobody else can enter. RuntimeError naming the
+    paths tried when neither is usable."""
+    # Not $TMPDIR: every relay of the job (one started by a resumed controller may have
+    # another environment) must find the same agent. $XDG_RUNTIME_DIR is the same in every
+    # session of the user on a machine; a login's environment or the submitter's carries it.
+    candidates = []
+    runtime = os.environ.get("XDG_RUNTIME_DIR", "")
+    if os.path.isabs(runtime) and _problem(runtime, create=False) is None:
+        candidates.append(os.path.join(runtime, "orchestrator"))
+    problems = []
     try:
-        os.mkdir(base, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(base)
+        candidates.append(os.path.join(cache(), "run"))
+    except (OSError, RuntimeError) as exc:
+        problems.append(str(exc))
+    for path in candidates:
+        problem = _problem(path, create=True)
+        if problem is None:
+            return path
+        problems.append(problem)
+    raise RuntimeError("no private directory for the agent: " + "; ".join(problems))
+
+
+def _problem(path: str, create: bool) -> str | None:
+    """What keeps ``path`` from being a private directory of this user, or None."""
+    try:
+        if create:
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror or exc}"
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise RuntimeError(f"{base} is not a private directory of uid {os.getuid()} "
-                           "(must be a directory, owned by the user, mode 0700)")
-    return base
+        return (f"{path} is not a private directory of uid {os.getuid()} (must be a "
+                "directory, owned by the user, mode 0700)")
+    return None
 
 
 def agent_paths(job_id: str, node_index: int) -> tuple[str, str]:
@@ -42,6 +70,34 @@ def agent_paths(job_id: str, node_index: int) -> tuple[str, str]:
     base = private_base()
     name = f"{job_id}.{node_index}"
     return os.path.join(base, name), os.path.join(base, name + ".outcome")
+
+
+def alive_path(job_id: str, node_index: int) -> str:
+    """The file a job's agent holds an flock on for as long as it lives, outside the runtime
+    base: when that is wiped under it (systemd removes /run/user/<uid> once the user's last
+    session ends), a relay still knows the agent lives and waits for it to listen again."""
+    if not JOB_ID_RE.match(job_id) or not isinstance(node_index, int) or node_index < 0:
+        raise ValueError(f"bad job id or node index: {job_id!r} {node_index!r}")
+    base = os.path.join(cache(), "agents")
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    return os.path.join(base, f"{job_id}.{node_index}.alive")
+
+
+def is_locked(path: str) -> bool:
+    """Does a live process hold an flock on ``path``?"""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return False
 
 
 def holder_path(job_id: str) -> str:
@@ -82,11 +138,31 @@ def traces() -> str:
 def connect_unix(path: str) -> socket.socket | None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        s.connect(path)
+        with _short(path) as short:
+            s.connect(short)
     except OSError:
         s.close()
         return None
     return s
+
+
+def bind_unix(s: socket.socket, path: str) -> None:
+    with _short(path) as short:
+        s.bind(short)
+
+
+@contextlib.contextmanager
+def _short(path: str) -> Iterator[str]:
+    """``path``, or where it is longer than a socket address may be (108 bytes: a long home
+    or job id), the same file through an open descriptor of its directory."""
+    if len(os.fsencode(path)) < 100:
+        yield path
+        return
+    fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        yield f"/proc/self/fd/{fd}/{os.path.basename(path)}"
+    finally:
+        os.close(fd)
 
 
 def close_socket(conn: socket.socket) -> None:

@@ -14,11 +14,12 @@ import shutil
 import socket
 import sys
 import threading
+import time
 import traceback
 from typing import Any, BinaryIO
 
 from agents import protocol as P
-from agents.paths import Lock, agent_paths, connect_unix
+from agents.paths import Lock, agent_paths, alive_path, connect_unix, is_locked
 
 
 def relay_main() -> int:
@@ -41,10 +42,11 @@ def relay_main() -> int:
         index = first.get("node_index")
         if not isinstance(index, int):
             raise ValueError(f"bad node index {index!r}")
-        directory, outcome = agent_paths(str(first.get("job_id")), index)
+        job_id = str(first.get("job_id"))
+        directory, outcome = agent_paths(job_id, index)
         sock_path = os.path.join(directory, "agent.sock")
         launch = first.get("launch")
-        sock = connect_unix(sock_path)
+        sock = connect_unix(sock_path) or _listening_again(job_id, index, sock_path)
         launched = False
         if sock is None and launch is not None:
             with Lock(directory + ".lock"):
@@ -75,6 +77,22 @@ def relay_main() -> int:
     say({"type": P.RELAY, "launched": launched})
     _pump(sock, stdin, stdout)
     return 0
+
+
+def _listening_again(job_id: str, index: int, sock_path: str) -> socket.socket | None:
+    """The agent's socket when the agent lives though its socket was gone a moment ago (its
+    runtime directory was removed under it: it listens again within a second); None when
+    no agent of the job lives here."""
+    deadline = time.monotonic() + 5.0
+    while is_locked(alive_path(job_id, index)):
+        sock = connect_unix(sock_path)
+        if sock is not None:
+            return sock
+        if time.monotonic() > deadline:
+            raise RuntimeError("the job's agent lives on this node but does not listen at "
+                               f"{sock_path}")
+        time.sleep(0.05)
+    return None
 
 
 def start_agent(directory: str, outcome: str, config: dict[str, Any]) -> None:
