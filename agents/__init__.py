@@ -22,7 +22,7 @@ import os
 #: What is shipped to a node, in this order (packages before their modules).
 MODULES = ("agents", "agents.fields", "agents.protocol", "agents.paths", "agents.text",
            "agents.netinfo", "agents.processes", "agents.outbox", "agents.leases",
-           "agents.cache", "agents.rankfiles", "agents.shims",
+           "agents.cache", "agents.setup", "agents.rankfiles", "agents.shims",
            "agents.shims.sitecustomize", "agents.shims.orchestrator_worker",
            "agents.workers", "agents.stacks", "agents.ops", "agents.agent", "agents.holder",
            "agents.relay", "agents.main")

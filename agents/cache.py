@@ -1,37 +1,30 @@
 """What a node keeps between jobs under ``~/.cache/orchestrator`` (see orchestrator/sync.py):
 blobs by content, synced trees built from them (``sync/<tree>/``, each with its manifest
-beside it as ``sync/<tree>.manifest.json``, outside the user's files), setup markers,
-flight recorder dumps; and the setup run itself. Nodes may share the cache (an NFS home):
+beside it as ``sync/<tree>.manifest.json``, outside the user's files), setup markers
+(agents/setup.py), flight recorder dumps. Nodes may share the cache (an NFS home):
 every file is written aside and renamed into place, and markers name the machine. What a
 live agent uses is leased (agents/leases.py) and never pruned."""
 
 from __future__ import annotations
 
 import base64
-import collections
 import hashlib
 import json
 import os
 import re
 import shutil
 import socket
-import subprocess
 import tempfile
 import time
-from collections.abc import Callable
 from typing import Any
 
 from agents import leases
-from agents.netinfo import machine_id
 from agents.paths import Lock, cache, traces
-from agents.processes import TOKEN_VAR, set_pdeathsig
-from agents.text import text
 
 # Seconds unused before a tree or blob that no lease holds may go (beyond the ``keep`` most
 # recent trees): agents of versions before leases only touched what they used.
 PRUNE_AFTER = 3600.0
 OLD_MANIFEST = ".orchestrator-manifest.json"  # inside trees built before it moved beside them
-SETUP_TAIL = 20  # lines of a setup's output kept for the failure message
 
 
 def prune_traces(keep_seconds: float = 7 * 24 * 3600) -> None:
@@ -221,49 +214,3 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def run_setup(key: str, script: str, workdir: str, env: dict[str, str], token: str,
-              emit: Callable[[list[str]], None], max_line: int
-              ) -> tuple[int, bool, list[str]]:
-    """Run the job's setup script once per key and machine: it is skipped where that key
-    succeeded before. ``emit`` gets its output in batches while it runs. Returns (exit code,
-    whether it was done before, its last lines)."""
-    if not re.fullmatch(r"[0-9a-f]{32}", key):
-        raise ValueError(f"bad setup key {key!r}")
-    marks = os.path.join(cache(), "setup")
-    os.makedirs(marks, mode=0o700, exist_ok=True)
-    # The key names the node as the controller does; the machine is added here: nodes that
-    # share a home (NFS, every Slurm site) each run their own setup.
-    marker = f"{key}.{machine_id()}"
-    done = os.path.join(marks, f"{marker}.ok")
-    with Lock(os.path.join(marks, f"{marker}.lock")):  # one run per key and machine
-        if os.path.exists(done):
-            return 0, True, []
-        full_env = {**os.environ, **env, TOKEN_VAR: token}  # found by the token sweep
-        tail: collections.deque[str] = collections.deque(maxlen=SETUP_TAIL)
-        try:
-            proc = subprocess.Popen(["/bin/sh", "-c", script],
-                                    cwd=os.path.expanduser(workdir or "."),
-                                    env=full_env, stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True, preexec_fn=set_pdeathsig)
-        except OSError as exc:
-            return 127, False, [str(exc)]
-        out = proc.stdout
-        assert out is not None
-        batch: list[str] = []
-        sent = time.monotonic()
-        for raw in iter(lambda: out.readline(max_line), b""):
-            line = text(raw.rstrip(b"\n"))
-            tail.append(line)
-            batch.append(line)
-            if len(batch) >= 200 or time.monotonic() - sent > 0.1:
-                emit(batch)  # waits if far behind
-                batch, sent = [], time.monotonic()
-        if batch:
-            emit(batch)
-        code = proc.wait()
-        if code == 0:
-            open(done, "w").close()
-        return code, False, list(tail)

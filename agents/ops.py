@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from agents import cache, stacks
+from agents import cache, setup, stacks
 from agents import protocol as P
 from agents.netinfo import free_port, interface_for
 from agents.paths import traces
@@ -159,14 +159,17 @@ def op_sync_build(agent: Agent, msg: dict[str, Any]) -> None:
 def op_setup(agent: Agent, msg: dict[str, Any]) -> None:
     """Run the job's setup script once per key on this machine (skipped when that key
     succeeded before); its output streams as ``setup_output`` while it runs."""
-    def setup(m: dict[str, Any]) -> None:
-        code, cached, tail = cache.run_setup(
+    def run(m: dict[str, Any]) -> None:
+        timeout = m.get("timeout")
+        done = setup.run_setup(
             str(m["key"]), str(m["script"]), str(m.get("workdir") or "."),
             dict(m.get("env") or {}), agent.token,
-            lambda lines: agent.outbox.put_live(P.SETUP_OUTPUT, lines), P.MAX_LINE)
-        agent.reply(m, P.SETUP_DONE, exit_code=code, cached=cached, tail=tail)
+            lambda lines: agent.outbox.put_live(P.SETUP_OUTPUT, lines), P.MAX_LINE,
+            agent.directory, None if timeout is None else float(timeout))
+        agent.reply(m, P.SETUP_DONE, exit_code=done.exit_code, cached=done.cached,
+                    tail=list(done.tail), timed_out=done.timed_out)
 
-    agent.on_thread(setup, msg)
+    agent.on_thread(run, msg)
 
 
 #: The controller's commands (protocol.py), one handler each; shutdown ends the main loop.

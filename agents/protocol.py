@@ -44,7 +44,8 @@ Controller -> agent (``op``)::
     sync_missing {req, blobs}       which of these sha256 blobs the node's cache lacks
     sync_put  {req, sha, offset, data (base64), last}   one chunk of a blob
     sync_build {req, tree, files: [[path, sha, executable]], keep}   build the tree, prune
-    setup     {req, key, script, workdir, env}   run once per key (cached when it succeeds)
+    setup     {req, key, script, workdir, env, timeout}   run once per key (cached when it
+              succeeds), stopped past ``timeout`` seconds
     stacks    {req, timeout, flight_recorder}    every live rank's stack, and dumps
     read_trace {req, path, offset}  a piece of a flight recorder dump
 
@@ -73,7 +74,7 @@ from agents.fields import MAX_COUNT, MAX_RANK, Fields, finite
 from agents.fields import MAX_MESSAGE as MAX_MESSAGE  # part of this module's surface
 from agents.fields import ProtocolError as ProtocolError
 
-VERSION = 3
+VERSION = 4
 
 # Controller -> relay / agent.
 CONNECT = "connect"
@@ -342,6 +343,7 @@ class SetupDone(Reply):
     exit_code: int = 0
     cached: bool = False
     tail: tuple[str, ...] = ()
+    timed_out: bool = False  # stopped past the job's setup_timeout
 
 
 @dataclass(frozen=True)
@@ -404,7 +406,8 @@ _REPLIES: dict[str, Callable[[Fields, int], Reply]] = {
     SYNC_BUILT: lambda f, req: SyncBuilt(req, f.text("path")),
     SETUP_DONE: lambda f, req: SetupDone(
         req, f.integer("exit_code", -255, 255), f.flag("cached"),
-        tuple(f.text("tail", MAX_TEXT, value=t) for t in f.array("tail", optional=True))),
+        tuple(f.text("tail", MAX_TEXT, value=t) for t in f.array("tail", optional=True)),
+        f.flag("timed_out", False)),
     STACKS: _stacks,
     TRACE_CHUNK: _trace_chunk,
 }

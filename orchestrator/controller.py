@@ -235,7 +235,8 @@ class Controller:
         """Keep trying, in the background, nodes that never came up or were lost: those
         that answer before an attempt starts take part in it."""
         for node in self.nodes:
-            if node.state in (NodeState.FAILED, NodeState.LOST) and node.channel is None:
+            if node.state in (NodeState.FAILED, NodeState.LOST) and node.channel is None \
+                    and not node.setup_failed:
                 self.engine.pool.connect(node, launch=True, retry=True)
 
     def _participants(self) -> list[Node] | Failure:

@@ -378,12 +378,19 @@ class Engine:
         elif failure is None:
             node.prepared = True
             log.info("%s: prepared (sync, setup)", node.host)
-        elif self.current is None and not self.ending:
+        elif self.current is None and not self.ending and not self._can_go_on_without(node):
             self.launch_failure = failure  # the job's own setup: it would fail again
         else:
-            # Later (a node rejoining while the job runs): that node stays out, the job goes on.
-            log.error("%s: %s", node.host, failure.message)
+            # Enough nodes without it (nnodes MIN:MAX, spares), or a node rejoining while the
+            # job runs: that node stays out of the job (its setup would fail again), the job
+            # goes on.
+            log.error("%s: %s; the job goes on without it", node.host, failure.message)
+            node.setup_failed = True
             self.book.lose(node, failure.message, retry=False)
+
+    def _can_go_on_without(self, node: Node) -> bool:
+        return sum(1 for n in self.nodes if n is not node and not n.setup_failed) >= \
+            self.spec.min_nodes
 
     # --- losing nodes -----------------------------------------------------------------------
     def lose(self, node: Node, message: str) -> None:

@@ -83,6 +83,7 @@ class Node:
     gap_at: int | None = None  # ``received`` when a missing message made us reattach
     prepared: bool = False  # synced and set up for this job (when the spec asks for it)
     preparing: bool = False
+    setup_failed: bool = False  # out of this job: its setup failed or ran past its time
     connecting: bool = False
     retry: bool = False  # the connector keeps trying until it succeeds
     launch: bool = False  # the connector may start an agent where none answers

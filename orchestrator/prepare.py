@@ -34,6 +34,7 @@ from orchestrator.store import Store
 log = logging.getLogger("orchestrator.controller")
 
 SYNC_TIMEOUT = 120.0  # seconds for one sync request to be answered
+SETUP_ANSWER_MARGIN = 60.0  # seconds past setup_timeout before a silent agent is given up
 IN_FLIGHT = 8  # chunks of a blob sent before their replies are awaited
 
 
@@ -114,15 +115,27 @@ class Preparer:
         # agents' marker directory; the agent adds the machine).
         key = hashlib.sha256(json.dumps([self.spec.setup_script, tree, node_plan.workdir,
                                          env, self.spec.nodes[index].host]).encode())
-        reply = ask(channel, P.SETUP, None,  # setups take what they take
+        limit = self.spec.setup_timeout
+        # The agent stops the setup at the limit; the controller waits a little longer for
+        # it to say so (the stop itself, a slow link).
+        reply = ask(channel, P.SETUP, None if limit is None else limit + SETUP_ANSWER_MARGIN,
                     key=key.hexdigest()[:32], script=self.spec.setup_script, env=env,
-                    workdir=node_plan.workdir)
+                    workdir=node_plan.workdir, timeout=limit)
+        if reply is None and not channel.closed:
+            return Failure(FailureCause.SETUP_FAILED,
+                           f"setup on {host} did not answer within {limit:g}s (setup_timeout)",
+                           node_index=index, host=host)
         if reply is None:
             raise Interrupted()
         if isinstance(reply, P.Failed):
             raise LaunchError(f"{host}: setup: {reply.error}")
         if not isinstance(reply, P.SetupDone):
             raise LaunchError(f"{host}: setup: unexpected reply {type(reply).__name__}")
+        if reply.timed_out:
+            return Failure(FailureCause.SETUP_FAILED,
+                           f"setup on {host} did not finish within {limit:g}s (setup_timeout): "
+                           "stopped", node_index=index, host=host,
+                           stderr_tail=list(reply.tail))
         if reply.exit_code != 0:
             return Failure(FailureCause.SETUP_FAILED,
                            f"setup failed on {host} with exit code {reply.exit_code}",

@@ -80,6 +80,10 @@ class JobSpec(_Model):
     setup: tuple[str, ...] = Field(
         default=(), description="commands run on each node, in its workdir, before the "
         "first attempt; again only when they or the synced tree change")
+    setup_timeout: Seconds | None = Field(
+        default=1800.0, description="seconds a node's setup may take (null: no limit); past "
+        "it, it is stopped and the node fails with SETUP_FAILED (with nnodes MIN:MAX the job "
+        "goes on without it)")
     env: dict[str, str] = Field(default_factory=dict)
     secret_env: tuple[str, ...] = Field(
         default=(), description="env names whose values are never shown (names containing "

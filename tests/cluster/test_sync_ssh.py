@@ -10,7 +10,7 @@ import pytest
 
 import orchestrator
 from tests.cluster.test_ssh_jobs import cluster_spec
-from tests.helpers import PYTHON, assert_no_job_processes
+from tests.helpers import PYTHON, assert_no_job_processes, command_lines
 
 SCRIPT = """import os
 print("cwd", os.getcwd())
@@ -143,3 +143,29 @@ def test_nodes_sharing_a_home_each_run_setup_and_all_get_the_new_tree(cluster, h
         setup=[f'echo "$SSH_CONNECTION" | cut -d" " -f3 >> {runs}']))
     assert orchestrator.wait(again, timeout=180)["state"] == "SUCCEEDED"
     assert len(runs.read_text().split()) == 3
+
+
+def test_a_setup_stuck_on_one_node_past_setup_timeout_leaves_it_out_of_a_min_max_job(
+        cluster, home, tmp_path):
+    """nnodes 2:3 and one node's setup hangs (a mirror that never answers): past
+    setup_timeout it is stopped there and that node is out, SETUP_FAILED naming it; the job
+    runs on the other two and is not held in LAUNCHING."""
+    project(tmp_path, "x")
+    stuck = cluster.hosts[2].address
+    nap = f"600.{secrets.randbelow(10**6):06d}"
+    setup = [f'case "$SSH_CONNECTION" in *" {stuck} "*) echo waiting for the mirror; '
+             f"sleep {nap};; esac"]
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, "train.py"], hosts=cluster.hosts[:3], nproc_per_node=1,
+        sync="proj", workdir="proj", setup=setup, setup_timeout=3, nnodes="2:3"))
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert len(result["ranks"]) == 2 and result["restarts"] == 0
+    out = [n for n in result["nodes"] if n["host"] == f"root@{stuck}"]
+    assert out and out[0]["state"] in ("FAILED", "LOST"), result["nodes"]
+    assert out[0]["error"] == \
+        f"setup on root@{stuck} did not finish within 3s (setup_timeout): stopped"
+    lines = list(orchestrator.logs(job_id))
+    assert f"[{stuck}:setup] waiting for the mirror" in lines, lines[:5]
+    assert not [c for c in command_lines() if f"sleep {nap}".encode() in c]  # stopped there
+    assert_no_job_processes(job_id)

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import socket
 import subprocess
 import time
 
 import orchestrator
-from tests.helpers import PYTHON, ROOT, WORKERS, assert_no_job_processes, write_spec
+from tests.helpers import (
+    PYTHON,
+    ROOT,
+    WORKERS,
+    assert_no_job_processes,
+    command_lines,
+    write_spec,
+)
 
 
 def spec(tmp_path, command, **extra):
@@ -128,3 +136,21 @@ def test_setup_runs_before_workers_is_cached_and_a_failure_costs_no_restart(home
     assert "about to fail" in failure["stderr_tail"] and result["restarts"] == 0
     assert result["attempts"] == []  # no worker ever started
     assert_no_job_processes(failing)
+
+
+def test_a_setup_past_setup_timeout_is_stopped_and_fails_the_job_naming_the_node(home, tmp_path):
+    nap = f"600.{secrets.randbelow(10**6):06d}"  # a sleep no other process has
+    job_id = orchestrator.submit(spec(tmp_path, [PYTHON, "-c", "print('never')"],
+                                      max_restarts=2, setup_timeout=2,
+                                      setup=["echo installing", f"sleep {nap}"]))
+    started = time.monotonic()
+    result = orchestrator.wait(job_id, timeout=60)
+    failure = result["failure"]
+    assert result["state"] == "FAILED" and failure["cause"] == "SETUP_FAILED", failure
+    assert failure["message"] == \
+        "setup on local did not finish within 2s (setup_timeout): stopped"
+    assert failure["host"] == "local" and failure["stderr_tail"] == ["installing"]
+    assert result["restarts"] == 0 and result["attempts"] == []
+    assert time.monotonic() - started < 20
+    assert not [c for c in command_lines() if f"sleep {nap}".encode() in c]  # stopped
+    assert_no_job_processes(job_id)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import signal
+import stat
 import subprocess
 
 import pytest
