@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import signal
 import sys
@@ -17,6 +18,7 @@ from typing import Any, NoReturn, TypeVar
 import typer
 
 import orchestrator as api
+from orchestrator import envargs
 from orchestrator.errors import JobEndedError, JobNotFoundError, OrchestratorError, SpecError
 from orchestrator.plan import describe
 
@@ -84,14 +86,22 @@ def submit(
     follow: bool = typer.Option(False, "--follow", "-f", help="Stream logs, then exit with it."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the launch plan; start nothing."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
-    env: list[str] | None = typer.Option(None, "--env",
-                                         help="KEY=VALUE added to env (repeatable)."),
+    env: list[str] | None = typer.Option(
+        None, "--env", help="KEY (its value from this environment) or KEY=VALUE added to env "
+                            "(repeatable; a secret's value is refused here)."),
+    env_file: list[str] | None = typer.Option(
+        None, "--env-file", help="File of KEY=VALUE lines added to env (repeatable)."),
     set_: list[str] | None = typer.Option(None, "--set",
                                           help="field.path=value override (repeatable)."),
 ) -> None:
     """Validate SPEC and start the job; print its id."""
-    extra_env, sets = _pairs(env or []), list(set_ or [])
+    sets = list(set_ or [])
+    extra_env, written = _call(lambda: envargs.parse(env or [], env_file or [], os.environ))
     loaded = _call(lambda: api.load_jobspec(spec, env=extra_env, overrides=sets))
+    _call(lambda: envargs.refuse_written_secrets(loaded, written, sets))
+    for path in env_file or []:
+        if not envargs.file_is_private(path):
+            typer.echo(f"warning: {path} is readable by other users (chmod 600 it)", err=True)
     for warning in loaded.warnings:
         typer.echo(f"warning: {warning}", err=True)
     if dry_run:
@@ -227,16 +237,6 @@ def _stragglers_line(data: dict[str, Any]) -> str:
         "collectives" if waits else ""
     return "stragglers: " + ", ".join(
         f"rank {r} ({hosts.get(r)})" for r in data["stragglers"]) + others
-
-
-def _pairs(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            _fail(f"--env expects KEY=VALUE, got {item!r}", 2)
-        out[key] = value
-    return out
 
 
 def _cancel_on_signals(job_id: str) -> None:

@@ -32,7 +32,6 @@ from orchestrator.specparts import (  # noqa: F401 (the sections are part of spe
     _ENV_NAME_RE,
     _NAME_RE,
     _PYTHON_RE,
-    _SECRET_RE,
     DEPRECATED_ENV,
     MAX_SPEC_BYTES,
     RESERVED_ENV,
@@ -51,9 +50,10 @@ from orchestrator.specparts import (  # noqa: F401 (the sections are part of spe
     _FieldError,
     _Model,
     _parse_nnodes,
+    looks_secret,
     split_host,
 )
-from orchestrator.yamlsafe import _load_yaml, _read_text
+from orchestrator.yamlsafe import load_yaml, read_text
 
 
 class JobSpec(_Model):
@@ -285,7 +285,7 @@ class JobSpec(_Model):
     @property
     def secret_names(self) -> frozenset[str]:
         """Names in ``env`` whose values are masked wherever the orchestrator shows them."""
-        return frozenset(k for k in self.env if k in self.secret_env or _SECRET_RE.search(k))
+        return frozenset(k for k in self.env if k in self.secret_env or looks_secret(k))
 
     @property
     def node_count(self) -> int:
@@ -311,7 +311,7 @@ def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".",
     as ``submit --env`` and ``--set`` give them; both are validated like the file."""
     if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise SpecError("", f"the spec is larger than {MAX_SPEC_BYTES} bytes")
-    data = _load_yaml(text)
+    data = load_yaml(text)
     for item in overrides or ():
         _apply_override(data, item)
     if env:
@@ -340,7 +340,7 @@ def load_jobspec(path: str | os.PathLike[str], *, env: dict[str, str] | None = N
     """Read, parse and validate a YAML job spec file (at most 1 MiB of UTF-8), with optional
     ``env`` additions and ``field.path=value`` overrides (see parse_jobspec)."""
     path = Path(path)
-    return parse_jobspec(_read_text(path, "", "spec file"), base_dir=path.resolve().parent,
+    return parse_jobspec(read_text(path, "", "spec file"), base_dir=path.resolve().parent,
                          env=env, overrides=overrides)
 
 
@@ -360,7 +360,7 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         steps.append(m[1])
         steps += [int(i) for i in re.findall(r"\[(\d+)\]", m[2])]
     try:
-        value = _load_yaml(f"v: {raw}")["v"] if raw.strip() else ""
+        value = load_yaml(f"v: {raw}")["v"] if raw.strip() else ""
     except SpecError as exc:
         raise SpecError(path, f"--set value is not valid YAML: {exc.message}") from None
     target: Any = data
@@ -396,7 +396,7 @@ def _expand_hostfile(data: dict[str, Any], base_dir: Path) -> tuple[dict[str, An
     each node's line number in the hostfile."""
     given = data["hostfile"]
     path = base_dir / os.path.expanduser(given)
-    text = _read_text(path, "hostfile", "hostfile")
+    text = read_text(path, "hostfile", "hostfile")
     nodes: list[dict[str, str]] = []
     lines: list[int] = []
     slots: list[int | None] = []

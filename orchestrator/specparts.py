@@ -39,6 +39,12 @@ _ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _HOSTNAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9.-]*[A-Za-z0-9])?$")
 _IPV6_RE = re.compile(r"^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*$")
 _SECRET_RE = re.compile(r"TOKEN|KEY|PASSWORD|PASSWD|SECRET|CREDENTIAL", re.IGNORECASE)
+
+
+def looks_secret(name: str) -> bool:
+    """An env name whose value is masked wherever it is shown (with the spec's secret_env)."""
+    return bool(_SECRET_RE.search(name))
+
 _USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*$")
 # The interpreter name goes into a remote shell command line: no spaces, no metacharacters,
 # and no leading "-" that would read as an option.

@@ -79,7 +79,7 @@ def _check_tree(node: yaml.Node, path: str, memo: dict[int, int], active: set[in
     return size
 
 
-def _load_yaml(text: str) -> dict[str, Any]:
+def load_yaml(text: str) -> dict[str, Any]:
     """One YAML document that is a mapping, or a SpecError."""
     try:
         loader = _SpecLoader(text)  # refuses control characters already
@@ -110,7 +110,7 @@ def _load_yaml(text: str) -> dict[str, Any]:
     return data
 
 
-def _read_text(path: Path, field: str, what: str) -> str:
+def read_text(path: Path, field: str, what: str) -> str:
     """Read a small UTF-8 file; the size is checked before reading, and the read is capped
     in case the file grows or is not a regular file."""
     try:

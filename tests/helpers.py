@@ -93,3 +93,34 @@ def wait_for_output(job_id: str, text: str, count: int, timeout: float = 60) -> 
 
     wait_for(lambda: sum(text in ln for ln in orchestrator.logs(job_id)) >= count, timeout,
              what=f"{count} lines with {text!r}")
+
+
+class CommandLineScan:
+    """While in use, scans every process's command line on this machine (the namespace
+    nodes' processes too) every 20 ms for any of ``needles``: ``hits`` holds what matched,
+    ``scans`` how many scans ran."""
+
+    def __init__(self, *needles: str):
+        import threading
+
+        self.needles = [n.encode() for n in needles]
+        self.hits: list[bytes] = []
+        self.scans = 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._done.is_set():
+            for line in command_lines():
+                if any(n in line for n in self.needles):
+                    self.hits.append(line)
+            self.scans += 1
+            self._done.wait(0.02)
+
+    def __enter__(self) -> CommandLineScan:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import signal
 import subprocess
 import time
@@ -18,6 +19,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import yaml
 
 import orchestrator
 from tests.helpers import (
@@ -28,6 +30,12 @@ from tests.helpers import (
     wait_for,
     wait_for_output,
     write_spec,
+)
+from tests.integration.test_trust import (
+    SECRET_NAMES,
+    assert_secrets_arrived,
+    secret_spec,
+    submit_with_secrets,
 )
 from tests.worker_world import (
     SLURM_ALLOCATION_SHELL,
@@ -346,4 +354,16 @@ def test_a_two_file_script_and_a_per_node_launcher_on_slurm(sl, tmp_path):
     assert {r: n for r, (n, _) in found.items()} == {
         r: sl.slurm_nodes[r // 2] for r in range(6)}, lines[-10:]
     assert len({d for _, d in found.values()}) == 1
+    assert_no_job_processes(job_id)
+
+
+def test_no_secret_reaches_a_command_line_on_slurm(sl, tmp_path):
+    """The spec's env, --env KEY, --env-file and a secret in a setup line, through salloc
+    and srun: no command line on this machine or on the nodes holds any of them."""
+    values = {n: f"{n.lower()}-{secrets.token_hex(8)}" for n in SECRET_NAMES}
+    data = yaml.safe_load(secret_spec(tmp_path, values).read_text())
+    path = slurm_spec(tmp_path, data["command"], nodes=2, nproc_per_node=1, env=data["env"],
+                      setup=data["setup"])
+    job_id = submit_with_secrets(tmp_path, path, values)
+    assert_secrets_arrived(job_id, values, ranks=2)
     assert_no_job_processes(job_id)

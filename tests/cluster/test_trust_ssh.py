@@ -4,7 +4,10 @@ line, and `check` warns when the master port is open beyond the node list."""
 from __future__ import annotations
 
 import json
+import secrets
 import subprocess
+
+import yaml
 
 import orchestrator
 from tests.cluster.test_ssh_jobs import cluster_spec
@@ -15,6 +18,12 @@ from tests.helpers import (
     assert_no_job_processes,
     command_lines,
     wait_for_output,
+)
+from tests.integration.test_trust import (
+    SECRET_NAMES,
+    assert_secrets_arrived,
+    secret_spec,
+    submit_with_secrets,
 )
 
 
@@ -57,4 +66,17 @@ def test_a_node_flooding_its_channel_stderr_does_not_disturb_the_job(cluster, ho
     assert result["state"] == "SUCCEEDED", result["failure"]
     log = (home / "jobs" / job_id / "controller.log").read_text()
     assert "Traceback" not in log
+    assert_no_job_processes(job_id)
+
+
+def test_no_secret_reaches_a_command_line_on_any_node(cluster, home, tmp_path):
+    """The spec's env, --env KEY, --env-file and a secret in a setup line, over SSH: while
+    the job runs, no command line on this machine or on the nodes holds any of them."""
+    values = {n: f"{n.lower()}-{secrets.token_hex(8)}" for n in SECRET_NAMES}
+    plain = secret_spec(tmp_path, values)  # the local spec's env and setup, on SSH nodes
+    data = yaml.safe_load(plain.read_text())
+    path = cluster_spec(cluster, tmp_path, data["command"], hosts=cluster.hosts[:2],
+                        nproc_per_node=1, env=data["env"], setup=data["setup"])
+    job_id = submit_with_secrets(tmp_path, path, values)
+    assert_secrets_arrived(job_id, values, ranks=2)
     assert_no_job_processes(job_id)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import secrets
 import shutil
 import signal
 import stat
@@ -13,7 +15,15 @@ import subprocess
 import pytest
 
 import orchestrator
-from tests.helpers import PYTHON, ROOT, WORKERS, assert_no_job_processes, wait_for, write_spec
+from tests.helpers import (
+    PYTHON,
+    ROOT,
+    WORKERS,
+    CommandLineScan,
+    assert_no_job_processes,
+    wait_for,
+    write_spec,
+)
 
 
 def spec(tmp_path, command, **extra):
@@ -181,4 +191,59 @@ def test_a_recycled_pid_is_never_taken_for_the_jobs_controller(home, tmp_path):
             proc.kill()
             proc.wait()
         store.close()
+    assert_no_job_processes(job_id)
+
+
+def submit_with_secrets(tmp_path, spec_path, values, run_cli_env=None):
+    """``submit --wait`` with API_TOKEN from the environment and HF_TOKEN from a 0600 env
+    file, while every command line on the machine is scanned for any secret's value."""
+    env_file = tmp_path / "job.env"
+    env_file.write_text(f'# credentials\nexport HF_TOKEN="{values["HF_TOKEN"]}"\n')
+    env_file.chmod(0o600)
+    with CommandLineScan(*values.values()) as scan:
+        done = subprocess.run(
+            [PYTHON, "-m", "orchestrator", "submit", str(spec_path), "--wait", "--env",
+             "API_TOKEN", "--env-file", str(env_file)], capture_output=True, text=True,
+            cwd=ROOT, timeout=180, env={**os.environ, "API_TOKEN": values["API_TOKEN"]})
+    assert done.returncode == 0, done.stderr
+    assert scan.scans > 20 and not scan.hits, scan.hits
+    return re.search(r"submitted (\S+)", done.stderr)[1]
+
+
+SECRET_NAMES = ("API_TOKEN", "HF_TOKEN", "DB_PASSWORD", "SETUP_KEY")
+
+
+def secret_spec(tmp_path, values, **extra):
+    return spec(tmp_path, [PYTHON, str(WORKERS / "secrets_seen.py")],
+                env={"DB_PASSWORD": values["DB_PASSWORD"],
+                     "SECRETS_TO_CHECK": "API_TOKEN,HF_TOKEN,DB_PASSWORD", "SLEEP": "2"},
+                setup=[f"SETUP_KEY={values['SETUP_KEY']}",
+                       'echo "setup has a key of ${#SETUP_KEY} characters"'], **extra)
+
+
+def assert_secrets_arrived(job_id, values, ranks):
+    import hashlib
+
+    lines = list(orchestrator.logs(job_id))
+    for name in ("API_TOKEN", "HF_TOKEN", "DB_PASSWORD"):
+        digest = hashlib.sha256(values[name].encode()).hexdigest()[:16]
+        assert sum(ln.endswith(f"secret {name} {digest}") for ln in lines) == ranks, lines
+    said = f"setup has a key of {len(values['SETUP_KEY'])} characters"
+    assert any(ln.endswith(said) for ln in lines), lines[:5]
+
+
+def test_no_secret_reaches_a_command_line_and_one_written_there_is_refused(home, tmp_path):
+    values = {n: f"{n.lower()}-{secrets.token_hex(8)}" for n in SECRET_NAMES}
+    path = secret_spec(tmp_path, values)
+    for args, name in ((["--env", f"API_TOKEN={values['API_TOKEN']}"], "API_TOKEN"),
+                       (["--set", "env.DB_PASSWORD=hunter2"], "DB_PASSWORD")):
+        refused = run_cli("submit", str(path), *args)
+        assert refused.returncode == 2, refused.stderr
+        assert refused.stderr.strip() == (
+            f"error: --env: {name}'s value is on the command line, where every local user can "
+            f"read it (ps): pass --env {name} to take it from your environment, or --env-file "
+            "FILE")
+    assert orchestrator.list_jobs() == []  # nothing was submitted
+    job_id = submit_with_secrets(tmp_path, path, values)
+    assert_secrets_arrived(job_id, values, ranks=1)
     assert_no_job_processes(job_id)

@@ -390,3 +390,26 @@ def test_hostfile_with_different_slots_gives_each_node_its_own(tmp_path: Path) -
     plan = plan_attempt(spec, "j-1")
     assert plan.world_size == 6 and [len(n.workers) for n in plan.nodes] == [4, 2]
     assert [w.rank for w in plan.nodes[1].workers] == [4, 5]
+
+
+def test_env_arguments_from_the_environment_a_file_or_written():
+    from orchestrator import envargs
+
+    env, written = envargs.parse(["A=1", "HOME_DIR"], [], {"HOME_DIR": "/h"})
+    assert env == {"A": "1", "HOME_DIR": "/h"} and written == {"A"}
+    with pytest.raises(SpecError, match=r"^--env: NOPE is not set in this environment"):
+        envargs.parse(["NOPE"], [], {})
+    with pytest.raises(SpecError, match=r"^--env: expects KEY or KEY=VALUE, got '1X'"):
+        envargs.parse(["1X=2"], [], {})
+
+
+def test_env_file_lines_and_the_line_that_is_wrong(tmp_path):
+    from orchestrator import envargs
+
+    good = tmp_path / "good.env"
+    good.write_text("# c\n\nexport A_TOKEN='x y'\nB=\"q\"\nC=a=b\nD=\n")
+    assert envargs.read_file(good) == {"A_TOKEN": "x y", "B": "q", "C": "a=b", "D": ""}
+    bad = tmp_path / "bad.env"
+    bad.write_text("A=1\nnot a pair\n")
+    with pytest.raises(SpecError, match=rf"^--env-file: {bad} line 2: expected KEY=VALUE$"):
+        envargs.read_file(bad)
