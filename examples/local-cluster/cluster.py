@@ -40,7 +40,9 @@ user could have put in place:
 - sshd runs with ``StrictModes yes``; its ``authorized_keys`` lives in root's registry
   directory (``/run/orc-cluster/<id>/``), whose whole path is root's alone.
 - munged's directory is made fresh (``O_EXCL``) by root and only then given to user munge;
-  the munge key is created only if missing (0400, munge's), never replaced.
+  the munge key is created only if missing (0400, munge's), never replaced;
+- its Slurm takes jobs from root only (``AllowGroups=root``) and shows other users nothing
+  (``PrivateData``): munged serves every local user, by its own design.
 """
 
 import argparse
@@ -501,8 +503,14 @@ class Cluster:
         lines += [f"NodeName={h.name} NodeAddr={h.address} CPUs={cpus} State=UNKNOWN"
                   for h in self.hosts]
         # OverSubscribe=YES: jobs that ask (--oversubscribe) may share CPUs; others do not.
+        # AllowGroups=root: the cluster is root's (it takes root to build); any other local
+        # user can reach munged and slurmctld, but may run nothing on the namespace nodes,
+        # and PrivateData hides root's jobs, nodes and partitions from them.
+        lines.append("PrivateData=accounts,events,jobs,nodes,partitions,reservations,usage,"
+                     "users")
         lines.append(f"PartitionName=debug Nodes={','.join(h.name for h in self.hosts)} "
-                     "Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES")
+                     "Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES "
+                     "AllowGroups=root")
         return "\n".join(lines) + "\n"
 
     def _start_slurm(self, deadline: float) -> None:
@@ -558,7 +566,9 @@ class Cluster:
         _munge_run()
         try:
             # Fresh (a leftover would have made _allocate pick another id); 0711: munged
-            # wants every client to be able to reach its socket.
+            # refuses to start unless every local user can reach its socket (a credential
+            # only says who its holder is). Who may run jobs is Slurm's to say: see
+            # AllowGroups in slurm_conf_text.
             os.mkdir(d, 0o711)
         except OSError as exc:
             raise ClusterError(f"cannot create {d}: {exc.strerror}") from exc

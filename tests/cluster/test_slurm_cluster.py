@@ -346,3 +346,44 @@ def test_cleanup_stale_stops_the_slurm_of_a_dead_owner(tmp_path):
     finally:
         c.down()
     assert_all_gone(c, pids)
+
+
+def test_another_local_user_can_run_nothing_and_see_nothing(slurm_cluster):
+    """The cluster's Slurm is root's: another local user (nobody), with a copy of slurm.conf
+    in hand and a munge credential of their own (munged serves every local user), may run
+    no job on the namespace nodes and sees none of root's jobs or nodes."""
+    import tempfile
+
+    c = slurm_cluster
+    shared = Path(tempfile.mkdtemp(prefix="for-nobody-"))  # pytest's tmp is root's alone
+    shared.chmod(0o755)
+    conf = shared / "slurm.conf"
+    conf.write_text(c.slurm_conf.read_text())
+    conf.chmod(0o644)
+    as_nobody = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+    env = {"PATH": "/usr/bin:/bin", "SLURM_CONF": str(conf)}
+
+    def nobody(*argv):
+        return subprocess.run([*as_nobody, *argv], capture_output=True, text=True,
+                              timeout=30, env=env)
+
+    held = subprocess.Popen(["srun", "-N1", "-J", "roots-job", "sleep", "30"],
+                            env=slurm_env(c), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: "roots-job" in slurm(c, "squeue", "-h", "-o", "%j").stdout,
+                 "root's job running")
+        for argv in (["srun", "-N1", "-t", "1", "/bin/true"],
+                     ["sbatch", "-N1", "--wrap", "/bin/true"],
+                     ["salloc", "-N1", "--no-shell", "-t", "1"]):
+            run = nobody(*argv)
+            assert run.returncode != 0 and "not permitted" in run.stderr, (argv, run.stderr)
+        seen = nobody("squeue", "-h", "-o", "%j %u")
+        assert seen.returncode == 0 and "roots-job" not in seen.stdout, seen.stdout
+        nodes = nobody("sinfo", "-h", "-N", "-o", "%N")
+        assert not any(h.name in nodes.stdout for h in c.hosts), nodes.stdout
+        assert slurm(c, "srun", "-N1", "/bin/true").returncode == 0  # root still can
+    finally:
+        held.terminate()
+        held.wait(timeout=30)
+        shutil.rmtree(shared)
