@@ -481,14 +481,19 @@ def _print_status(data: dict[str, Any]) -> None:
 @app.command()
 def ui(
     port: int = typer.Option(8265, "--port", min=0, max=65535, help="Port to serve on."),
-    host: str = typer.Option("127.0.0.1", "--host",
-                             help="Address to bind. Off loopback, a token is required."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind (default: loopback)."),
+    certfile: str | None = typer.Option(None, "--certfile", help="Serve HTTPS: certificate."),
+    keyfile: str | None = typer.Option(None, "--keyfile", help="Serve HTTPS: its private key."),
 ) -> None:
-    """Serve the read-only web dashboard and Prometheus /metrics until interrupted."""
+    """Serve the read-only web dashboard and Prometheus /metrics until interrupted; every
+    request needs the token in the URL it prints (or $ORCHESTRATOR_UI_TOKEN)."""
     from orchestrator.ui import serve
 
     try:
-        serve(host, port, announce=lambda text: typer.echo(text, err=True))
+        serve(host, port, certfile=certfile, keyfile=keyfile,
+              announce=lambda text: typer.echo(text, err=True))
+    except ValueError as exc:
+        _fail(f"ui: {exc}", 2)
     except OSError as exc:
         _fail(f"ui: cannot serve on {host}:{port}: {exc.strerror or exc}", 1)
 

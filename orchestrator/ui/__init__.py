@@ -7,14 +7,20 @@ A read-only view of the state store, served by Starlette under uvicorn:
   history), ``/api/jobs/<id>/logs?rank=R&lines=N`` (the current attempt's last lines);
 - ``/metrics``: Prometheus text, ``orchestrator_*`` (see :mod:`orchestrator.ui.metrics`).
 
-It binds 127.0.0.1 unless told otherwise. On any other address every request needs the token
-printed at start (``Authorization: Bearer``, or ``?token=`` once, which sets a cookie): job
-logs and stacks are not for everyone on the network. On loopback the ``Host`` header must name
-loopback too, so that a web page cannot reach the dashboard through DNS rebinding.
+Every request needs the token printed at start, on loopback too (as Jupyter does): every
+local user can reach 127.0.0.1, and job logs, stacks and the torch store's address are not
+for them. A request gives it as ``Authorization: Bearer <token>``, or once as ``?token=``:
+that opens a session, whose id (never the token) goes in a cookie named after the port, so
+that dashboards on two ports of a host never see each other's. The token is made at start,
+or taken from ``$ORCHESTRATOR_UI_TOKEN`` (at least MIN_TOKEN characters). It binds 127.0.0.1
+unless told otherwise; elsewhere ``certfile``/``keyfile`` serve HTTPS (plain HTTP carries
+the token in clear: a warning says so). On loopback the ``Host`` header must name loopback
+too, so that a web page cannot reach the dashboard through DNS rebinding.
 """
 
 from __future__ import annotations
 
+import collections
 import hmac
 import ipaddress
 import os
@@ -27,8 +33,10 @@ from orchestrator.errors import JobNotFoundError, StoreError
 from orchestrator.store import Store, check_job_id
 
 STATIC = Path(__file__).resolve().parent / "static"
-COOKIE = "orchestrator_ui_token"
+COOKIE = "orchestrator_ui_{port}"  # one name per port: browsers send cookies to every port
 TOKEN_VAR = "ORCHESTRATOR_UI_TOKEN"  # a fixed token for deployments; never on a command line
+MIN_TOKEN = 24  # characters: a guessable token is no protection
+MAX_SESSIONS = 1024  # the oldest goes first
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
 TAIL_BYTES = 4 * 1024 * 1024  # the most of a log the tail endpoint reads per request
 # Browsers must run only our own script, and show job text as text (see static/app.js).
@@ -49,9 +57,10 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def create_app(home: str | os.PathLike[str] | None = None, *, token: str | None = None,
-               loopback: bool = True) -> Any:
-    """The ASGI app. ``token``: required of every request (None: none required)."""
+def create_app(home: str | os.PathLike[str] | None = None, *, token: str, port: int,
+               loopback: bool = True, secure: bool = False) -> Any:
+    """The ASGI app; ``token`` is required of every request (see above). ``port`` names the
+    session cookie; ``secure``: served over HTTPS (the cookie is then Secure)."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import FileResponse, JSONResponse, Response
@@ -107,15 +116,19 @@ def create_app(home: str | os.PathLike[str] | None = None, *, token: str | None 
         exception_handlers={JobNotFoundError: not_found, ValueError: bad_request,
                             StoreError: not_found},
     )
-    return _Guard(app, token, loopback)
+    return _Guard(app, token, loopback, COOKIE.format(port=port), secure)
 
 
 class _Guard:
-    """ASGI middleware: the token (when one is set), the Host check on loopback, GET only,
-    and the security headers on every answer."""
+    """ASGI middleware: the token or a session, the Host check on loopback, GET only, and
+    the security headers on every answer."""
 
-    def __init__(self, app: Any, token: str | None, loopback: bool):
+    def __init__(self, app: Any, token: str, loopback: bool, cookie: str, secure: bool):
+        if len(token) < MIN_TOKEN:
+            raise ValueError(f"the dashboard's token must have at least {MIN_TOKEN} characters")
         self.app, self.token, self.loopback = app, token, loopback
+        self.cookie, self.secure = cookie, secure
+        self.sessions: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -132,28 +145,38 @@ class _Guard:
             problem = (405, "read-only")
         elif self.loopback and host not in LOOPBACK_HOSTS:
             problem = (400, "this dashboard answers to loopback names only")
-        elif self.token is not None and not self._authorized(request, given):
+        elif not self._authorized(request, given):
             problem = (401, "a token is needed: open the URL `orchestrator ui` printed")
         if problem is not None:
             response: Any = PlainTextResponse(problem[1], status_code=problem[0])
-        elif given is not None and self.token is not None:
-            # Swap the token in the URL for a cookie, so that it leaves the address bar.
+        elif given is not None:
+            # Swap the token in the URL for a session, so that it leaves the address bar and
+            # the cookie never holds it.
             url = request.url.remove_query_params("token")
             response = RedirectResponse(str(url.path) + (f"?{url.query}" if url.query else ""),
                                         status_code=303)
-            response.set_cookie(COOKIE, self.token, httponly=True, samesite="strict")
+            response.set_cookie(self.cookie, self._new_session(), httponly=True,
+                                samesite="strict", secure=self.secure)
         else:
             await self.app(scope, receive, _with_headers(send))
             return
         await response(scope, receive, _with_headers(send))
 
     def _authorized(self, request: Any, given: str | None) -> bool:
-        assert self.token is not None
         auth = request.headers.get("authorization") or ""
-        offered = [given, request.cookies.get(COOKIE),
-                   auth[len("Bearer "):] if auth.startswith("Bearer ") else None]
-        return any(t is not None and hmac.compare_digest(t.encode(), self.token.encode())
-                   for t in offered)
+        offered = [given, auth[len("Bearer "):] if auth.startswith("Bearer ") else None]
+        if any(t is not None and hmac.compare_digest(t.encode(), self.token.encode())
+               for t in offered):
+            return True
+        session = request.cookies.get(self.cookie)
+        return session is not None and session in self.sessions
+
+    def _new_session(self) -> str:
+        session = secrets.token_urlsafe(32)
+        self.sessions[session] = None
+        while len(self.sessions) > MAX_SESSIONS:
+            self.sessions.popitem(last=False)
+        return session
 
 
 def _with_headers(send: Any) -> Any:
@@ -180,16 +203,21 @@ def _int_arg(request: Any, name: str) -> int | None:
 
 
 def serve(host: str = "127.0.0.1", port: int = 8265, *,
-          home: str | os.PathLike[str] | None = None, announce: Any = print) -> None:
-    """Run the dashboard until interrupted. Off loopback, a token is made (or taken from
-    ``$ORCHESTRATOR_UI_TOKEN``) and the URL holding it is announced."""
-    import uvicorn
-
-    loopback = is_loopback(host)
-    token = None if loopback else (os.environ.get(TOKEN_VAR) or secrets.token_urlsafe(24))
-    app = create_app(home, token=token, loopback=loopback)
+          home: str | os.PathLike[str] | None = None, certfile: str | None = None,
+          keyfile: str | None = None, announce: Any = print) -> None:
+    """Run the dashboard until interrupted, announcing the URL that holds its token (made
+    here, or taken from ``$ORCHESTRATOR_UI_TOKEN``). ``certfile``/``keyfile``: HTTPS."""
     import socket
 
+    import uvicorn
+
+    token = os.environ.get(TOKEN_VAR) or secrets.token_urlsafe(32)
+    if len(token) < MIN_TOKEN:
+        raise ValueError(f"${TOKEN_VAR} is shorter than {MIN_TOKEN} characters: a token that "
+                         "short can be guessed")
+    if (certfile is None) != (keyfile is None):
+        raise ValueError("--certfile and --keyfile go together")
+    loopback, secure = is_loopback(host), certfile is not None
     # Bound here, before anything is announced: a port in use is one clear error (OSError).
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -200,14 +228,20 @@ def serve(host: str = "127.0.0.1", port: int = 8265, *,
         sock.close()
         raise
     port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    app = create_app(home, token=token, port=port, loopback=loopback, secure=secure)
+    # A browser's idle keep-alive connection must not hold Ctrl-C up for long.
+    config = uvicorn.Config(app, log_level="warning", access_log=False,
+                            ssl_certfile=certfile, ssl_keyfile=keyfile,
+                            timeout_graceful_shutdown=2)
     server = uvicorn.Server(config)
     shown = socket.gethostname() if host in ("0.0.0.0", "::") else (
         f"[{host}]" if ":" in host else host)
-    if token is None:
-        announce(f"dashboard: http://{shown}:{port}/  (loopback only; --host to share it)")
-    else:
-        announce(f"dashboard: http://{shown}:{port}/?token={token}\n"
-                 f"metrics:   http://{shown}:{port}/metrics  (Authorization: Bearer {token})\n"
-                 "anyone with this token can read every job's logs: share it as a secret")
+    scheme = "https" if secure else "http"
+    announce(f"dashboard: {scheme}://{shown}:{port}/?token={token}\n"
+             f"metrics:   {scheme}://{shown}:{port}/metrics  (Authorization: Bearer <the token>)\n"
+             + ("loopback only (--host to share it); " if loopback else "")
+             + "anyone with this token can read every job's logs: share it as a secret")
+    if not loopback and not secure:
+        announce("warning: plain HTTP off loopback: the token and every page cross the network "
+                 "in clear; give --certfile/--keyfile, or reach it through an SSH tunnel")
     server.run(sockets=[sock])

@@ -43,8 +43,12 @@ def _free_port() -> int:
 
 
 class _Server:
-    def __init__(self, home: Path, *args: str):
-        self.port = _free_port()
+    """``orchestrator ui`` on a free port. With ``auth``, the helpers give the token it
+    printed: ``get`` as a Bearer header (unless the call gives its own), ``url`` as the
+    ``?token=`` a browser opens."""
+
+    def __init__(self, home: Path, *args: str, auth: bool = False):
+        self.port, self.auth = _free_port(), auth
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "orchestrator", "ui", "--port", str(self.port), *args],
             env={**os.environ, "ORCHESTRATOR_HOME": str(home)}, stdout=subprocess.DEVNULL,
@@ -57,6 +61,8 @@ class _Server:
             if not line and self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"ui did not start: {self.banner}")
             self.banner += line
+        found = re.search(r"\?token=([\w-]+)", self.banner)
+        self.token = found.group(1) if found else None
         while True:  # the banner comes before uvicorn listens
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
@@ -66,11 +72,19 @@ class _Server:
                 time.sleep(0.05)
 
     def url(self, path: str) -> str:
+        if not self.auth:
+            return self._url(path)
+        return self._url(path) + ("&" if "?" in path else "?") + f"token={self.token}"
+
+    def _url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
 
     def get(self, path: str, headers: dict[str, str] | None = None,
             method: str = "GET") -> tuple[int, dict[str, str], bytes]:
-        request = urllib.request.Request(self.url(path), headers=headers or {}, method=method)
+        headers = dict(headers or {})
+        if self.auth and not {"Authorization", "Cookie"} & set(headers):
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(self._url(path), headers=headers, method=method)
 
         class NoRedirect(urllib.request.HTTPRedirectHandler):
             def redirect_request(self, *args, **kwargs):
@@ -155,7 +169,7 @@ def restarted_job(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(restarted_job):
-    s = _Server(restarted_job[0])
+    s = _Server(restarted_job[0], auth=True)
     yield s
     s.close()
 
@@ -286,5 +300,122 @@ def test_another_address_needs_the_printed_token(restarted_job):
         cookie = headers["set-cookie"].split(";")[0]
         assert "httponly" in headers["set-cookie"].lower()
         assert s.get("/api/jobs", {"Cookie": cookie})[0] == 200
+    finally:
+        s.close()
+
+
+def _as_nobody(url: str, *headers: str) -> int:
+    """The HTTP status another local user (uid 65534) gets from ``url`` with curl."""
+    run = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                          "curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "--max-time",
+                          "10", *[a for h in headers for a in ("-H", h)], url],
+                         capture_output=True, text=True, timeout=30)
+    return int(run.stdout or 0)
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("curl"),
+                    reason="needs root to act as another user, and curl")
+@pytest.mark.parametrize("where", ["loopback", "0.0.0.0"])
+def test_another_local_user_reads_nothing_without_the_token(restarted_job, where):
+    _, job_id = restarted_job
+    s = _Server(restarted_job[0], *(["--host", "0.0.0.0"] if where == "0.0.0.0" else []))
+    try:
+        assert s.token and len(s.token) >= 32, s.banner
+        for path in ("/", "/api/jobs", f"/api/jobs/{job_id}", f"/api/jobs/{job_id}/logs",
+                     f"/api/jobs/{job_id}/samples", "/metrics", "/static/app.js"):
+            assert _as_nobody(s._url(path)) == 401, path
+            assert _as_nobody(s._url(path), "Authorization: Bearer wrong-" + "x" * 30) == 401
+            # a cookie holding the token is not a session
+            assert _as_nobody(s._url(path), f"Cookie: orchestrator_ui_{s.port}={s.token}") == 401
+        assert _as_nobody(s._url("/api/jobs"), f"Authorization: Bearer {s.token}") == 200
+    finally:
+        s.close()
+
+
+def test_the_cookie_is_a_session_of_this_port_never_the_token(restarted_job):
+    one, two = _Server(restarted_job[0]), _Server(restarted_job[0])
+    try:
+        status, headers, _ = one.get(f"/api/jobs?token={one.token}")
+        assert status == 303 and headers["location"] == "/api/jobs", headers
+        set_cookie = headers["set-cookie"]
+        name, _, session = set_cookie.split(";")[0].partition("=")
+        assert name == f"orchestrator_ui_{one.port}" and session and one.token not in set_cookie
+        assert "httponly" in set_cookie.lower() and "samesite=strict" in set_cookie.lower()
+        assert one.get("/api/jobs", {"Cookie": f"{name}={session}"})[0] == 200
+        # The browser sends it to the other port too: there it is nobody's session.
+        assert two.get("/api/jobs", {"Cookie": f"{name}={session}"})[0] == 401
+        assert two.get("/api/jobs", {"Cookie": f"orchestrator_ui_{two.port}={session}"})[0] == 401
+        assert one.get("/api/jobs", {"Cookie": f"{name}=made-up"})[0] == 401
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_short_token_is_refused(restarted_job):
+    run = subprocess.run([sys.executable, "-m", "orchestrator", "ui", "--port", "0"],
+                         env={**os.environ, "ORCHESTRATOR_HOME": str(restarted_job[0]),
+                              "ORCHESTRATOR_UI_TOKEN": "hunter2"},
+                         capture_output=True, text=True, timeout=30)
+    assert run.returncode == 2
+    assert run.stderr.strip() == ("error: ui: $ORCHESTRATOR_UI_TOKEN is shorter than 24 "
+                                  "characters: a token that short can be guessed")
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+            .sign(key, hashes.SHA256()))
+    cert_path, key_path = directory / "ui.crt", directory / "ui.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    key_path.chmod(0o600)
+    return cert_path, key_path
+
+
+def test_https_with_certfile_and_keyfile(restarted_job, tmp_path):
+    import ssl
+
+    cert, key = _self_signed(tmp_path)
+    s = _Server(restarted_job[0], "--certfile", str(cert), "--keyfile", str(key))
+    try:
+        assert f"dashboard: https://127.0.0.1:{s.port}/?token=" in s.banner, s.banner
+        context = ssl.create_default_context(cafile=str(cert))
+        url = f"https://127.0.0.1:{s.port}/api/jobs"
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {s.token}"})
+        with urllib.request.urlopen(request, context=context, timeout=10) as r:
+            assert r.status == 200
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(url, context=context, timeout=10)
+        assert refused.value.code == 401
+        with pytest.raises((urllib.error.URLError, ConnectionError)):  # no plain HTTP
+            urllib.request.urlopen(s._url("/api/jobs"), timeout=10)
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args, **kwargs):
+                return None
+
+        opener = urllib.request.build_opener(NoRedirect, urllib.request.HTTPSHandler(
+            context=context))
+        with pytest.raises(urllib.error.HTTPError) as redirected:
+            opener.open(f"{url}?token={s.token}", timeout=10)
+        assert redirected.value.code == 303
+        assert "secure" in redirected.value.headers["set-cookie"].lower()
     finally:
         s.close()
