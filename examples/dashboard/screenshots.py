@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -55,14 +56,18 @@ def main() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "orchestrator", "ui", "--port", str(port)])
+    # A token of this run alone (in chromium's URL for a few seconds; the server goes after).
+    token = secrets.token_urlsafe(32)
+    server = subprocess.Popen([sys.executable, "-m", "orchestrator", "ui", "--port", str(port)],
+                              env={**os.environ, "ORCHESTRATOR_UI_TOKEN": token},
+                              stderr=subprocess.DEVNULL)
     try:
         time.sleep(2.0)
         for job_id, name, height in ((trained, "job.png", 1500), (hung, "hang.png", 1100)):
             subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu",
                             "--hide-scrollbars", f"--window-size=1280,{height}",
                             "--virtual-time-budget=5000", f"--screenshot={args.out / name}",
-                            f"http://127.0.0.1:{port}/jobs/{job_id}"],
+                            f"http://127.0.0.1:{port}/jobs/{job_id}?token={token}"],
                            check=True, capture_output=True, timeout=60)
             print(args.out / name, file=sys.stderr)
     finally:
