@@ -8,7 +8,8 @@ Stdlib only, never imports torch, and shipped by the controller over the channel
   through its Unix socket, starting the agent first when asked to.
 - ``holder`` (agents/holder.py): on Slurm, the step each node's agent lives in.
 - ``agent`` (agents/agent.py): the daemon that owns the workers: ``outbox`` (numbering,
-  spooling, replay), ``workers`` (their world, start, output, exit), ``processes`` (no
+  spooling, replay), ``workers`` (their world, start, output, exit), ``standby`` (warm
+  restarts), ``processes`` (no
   orphans), ``cache`` (synced trees, blobs, setup), ``stacks``, ``netinfo``, ``paths``.
 
 The protocol between controller and agent is ``agents/protocol.py``; the files the agent
@@ -24,8 +25,8 @@ MODULES = ("agents", "agents.fields", "agents.protocol", "agents.paths", "agents
            "agents.netinfo", "agents.processes", "agents.outbox", "agents.leases",
            "agents.cache", "agents.setup", "agents.rankfiles", "agents.shims",
            "agents.shims.sitecustomize", "agents.shims.orchestrator_worker",
-           "agents.workers", "agents.stacks", "agents.ops", "agents.agent", "agents.holder",
-           "agents.relay", "agents.main")
+           "agents.shims.standby_boot", "agents.workers", "agents.standby", "agents.stacks",
+           "agents.ops", "agents.agent", "agents.holder", "agents.relay", "agents.main")
 
 
 def source(name: str) -> str:

@@ -36,9 +36,13 @@ from agents.netinfo import gpu_count, torch_version
 from agents.outbox import Outbox
 from agents.paths import alive_path, bind_unix, close_socket, private_base
 from agents.processes import kill_token_processes, processes_with_token, signal_name, start_watchdog
-from agents.workers import Worker, spawn, worker_env
+from agents.standby import Standbys
+from agents.workers import Worker, prepare, spawn, worker_env
 
 ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
+# Standbys for the next restart start once every worker called heartbeat() or after this
+# many seconds: not while the attempt's own workers start, which they would slow down.
+REFILL_AFTER = 5.0
 
 
 def _file_id(path: str) -> tuple[int, int] | None:
@@ -82,6 +86,9 @@ class Agent:
         self._slow: queue.SimpleQueue[tuple[Callable[[dict[str, Any]], None],
                                             dict[str, Any]]] | None = None
         self._touched = 0.0
+        self.standbys = Standbys(self.token, directory)
+        # (when, the starts to keep a standby for): see REFILL_AFTER
+        self._refill: tuple[float, list[tuple[Any, ...]]] | None = None
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
@@ -222,6 +229,7 @@ class Agent:
     def _tick(self, now: float) -> bool:
         """Heartbeat, progress, silence and grace checks. True: the agent gave up."""
         self._keep_listening()
+        self._refill_standbys(now)
         if self.workdir and self.workers and now - self._touched > 60:
             self._touched = now
             try:  # a tree in use must not look unused to another job's pruning
@@ -249,6 +257,7 @@ class Agent:
         """Stop the workers, record why (unless the controller asked), remove our state."""
         running = [w.rank for w in self.workers if w.proc.poll() is None]
         self.stop_workers(grace=self.stop_grace)
+        self.standbys.close()
         if reason is not None:
             outcome = {"reason": reason, "at": time.time(), "attempt": self.attempt,
                        "stopped_ranks": running, "last_seq": self.outbox.seq}
@@ -365,21 +374,51 @@ class Agent:
         base_env, self.traces_dir = worker_env(msg, self.token, self.directory, self.job_id,
                                                workdir)
         attempt_dir = os.path.join(self.directory, f"attempt-{attempt}")
-        for spec in msg["workers"]:
+        warm = msg.get("warm")  # {"imports": [...]} with restart.warm, else None
+        imports = tuple(str(m) for m in (warm or {}).get("imports") or ())
+        refills = []
+        for given in msg["workers"]:
+            local_rank = int(given.get("local_rank") or 0)
+            cold_because = None
             try:
-                proc, spec = spawn(spec, base_env, attempt_dir, workdir)
+                spec = prepare(given, base_env, attempt_dir)
+                proc = None
+                if warm is not None:
+                    proc, cold_because = self.standbys.take(local_rank, list(spec["argv"]),
+                                                            spec["env"], workdir, imports)
+                started_warm = proc is not None
+                proc = proc or spawn(spec, workdir)
             except Exception as exc:  # the controller must hear of every rank, or it waits
-                error = f"{spec['argv'][0]}: {getattr(exc, 'strerror', None) or exc}"
+                error = f"{given['argv'][0]}: {getattr(exc, 'strerror', None) or exc}"
                 self.outbox.put({"type": P.SPAWN_FAILED, "attempt": attempt,
-                                 "rank": spec.get("rank"), "local_rank": spec.get("local_rank"),
+                                 "rank": given.get("rank"), "local_rank": local_rank,
                                  "error": error})
                 continue
             # "started" is queued before the first output line can be read.
             self.outbox.put({"type": P.STARTED, "attempt": attempt, "rank": spec.get("rank"),
-                             "local_rank": spec.get("local_rank"), "pid": proc.pid})
+                             "local_rank": local_rank, "pid": proc.pid, "warm": started_warm})
+            if cold_because:
+                self.outbox.add_lines(attempt, spec.get("rank"), "stderr",
+                                      [f"[orchestrator] started cold: {cold_because}"])
             worker = Worker(self.outbox, attempt, spec, proc)
             self.workers.append(worker)
             worker.start_threads()
+            refills.append((local_rank, list(spec["argv"]), spec["env"], workdir, imports))
+        if warm is None:
+            self.standbys.close()
+        self._refill = (time.monotonic() + REFILL_AFTER, refills) if warm is not None else None
+
+    def _refill_standbys(self, now: float) -> None:
+        """Start the next restart's standbys once this attempt's workers are under way.
+        Here, on the main thread: a child's PDEATHSIG fires when its parent thread ends."""
+        if self._refill is None:
+            return
+        when, refills = self._refill
+        if now < when and not all(w.heartbeat_seen for w in self.workers):
+            return
+        self._refill = None
+        for local_rank, argv, env, workdir, imports in refills:
+            self.standbys.refill(local_rank, argv, env, workdir, imports)
 
     def op_stop(self, msg: dict[str, Any]) -> None:
         attempt = int(msg.get("attempt", self.attempt))
@@ -408,8 +447,9 @@ class Agent:
             for w in alive:
                 w.signal_group(signal.SIGKILL)
             # Children that left their worker's group (setsid, torchrun's workers) or outlived
-            # it still carry the token.
+            # it still carry the token (or, of a worker that was a standby, the standbys').
             kill_token_processes(self.token)
+            self.standbys.sweep()
             for w in workers:
                 w.done.wait(timeout=60.0)  # its exit is queued after its last line
                 w.close()

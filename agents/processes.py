@@ -67,10 +67,13 @@ def pidfd(pid: int) -> int | None:
         return None
 
 
-def kill_token_processes(token: str) -> None:
-    """SIGKILL every process that carries the token. Each one is pinned with a pidfd and
-    its token checked again through that pin, so a pid recycled since the scan is spared."""
+def kill_token_processes(token: str, spare: frozenset[int] | set[int] = frozenset()) -> None:
+    """SIGKILL every process that carries the token (but those in ``spare``). Each one is
+    pinned with a pidfd and its token checked again through that pin, so a pid recycled
+    since the scan is spared."""
     for pid in processes_with_token(token):
+        if pid in spare:
+            continue
         fd = pidfd(pid)
         try:
             if not has_token(pid, token):  # the scan's process is gone; this is another
@@ -86,9 +89,15 @@ def kill_token_processes(token: str) -> None:
                 os.close(fd)
 
 
+def standby_token(token: str) -> str:
+    """What the agent's warm standbys carry instead of its token (agents/standby.py): the
+    sweep after each attempt must spare them."""
+    return token + "-standby"
+
+
 def start_watchdog(token: str, directory: str | None = None) -> None:
-    """Fork a process that kills this agent's workers once the agent is gone, however it died,
-    and removes the agent's directory if no new agent took it meanwhile."""
+    """Fork a process that kills this agent's workers and standbys once the agent is gone,
+    however it died, and removes the agent's directory if no new agent took it meanwhile."""
     agent_pid = os.getpid()
     if os.fork() != 0:
         return
@@ -104,6 +113,7 @@ def start_watchdog(token: str, directory: str | None = None) -> None:
     while os.getppid() == agent_pid:
         time.sleep(0.2)
     kill_token_processes(token)
+    kill_token_processes(standby_token(token))
     if directory and os.path.isdir(directory):
         try:
             with Lock(directory + ".lock"):  # relays launch under this lock

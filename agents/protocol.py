@@ -428,6 +428,7 @@ class Started(Sequenced):
     rank: int | None
     local_rank: int
     pid: int
+    warm: bool = False  # a standby became this worker (agents/standby.py)
 
 
 @dataclass(frozen=True)
@@ -491,7 +492,7 @@ def _signal(f: Fields) -> str | None:
 _SEQUENCED: dict[str, Callable[[Fields], Sequenced]] = {
     STARTED: lambda f: Started(_seq(f), f.integer("attempt"), _rank(f),
                                f.integer("local_rank", 0, MAX_LOCAL),
-                               f.integer("pid", 1, MAX_PID)),
+                               f.integer("pid", 1, MAX_PID), f.flag("warm", False)),
     SPAWN_FAILED: lambda f: SpawnFailed(_seq(f), f.integer("attempt"), _rank(f),
                                         f.integer("local_rank", 0, MAX_LOCAL),
                                         f.text("error", MAX_TEXT)),

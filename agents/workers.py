@@ -77,9 +77,10 @@ def _flight_recorder_env(env: dict[str, str], job_id: str, attempt: int,
     return directory
 
 
-def spawn(spec: dict[str, Any], base_env: dict[str, str], attempt_dir: str,
-          workdir: str) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    """Start one worker (its own process group; killed with the agent)."""
+def prepare(spec: dict[str, Any], base_env: dict[str, str], attempt_dir: str
+            ) -> dict[str, Any]:
+    """One worker's start as the controller gave it, with its whole environment (its own
+    error and heartbeat files, in a directory of its rank)."""
     env = dict(base_env)
     env.update(spec.get("env", {}))
     label = spec.get("rank") if spec.get("rank") is not None else "node"
@@ -87,14 +88,17 @@ def spawn(spec: dict[str, Any], base_env: dict[str, str], attempt_dir: str,
     os.makedirs(rank_dir, mode=0o700, exist_ok=True)
     env["TORCHELASTIC_ERROR_FILE"] = os.path.join(rank_dir, "error.json")  # never shared
     env["ORCHESTRATOR_HEARTBEAT_FILE"] = os.path.join(rank_dir, "heartbeat")
-    spec = {**spec, "env": env}
-    proc = subprocess.Popen(
-        spec["argv"], cwd=workdir, env=env, stdin=subprocess.DEVNULL,
+    return {**spec, "env": env}
+
+
+def spawn(spec: dict[str, Any], workdir: str) -> subprocess.Popen[bytes]:
+    """Start one worker cold (its own process group; killed with the agent)."""
+    return subprocess.Popen(
+        spec["argv"], cwd=workdir, env=spec["env"], stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True,  # own process group: one killpg reaches its children
         preexec_fn=set_pdeathsig,
     )
-    return proc, spec
 
 
 class Worker:

@@ -449,7 +449,7 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
              "master_addr": a.master_addr,
              "master_port": a.master_port, "world_size": a.world_size, "failure": a.failure,
              "steps_per_s": min(rates[a.attempt]) if a.attempt in rates else None,
-             "stragglers": a.stragglers}
+             "stragglers": a.stragglers, "warm_starts": a.warm_starts}
             for a in job.attempts
         ],
     }

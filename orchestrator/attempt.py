@@ -96,20 +96,23 @@ class Attempt:
         self.unsampled: dict[int, tuple[int, int | None, float, dict[str, float]]] = {}
         self.waits: dict[int, tuple[int, int]] = {}  # rank -> (samples, waiting in collectives)
         self.stragglers: list[int] = []
+        self.warm_started: set[tuple[int, int]] = set()  # (node, local rank) from a standby
 
     @property
     def participants(self) -> list[int]:
         return self._participants
 
-    def start_message(self, node_index: int, stop_grace: float, flight_recorder: int
-                      ) -> dict[str, Any]:
-        """The ``start`` a participant's agent gets (agents/protocol.py)."""
+    def start_message(self, node_index: int, stop_grace: float, flight_recorder: int,
+                      warm_imports: tuple[str, ...] | None = None) -> dict[str, Any]:
+        """The ``start`` a participant's agent gets (agents/protocol.py); ``warm_imports``
+        (None: cold starts only) is what its standbys import besides torch."""
         node_plan = self.node_plans[node_index]
         return {"op": P.START, "attempt": self.number, "workdir": node_plan.workdir,
                 "route_to": node_plan.route_to, "env": node_plan.env,
                 "defaults": node_plan.defaults,
                 "workers": [w.to_message() for w in node_plan.workers],
-                "stop_grace": stop_grace, "flight_recorder": flight_recorder}
+                "stop_grace": stop_grace, "flight_recorder": flight_recorder,
+                "warm": None if warm_imports is None else {"imports": list(warm_imports)}}
 
     # --- the agents' messages ---------------------------------------------------------------
     def handle(self, node_index: int, message: P.Message) -> str | None:
@@ -232,6 +235,8 @@ class Attempt:
 
     def _on_started(self, node_index: int, message: P.Started) -> None:
         self.started.add((node_index, message.local_rank))
+        if message.warm:
+            self.warm_started.add((node_index, message.local_rank))
         if message.rank is not None:
             self._rank_update(message.rank, pid=message.pid, state=RankState.RUNNING.value)
 
@@ -299,6 +304,7 @@ class Attempt:
             "logs": self.sink.flush(),
             "log_state": self.sink.state(),
             "started": sorted(self.started),
+            "warm_started": sorted(self.warm_started),
             "exits": {str(k): list(v) for k, v in self.exits.items()},
             "stopped_nodes": sorted(self.stopped_nodes),
             "failure": self.failure.to_dict() if self.failure else None,
@@ -308,6 +314,7 @@ class Attempt:
 
     def restore(self, state: dict[str, Any]) -> None:
         self.started = {(int(a), int(b)) for a, b in state.get("started", [])}
+        self.warm_started = {(int(a), int(b)) for a, b in state.get("warm_started", [])}
         self.exits = {int(k): (v[0], v[1]) for k, v in state.get("exits", {}).items()}
         self.stopped_nodes = set(state.get("stopped_nodes", []))
         self.failure = Failure.from_dict(state["failure"]) if state.get("failure") else None

@@ -466,11 +466,15 @@ def _print_status(data: dict[str, Any]) -> None:
         nodes.add_row(*map(_cell, (node_rank, n["host"], state, ranks)))
     console.print(nodes)
     if len(data["attempts"]) > 1 or any(a["failure"] for a in data["attempts"]):
-        history = Table("ATTEMPT", "STARTED", "ENDED", "OUTCOME", "CAUSE", box=None)
+        warm = any(a.get("warm_starts") for a in data["attempts"])
+        history = Table("ATTEMPT", "STARTED", "ENDED", "OUTCOME", *(["WARM"] if warm else []),
+                        "CAUSE", box=None)
         for a in data["attempts"]:
             cause = a["failure"]["message"] if a["failure"] else ""
             history.add_row(*map(_cell, (a["attempt"], a["started_at"] or "",
-                                         a["ended_at"] or "", a["outcome"], cause)))
+                                         a["ended_at"] or "", a["outcome"],
+                                         *([a.get("warm_starts") or 0] if warm else []),
+                                         cause)))
         console.print(history)
     if data.get("stragglers"):
         console.print(visible(_stragglers_line(data)), highlight=False, markup=False)

@@ -370,7 +370,8 @@ class Controller:
         engine.checkpoint(force=True)
         attempt.ended = True
         self.store.end_attempt(self.job_id, attempt.number, result.outcome.value,
-                               result.failure.to_dict() if result.failure else None)
+                               result.failure.to_dict() if result.failure else None,
+                               len(attempt.warm_started))
 
     # --- resuming a job whose controller died -----------------------------------------------
     def _resume(self) -> AttemptResult | Failure | None:

@@ -322,8 +322,13 @@ class Engine:
     def send_start(self, node: Node) -> None:
         attempt = self.current
         assert attempt is not None
-        self.pool.send(node, attempt.start_message(node.index, self.spec.stop_grace_period,
-                                                   self.spec.health.flight_recorder))
+        restart = self.spec.restart
+        # Warm starts: standbys become the workers (agents/standby.py); torchrun (c10d)
+        # starts its own workers, always cold.
+        warm = restart.warm and self.spec.rendezvous.backend == "static"
+        self.pool.send(node, attempt.start_message(
+            node.index, self.spec.stop_grace_period, self.spec.health.flight_recorder,
+            restart.warm_imports if warm else None))
 
     def _on_closed(self, channel: Channel) -> None:
         node = self.nodes[channel.node_index]

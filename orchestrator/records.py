@@ -58,6 +58,7 @@ class AttemptRecord:
     failure: dict[str, Any] | None
     checkpoint: dict[str, Any] | None = None
     stragglers: list[int] = field(default_factory=list)
+    warm_starts: int = 0  # workers a standby became (agents/standby.py)
 
 
 @dataclass

@@ -42,6 +42,7 @@ from orchestrator.specparts import (  # noqa: F401 (the sections are part of spe
     NodeSpec,
     PathText,
     RendezvousSpec,
+    RestartSpec,
     Seconds,
     SlurmSpec,
     SSHOptions,
@@ -105,6 +106,7 @@ class JobSpec(_Model):
                     "cap); past it, lines are counted and the count is logged")
     rendezvous: RendezvousSpec = RendezvousSpec()
     restart_backoff: BackoffSpec = BackoffSpec()
+    restart: RestartSpec = RestartSpec()
     health: HealthSpec = HealthSpec()
     logs: LogsSpec = LogsSpec()
     ssh: SSHOptions = SSHOptions()
@@ -463,8 +465,8 @@ def _value_at(data: Any, loc: tuple[Any, ...]) -> tuple[bool, Any]:
 
 _MODELS: dict[str, type[BaseModel]] = {
     "": JobSpec, "nodes": NodeSpec, "rendezvous": RendezvousSpec, "health": HealthSpec,
-    "restart_backoff": BackoffSpec, "ssh": SSHOptions, "logs": LogsSpec, "sync": SyncSpec,
-    "slurm": SlurmSpec,
+    "restart_backoff": BackoffSpec, "restart": RestartSpec, "ssh": SSHOptions,
+    "logs": LogsSpec, "sync": SyncSpec, "slurm": SlurmSpec,
 }
 _MESSAGES = {
     "model_type": "must be a mapping",

@@ -264,6 +264,29 @@ class SyncSpec(_Model):
         "naming its largest directories (null: no limit)")
 
 
+_MODULE_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+class RestartSpec(_Model):
+    """How the workers start again after a failure."""
+
+    warm: bool = Field(
+        default=False, description="keep a started interpreter per local rank that has "
+        "imported torch (and warm_imports); a restart's workers are those instead of new "
+        "processes (static rendezvous, commands `python [flags] script` or `python -m mod`)")
+    warm_imports: tuple[str, ...] = Field(
+        default=(), description="modules a standby imports besides torch, e.g. your model's "
+        "(found as your script would: its directory, or the workdir for -m, comes first)")
+
+    @field_validator("warm_imports")
+    @classmethod
+    def _modules(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for i, name in enumerate(v):
+            if not _MODULE_NAME_RE.match(name):
+                raise _FieldError(f"[{i}]", "not a module name (dotted identifiers)", name)
+        return v
+
+
 class LogsSpec(_Model):
     """How much of the workers' output the orchestrator keeps."""
 

@@ -114,6 +114,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     failure_json TEXT,
     checkpoint_json TEXT,
     stragglers_json TEXT,
+    warm_starts INTEGER,
     PRIMARY KEY (job_id, attempt)
 );
 -- Steps and metrics as the ranks reported them, for plots across attempts.
@@ -137,7 +138,8 @@ _ADDED_COLUMNS = {
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
               "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL"},
-    "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT"},
+    "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT",
+                 "warm_starts": "INTEGER"},
 }
 
 
@@ -432,12 +434,13 @@ class Store:
                 for r in rows]
 
     def end_attempt(self, job_id: str, attempt: int, outcome: str,
-                    failure: dict[str, Any] | None) -> None:
+                    failure: dict[str, Any] | None, warm_starts: int = 0) -> None:
         with self._transaction() as db:
             self._update(
                 db, "attempts",
                 {"ended_at": time.time(), "outcome": outcome,
-                 "failure_json": json.dumps(failure) if failure else None},
+                 "failure_json": json.dumps(failure) if failure else None,
+                 "warm_starts": warm_starts},
                 job_id=job_id, attempt=attempt,
             )
 
@@ -514,7 +517,7 @@ class Store:
                               r["master_addr"], r["master_port"], r["world_size"],
                               json.loads(r["failure_json"]) if r["failure_json"] else None,
                               json.loads(r["checkpoint_json"]) if r["checkpoint_json"] else None,
-                              json.loads(r["stragglers_json"] or "[]"))
+                              json.loads(r["stragglers_json"] or "[]"), r["warm_starts"] or 0)
                 for r in self._db.execute(
                     "SELECT * FROM attempts WHERE job_id = ? ORDER BY attempt", (job_id,))
             ]

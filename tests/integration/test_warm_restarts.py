@@ -1,0 +1,155 @@
+"""Warm restarts (``restart: {warm: true}``): a restart's workers are standby interpreters
+that imported torch before the failure, and a script cannot tell, but by the modules already
+imported, that it did not start cold: each worker dumps what it sees of its start
+(tests/workers/warm_world.py) in a cold first attempt and a warm second one, and the two
+are compared key by key, for ``python script.py`` and ``python -m pkg.mod``."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+import orchestrator
+from tests.helpers import (
+    PYTHON,
+    WORKERS,
+    assert_no_job_processes,
+    job_processes,
+    wait_for,
+    write_spec,
+)
+
+# What a worker of the next attempt sees differently, cold or warm: its attempt's own values.
+PER_ATTEMPT = {"ORCHESTRATOR_ATTEMPT", "TORCHELASTIC_RESTART_COUNT", "MASTER_PORT",
+               "ORCHESTRATOR_STACK_DIR", "ORCHESTRATOR_HEARTBEAT_FILE", "TORCHELASTIC_ERROR_FILE",
+               "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"}
+
+
+def project(tmp_path: Path, style: str) -> tuple[Path, list[str]]:
+    """A two-file project, and the command that runs it."""
+    root = tmp_path / "project"
+    root.mkdir()
+    shutil.copy(WORKERS / "warm_helper.py", root)
+    if style == "script":
+        shutil.copy(WORKERS / "warm_world.py", root)
+        return root, [PYTHON, "warm_world.py"]
+    (root / "warmpkg").mkdir()
+    (root / "warmpkg" / "__init__.py").write_text("")
+    shutil.copy(WORKERS / "warm_world.py", root / "warmpkg" / "world.py")
+    return root, [PYTHON, "-m", "warmpkg.world"]
+
+
+def standbys(job_id: str) -> list[int]:
+    """The job's standby interpreters (agents/standby.py), found by its job id."""
+    out = []
+    for pid in job_processes(job_id):
+        try:
+            if b"standby_boot.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def run_warm_job(tmp_path, command, root, out, **extra):
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "warm", "nodes": [{"host": "local"}], "nproc_per_node": 2,
+        "command": [*command, str(out)], "workdir": str(root), "max_restarts": 1,
+        "restart": {"warm": True}, "restart_backoff": {"initial": 0.1},
+        "stop_grace_period": 2, **extra}))
+    wait_for(lambda: len(list(out.glob("attempt-1/world-*.json"))) == 2, 60,
+             what="attempt 1's worlds")
+    ready = wait_for(lambda: len(standbys(job_id)) == 2 and standbys(job_id), 60,
+                     what="two standbys")
+    (out / "fail").touch()
+    return job_id, ready
+
+
+def load(out: Path, attempt: int) -> dict[int, dict]:
+    return {int(p.stem.split("-")[1]): json.loads(p.read_text())
+            for p in (out / f"attempt-{attempt}").glob("world-*.json")}
+
+
+@pytest.mark.parametrize("style", ["script", "module"])
+def test_a_warm_worker_sees_the_start_a_cold_one_saw(home, tmp_path, style):
+    root, command = project(tmp_path, style)
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id, ready = run_warm_job(tmp_path, command, root, out)
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert [a["warm_starts"] for a in result["attempts"]] == [0, 2]
+    cold, warm = load(out, 1), load(out, 2)
+    assert sorted(cold) == sorted(warm) == [0, 1]
+    assert sorted(w["pid"] for w in warm.values()) == sorted(ready)  # the standbys themselves
+    for rank in (0, 1):
+        c, w = cold[rank], warm[rank]
+        assert c["preloaded"] == [] and "torch" in w["preloaded"]
+        changed = {k for k in c["env"].keys() | w["env"].keys()
+                   if c["env"].get(k) != w["env"].get(k)}
+        assert changed <= PER_ATTEMPT, sorted(changed - PER_ATTEMPT)
+        for key in c:
+            if key not in ("preloaded", "env", "pid"):
+                assert w[key] == c[key], (key, c[key], w[key])
+        assert c["name"] == "__main__" and c["main_is_globals"] and c["pickled"] == 7
+        assert c["sys_path"][0] == str(root if style == "module" else root)
+    assert_no_job_processes(job_id)
+
+
+def test_a_warm_worker_fails_as_a_cold_one_does(home, tmp_path):
+    root, command = project(tmp_path, "script")
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id, _ = run_warm_job(tmp_path, command, root, out, env={"WARM_RAISE": "1"})
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "FAILED" and result["attempts"][1]["warm_starts"] == 2
+    assert result["attempt"] == 2 and 1 in {r["exit_code"] for r in result["ranks"]}
+
+    def traceback(attempt):
+        lines = [ln.split("] ", 1)[1] for ln in orchestrator.logs(job_id, rank=0, attempt=attempt)]
+        return lines[lines.index("Traceback (most recent call last):"):]
+
+    assert traceback(2) == traceback(1)  # no frame of ours, the same lines
+    assert traceback(1)[-1] == "ValueError: failed on purpose in on purpose"
+    assert_no_job_processes(job_id)
+
+
+def test_an_environment_read_at_import_that_changed_starts_cold_and_says_why(home, tmp_path):
+    root, command = project(tmp_path, "script")
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id, _ = run_warm_job(tmp_path, command, root, out, env={"STAMP": "a-${attempt}"})
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED" and result["attempts"][1]["warm_starts"] == 0
+    assert load(out, 2)[0]["preloaded"] == []
+    said = [ln for ln in orchestrator.logs(job_id, rank=0, attempt=2) if "[orchestrator]" in ln]
+    assert said == ["[local:0] [orchestrator] started cold: the environment changed since the "
+                    "standby started (STAMP)"]
+    assert_no_job_processes(job_id)
+
+
+def test_no_standby_or_warm_worker_outlives_its_agent(home, tmp_path):
+    root, command = project(tmp_path, "script")
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id, _ = run_warm_job(tmp_path, command, root, out)
+    wait_for(lambda: len(list(out.glob("attempt-2/world-*.json"))) == 2, 60, what="attempt 2")
+    # attempt 2's workers were standbys; attempt 3's standbys start as those run
+    shown = orchestrator.status(job_id)
+    assert shown["attempt"] == 2
+    worker = shown["ranks"][0]
+    with open(f"/proc/{worker['pid']}/stat", "rb") as f:
+        agent = int(f.read().rsplit(b")", 1)[1].split()[1])
+    os.kill(agent, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and job_processes(job_id):
+        time.sleep(0.1)
+    left = job_processes(job_id)
+    orchestrator.cancel(job_id)
+    assert left == []
