@@ -196,6 +196,18 @@ def test_a_killed_controller_resumes_on_the_same_allocation(sl, tmp_path):
     assert_no_job_processes(job_id)
 
 
+def test_a_warm_restart_inside_the_allocation(sl, tmp_path):
+    from tests.cluster.test_warm_restarts_ssh import (
+        TRAIN,
+        TRAIN_ENV,
+        kill_a_rank_once_standbys_are_up,
+    )
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path, [*TRAIN, str(tmp_path / "ckpt")], nodes=2, env=TRAIN_ENV, max_restarts=1,
+        restart={"warm": True}, restart_backoff={"initial": 0.1}))
+    kill_a_rank_once_standbys_are_up(job_id, 4)
+
+
 def test_cancel_releases_the_allocation(sl, tmp_path):
     spec = slurm_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], nodes=2)
     job_id = orchestrator.submit(spec)

@@ -1,0 +1,55 @@
+"""Warm restarts on real nodes: a real gloo training over two SSH nodes (and a Slurm
+allocation, tests/cluster/test_slurm_jobs.py) has a rank SIGKILLed once every node's
+standbys are up; the next attempt's four workers are those standbys (the agent, its boot file
+and its standbys all shipped over the channel), the training resumes from its checkpoint,
+and nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import orchestrator
+from tests.cluster.test_ssh_jobs import cluster_spec
+from tests.helpers import PYTHON, WORKERS, assert_no_job_processes, job_processes, wait_for
+
+TRAIN = [PYTHON, str(WORKERS / "goodput_train.py")]
+TRAIN_ENV = {"STEPS": "150", "STEP_TIME": "0.05", "CKPT_EVERY": "10"}
+
+
+def standbys(job_id: str) -> list[int]:
+    out = []
+    for pid in job_processes(job_id):
+        try:
+            if b"standby_boot.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def kill_a_rank_once_standbys_are_up(job_id: str, ranks: int) -> dict:
+    """SIGKILL the last rank once every local rank of every node has its standby; then the
+    job's end, which must be a success with every worker of attempt 2 started warm."""
+    wait_for(lambda: len(standbys(job_id)) == ranks, 120, what=f"{ranks} standbys")
+    shown = orchestrator.status(job_id)
+    victim = next(r for r in shown["ranks"] if r["rank"] == ranks - 1)
+    os.kill(victim["pid"], signal.SIGKILL)  # a worker of this test's job
+    result = orchestrator.wait(job_id, timeout=180)
+    lines = list(orchestrator.logs(job_id))
+    assert result["state"] == "SUCCEEDED", (result["failure"], lines[-10:])
+    assert [a["warm_starts"] for a in result["attempts"]] == [0, ranks]
+    resumed = [ln for ln in lines if " STEP 1 " in f" {ln.split('] ', 1)[-1]}"]
+    assert {ln.split("STEP 1 ")[1].split()[0] for ln in resumed} == {str(r) for r in range(ranks)}
+    assert not any("started cold" in ln for ln in lines), [ln for ln in lines if "cold" in ln]
+    assert_no_job_processes(job_id)
+    return result
+
+
+def test_a_warm_restart_over_ssh(cluster, home, tmp_path):
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [*TRAIN, str(tmp_path / "ckpt")], hosts=cluster.hosts[:2],
+        env=TRAIN_ENV, max_restarts=1, restart={"warm": True},
+        restart_backoff={"initial": 0.1}))
+    kill_a_rank_once_standbys_are_up(job_id, 4)
