@@ -87,8 +87,6 @@ class Agent:
                                             dict[str, Any]]] | None = None
         self._touched = 0.0
         self.standbys = Standbys(self.token, directory)
-        # (when, the starts to keep a standby for): see REFILL_AFTER
-        self._refill: tuple[float, list[tuple[Any, ...]]] | None = None
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
@@ -229,7 +227,8 @@ class Agent:
     def _tick(self, now: float) -> bool:
         """Heartbeat, progress, silence and grace checks. True: the agent gave up."""
         self._keep_listening()
-        self._refill_standbys(now)
+        # Here, on the main thread: a child's PDEATHSIG fires when its parent thread ends.
+        self.standbys.refill_due(now, all(w.heartbeat_seen for w in self.workers))
         if self.workdir and self.workers and now - self._touched > 60:
             self._touched = now
             try:  # a tree in use must not look unused to another job's pruning
@@ -406,19 +405,8 @@ class Agent:
             refills.append((local_rank, list(spec["argv"]), spec["env"], workdir, imports))
         if warm is None:
             self.standbys.close()
-        self._refill = (time.monotonic() + REFILL_AFTER, refills) if warm is not None else None
-
-    def _refill_standbys(self, now: float) -> None:
-        """Start the next restart's standbys once this attempt's workers are under way.
-        Here, on the main thread: a child's PDEATHSIG fires when its parent thread ends."""
-        if self._refill is None:
-            return
-        when, refills = self._refill
-        if now < when and not all(w.heartbeat_seen for w in self.workers):
-            return
-        self._refill = None
-        for local_rank, argv, env, workdir, imports in refills:
-            self.standbys.refill(local_rank, argv, env, workdir, imports)
+        else:
+            self.standbys.schedule(refills, time.monotonic() + REFILL_AFTER)
 
     def op_stop(self, msg: dict[str, Any]) -> None:
         attempt = int(msg.get("attempt", self.attempt))

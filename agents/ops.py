@@ -18,6 +18,7 @@ from agents import cache, setup, stacks
 from agents import protocol as P
 from agents.netinfo import free_port, interface_for
 from agents.paths import traces
+from agents.workers import prepare, worker_env
 
 if TYPE_CHECKING:
     from agents.agent import Agent
@@ -172,9 +173,28 @@ def op_setup(agent: Agent, msg: dict[str, Any]) -> None:
     agent.on_thread(run, msg)
 
 
+# ---  hot spares (see agents/standby.py) ---------------------------------------------
+def op_warm(agent: Agent, msg: dict[str, Any]) -> None:
+    """A spare node (it runs no worker): standbys, at once, for the workers a start like
+    ``msg`` would run here, so that taking over a lost node's place is warm too."""
+    if agent.workers:
+        return  # a participant keeps its own standbys
+    workdir = os.path.expanduser(msg.get("workdir") or ".")
+    base_env, _ = worker_env(msg, agent.token, agent.directory, agent.job_id, workdir)
+    attempt_dir = os.path.join(agent.directory, f"attempt-{int(msg['attempt'])}-spare")
+    imports = tuple(str(m) for m in (msg.get("warm") or {}).get("imports") or ())
+    refills = []
+    for given in msg["workers"]:
+        spec = prepare(given, base_env, attempt_dir)
+        refills.append((int(given.get("local_rank") or 0), list(spec["argv"]), spec["env"],
+                        workdir, imports))
+    agent.standbys.schedule(refills, 0.0)  # nothing of the job runs here to slow down
+
+
 #: The controller's commands (protocol.py), one handler each; shutdown ends the main loop.
 OPS: dict[str, Callable[[Agent, dict[str, Any]], None]] = {
     P.START: lambda agent, msg: agent.op_start(msg),
+    P.WARM: op_warm,
     P.STOP: lambda agent, msg: agent.op_stop(msg),
     P.FREE_PORT: op_free_port, P.LISTEN: op_listen, P.PROBE: op_probe,
     P.STACKS_OP: op_stacks, P.READ_TRACE: op_read_trace, P.SYNC_MISSING: op_sync_missing,

@@ -83,6 +83,7 @@ ATTACH = "attach"
 ACK = "ack"
 PING = "ping"
 START = "start"
+WARM = "warm"  # keep standbys for what a start would run here (a hot spare node)
 STOP = "stop"
 FREE_PORT = "free_port"
 LISTEN = "listen"
@@ -452,6 +453,7 @@ class Exited(Sequenced):
     exit_code: int | None
     signal: str | None
     error_file: str | None
+    at: float | None = None  # the node's clock when the agent saw the exit
 
 
 @dataclass(frozen=True)
@@ -500,7 +502,8 @@ _SEQUENCED: dict[str, Callable[[Fields], Sequenced]] = {
     EXITED: lambda f: Exited(_seq(f), f.integer("attempt"), _rank(f),
                              f.integer("local_rank", 0, MAX_LOCAL),
                              f.integer("exit_code", 0, 255, optional=True), _signal(f),
-                             f.text("error_file", MAX_TEXT, True)),
+                             f.text("error_file", MAX_TEXT, True),
+                             f.number("at", optional=True)),
     STOPPED: lambda f: Stopped(_seq(f), f.integer("attempt")),
     DROPPED: lambda f: Dropped(_seq(f), f.integer("attempt"), _rank(f), _stream(f),
                                f.integer("lines", 0, MAX_COUNT)),

@@ -161,6 +161,7 @@ class Standbys:
         self.lock = threading.Lock()  # spawning vs the stop's sweep
         self._by_local: dict[int, Standby] = {}
         self._failed: dict[tuple[Any, ...], str] = {}  # a key whose imports failed
+        self._due: tuple[float, list[tuple[Any, ...]]] | None = None  # see schedule()
 
     @staticmethod
     def key(command: PythonCommand, env: dict[str, str], cwd: str,
@@ -232,6 +233,20 @@ class Standbys:
         prepare = {"path0": command.path0(cwd), "imports": [*DEFAULT_IMPORTS, *imports]}
         parent.sendall((json.dumps(prepare) + "\n").encode())
 
+    def schedule(self, refills: list[tuple[Any, ...]], at: float) -> None:
+        """Refill these (``refill``'s arguments) at monotonic time ``at``, or sooner once every
+        worker is under way (``refill_due``)."""
+        self._due = (at, refills)
+
+    def refill_due(self, now: float, workers_under_way: bool) -> None:
+        """Start the scheduled standbys if their time came. Call it from the agent's main
+        thread: a child's PDEATHSIG fires when the thread that started it ends."""
+        if self._due is None or (now < self._due[0] and not workers_under_way):
+            return
+        refills, self._due = self._due[1], None
+        for args in refills:
+            self.refill(*args)
+
     def sweep(self) -> None:
         """Kill what carries the standby token and is no standby: workers that were
         standbys, and their children, once their attempt is stopped."""
@@ -239,6 +254,7 @@ class Standbys:
             kill_token_processes(self.token, spare={s.proc.pid for s in self._by_local.values()})
 
     def close(self) -> None:
+        self._due = None
         with self.lock:
             standbys, self._by_local = list(self._by_local.values()), {}
         for s in standbys:

@@ -47,7 +47,7 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
 
 
 def run_orchestrator(work: Path, args: argparse.Namespace, warm: bool
-                     ) -> tuple[list[str], list[float]]:
+                     ) -> tuple[list[str], list[float], float]:
     ckpt = work / f"ckpt-{uuid.uuid4().hex[:6]}"
     spec = work / f"goodput-{uuid.uuid4().hex[:6]}.yaml"
     spec.write_text(yaml.safe_dump({
@@ -69,11 +69,15 @@ def run_orchestrator(work: Path, args: argparse.Namespace, warm: bool
                                                          "RESTARTING")
 
     kills = _kill_on_schedule(args, pid_of, done, lambda: _steps_seen(orchestrator.logs(job)))
+    ended = time.time()
+    if not done():
+        orchestrator.cancel(job)
     orchestrator.wait(job, timeout=600)
-    return list(orchestrator.logs(job)), kills
+    return list(orchestrator.logs(job)), kills, ended
 
 
-def run_torchrun(work: Path, args: argparse.Namespace) -> tuple[list[str], list[float]]:
+def run_torchrun(work: Path, args: argparse.Namespace
+                 ) -> tuple[list[str], list[float], float]:
     ckpt = work / f"ckpt-{uuid.uuid4().hex[:6]}"
     proc = subprocess.Popen(
         [PY, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={2 * NPROC}",
@@ -104,7 +108,7 @@ def run_torchrun(work: Path, args: argparse.Namespace) -> tuple[list[str], list[
     try:
         kills = _kill_on_schedule(args, pid_of, lambda: proc.poll() is not None,
                                   lambda: _steps_seen(lines))
-        proc.wait(timeout=600)
+        ended = time.time()
     finally:
         if proc.poll() is None:  # torchrun stops its workers (in groups of their own) on TERM
             proc.terminate()
@@ -116,7 +120,7 @@ def run_torchrun(work: Path, args: argparse.Namespace) -> tuple[list[str], list[
                 for pid in filter(None, workers):
                     os.kill(pid, signal.SIGKILL)
     reader.join(timeout=10)
-    return lines, kills
+    return lines, kills, ended
 
 
 def _steps_seen(lines) -> int:
@@ -136,6 +140,8 @@ def _kill_on_schedule(args, pid_of, done, steps_seen) -> list[float]:
         if time.monotonic() < next_kill:
             continue
         if steps_seen() < seen_then + 4 * 2 * NPROC:
+            if time.monotonic() > next_kill + args.give_up:  # never trained again: stop it
+                return kills
             time.sleep(0.2)
             continue
         pid = pid_of(len(kills) % (2 * NPROC))
@@ -151,10 +157,12 @@ def _kill_on_schedule(args, pid_of, done, steps_seen) -> list[float]:
     return kills
 
 
-def analyse(lines: list[str], kills: list[float], steps: int) -> dict[str, object]:
+def analyse(lines: list[str], kills: list[float], ended: float, steps: int
+            ) -> dict[str, object]:
     rows = [(int(a), int(r), int(s), float(t)) for m in map(STEP_RE.search, lines) if m
             for a, r, s, t in [m.groups()]]
     first, last = min(t for *_, t in rows), max(t for *_, t in rows)
+    advanced = max(s for *_, s, _ in rows) + 1
     # The fault-free pace: rank 0's consecutive steps within one attempt.
     by = sorted((a, s, t) for a, r, s, t in rows if r == 0)
     pace = statistics.median(t2 - t1 for (a1, s1, t1), (a2, s2, t2) in zip(by, by[1:], strict=False)
@@ -171,9 +179,11 @@ def analyse(lines: list[str], kills: list[float], steps: int) -> dict[str, objec
         if len(firsts) == 2 * NPROC:
             recover.append(max(firsts.values()) - kills[i])
         redone.append(max(before) + 1 - min(s for _, s, _ in after))
-    return {"goodput": steps * pace / (last - first), "pace": pace, "wall": last - first,
+    # Until the last step, or until it was stopped after a kill it never recovered from.
+    wall = (last if advanced == steps else ended) - first
+    return {"goodput": advanced * pace / wall, "pace": pace, "wall": wall,
             "kills": len(kills), "recover": recover, "redone": redone,
-            "completed": max(s for *_, s, _ in rows) + 1 == steps}
+            "completed": advanced == steps}
 
 
 def main() -> int:
@@ -183,8 +193,14 @@ def main() -> int:
     p.add_argument("--step-time", type=float, default=0.05)
     p.add_argument("--ckpt-every", type=int, default=20)
     p.add_argument("--fault-every", type=float, default=10.0)
+    p.add_argument("--give-up", type=float, default=60.0,
+                   help="seconds after a kill without a new step: the run is stopped")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "goodput"))
+    p.add_argument("--replot", action="store_true", help="only redraw <out>.png from <out>.json")
     args = p.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.out + ".json").read_text())["summary"], args.out)
+        return 0
     variants = ("orchestrator cold", "orchestrator warm", "torchrun")
     results: dict[str, list[dict[str, object]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory() as tmp:
@@ -194,10 +210,11 @@ def main() -> int:
         for rep in range(args.reps):  # interleaved, so drift hits every variant alike
             for variant in variants:
                 if variant == "torchrun":
-                    lines, kills = run_torchrun(work, args)
+                    lines, kills, ended = run_torchrun(work, args)
                 else:
-                    lines, kills = run_orchestrator(work, args, warm=variant.endswith("warm"))
-                result = analyse(lines, kills, args.steps)
+                    lines, kills, ended = run_orchestrator(work, args,
+                                                           warm=variant.endswith("warm"))
+                result = analyse(lines, kills, ended, args.steps)
                 results[variant].append(result)
                 print(f"rep {rep} {variant}: goodput {result['goodput']:.3f}, recover "
                       f"{[round(x, 2) for x in result['recover']]}, redone {result['redone']}",
@@ -219,7 +236,8 @@ def report(results: dict[str, list[dict[str, object]]], args: argparse.Namespace
             "goodput": _median([r["goodput"] for r in runs]),  # type: ignore[misc]
             "recover_median_s": _median(recover), "recover_all_s": recover,
             "redone_median": _median(redone), "kills": sum(r["kills"] for r in runs),  # type: ignore[misc]
-            "completed": all(r["completed"] for r in runs)}
+            "recovered": f"{len(recover)}/{sum(r['kills'] for r in runs)}",  # type: ignore[misc]
+            "completed": f"{sum(bool(r['completed']) for r in runs)}/{len(runs)}"}
     anchor = summary["torchrun"]
     lines = [
         f"Goodput under faults: 4 ranks (gloo) on this machine, {args.steps} steps of "
@@ -227,17 +245,22 @@ def report(results: dict[str, list[dict[str, object]]], args: argparse.Namespace
         f"steps, one rank SIGKILLed every {args.fault_every:g} s; medians of {args.reps} runs "
         "per variant (`python benchmarks/bench_goodput.py`).", "",
         "| variant | goodput | x torchrun | kill -> all ranks training again (median) "
-        "| x cold | steps redone per kill |", "| --- | --- | --- | --- | --- | --- |"]
+        "| x cold | kills recovered | runs completed | steps redone per kill |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     cold = summary["orchestrator cold"]["recover_median_s"]
     for variant, s in summary.items():
         lines.append(f"| {variant} | {s['goodput']:.3f} | {s['goodput'] / anchor['goodput']:.2f} "
                      f"| {s['recover_median_s']:.2f} s | {s['recover_median_s'] / cold:.2f} "
-                     f"| {s['redone_median']:g} |")
+                     f"| {s['recovered']} | {s['completed']} | {s['redone_median']:g} |")
     text = "\n".join(lines) + "\n"
     print("\n" + text)
     Path(args.out + ".md").write_text(text)
     Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "summary": summary,
                                                     "runs": results}, indent=1))
+    plot(summary, args.out)
+
+
+def plot(summary: dict[str, dict[str, object]], out: str) -> None:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -249,12 +272,13 @@ def report(results: dict[str, list[dict[str, object]]], args: argparse.Namespace
     a.bar(names, [summary[n]["goodput"] for n in names], color=["#999", "#2a7", "#c63"])
     a.set_ylabel("goodput")
     a.set_ylim(0, 1)
-    b.boxplot([summary[n]["recover_all_s"] or [0] for n in names], labels=names)
+    b.boxplot([summary[n]["recover_all_s"] or [float("nan")] for n in names])
+    b.set_xticks(range(1, len(names) + 1), names)
     b.set_ylabel("kill -> all ranks training (s)")
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
-    fig.savefig(args.out + ".png", dpi=110)
+    fig.savefig(out + ".png", dpi=110)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orchestrator import logfiles, logread, pids, preflight, slurm, sync
+from orchestrator import logfiles, logread, pids, preflight, slurm, sync, timelost
 from orchestrator.errors import JobEndedError, LaunchError
 from orchestrator.pids import pid_namespace
 from orchestrator.plan import LaunchPlan, plan_attempt
@@ -391,6 +391,12 @@ def _iso(ts: float | None) -> str | None:
     return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
 
 
+def _is_spare(job: JobRecord, node: Any) -> bool:
+    """Healthy, attached and in no worker's place while the job runs: a hot spare."""
+    return (not job.state.is_terminal() and node.node_rank is None
+            and node.state.value in ("CONNECTED", "STOPPED"))
+
+
 def _status_dict(job: JobRecord) -> dict[str, Any]:
     hosts = {n.node_index: n.host for n in job.nodes}
     controller = _controller_view(job)
@@ -433,7 +439,8 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
             "owned": job.slurm.get("owned"), "released": job.slurm.get("released", False)},
         "nodes": [
             {"node_index": n.node_index, "host": n.host, "node_rank": n.node_rank,
-             "state": n.state.value, "hostname": n.info.get("hostname"),
+             "state": n.state.value, "spare": _is_spare(job, n),
+             "hostname": n.info.get("hostname"),
              "agent_pid": n.info.get("pid"), "error": n.info.get("error"),
              "sync": n.info.get("sync"), "last_heard": _iso(n.heard_at),
              "history": [{"at": _iso(e.at), "state": e.state.value, "message": e.message}
@@ -443,6 +450,7 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
         "ranks": ranks,
         "stragglers": slow,
         "failure": job.failure,
+        "time_lost": timelost.summary(job.attempts, job.steps, job.ended_at),
         "attempts": [
             {"attempt": a.attempt, "started_at": _iso(a.started_at), "ended_at": _iso(a.ended_at),
              "outcome": a.outcome or AttemptOutcome.RUNNING.value,

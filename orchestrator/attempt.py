@@ -17,8 +17,20 @@ from typing import Any
 from agents import protocol as P
 from orchestrator.diagnosis import stragglers
 from orchestrator.logfiles import STDERR_TAIL, LogSink
-from orchestrator.plan import TORCHRUN_LINE_RE, LaunchPlan
+from orchestrator.plan import TORCHRUN_LINE_RE, LaunchPlan, NodePlan
 from orchestrator.state import AttemptOutcome, FailureCause, RankState
+
+
+def start_message(number: int, node_plan: NodePlan, stop_grace: float, flight_recorder: int,
+                  warm_imports: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """The ``start`` of attempt ``number`` for one node; ``warm_imports`` (None: cold starts
+    only) is what its standbys import besides torch (agents/standby.py)."""
+    return {"op": P.START, "attempt": number, "workdir": node_plan.workdir,
+            "route_to": node_plan.route_to, "env": node_plan.env,
+            "defaults": node_plan.defaults,
+            "workers": [w.to_message() for w in node_plan.workers],
+            "stop_grace": stop_grace, "flight_recorder": flight_recorder,
+            "warm": None if warm_imports is None else {"imports": list(warm_imports)}}
 
 
 @dataclass
@@ -39,6 +51,8 @@ class Failure:
     stacks: dict[str, str] = field(default_factory=dict)  # rank -> its stack (on a hang)
     diagnosis: str | None = None  # where the ranks were, grouped (orchestrator/diagnosis.py)
     flight_recorder: dict[str, Any] | None = None  # {dir, ranks, left_on_nodes} (on a hang)
+    at: float | None = None  # when it happened, as well as known (unix time)
+    detected_at: float | None = None  # when the controller knew (orchestrator/timelost.py)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -104,15 +118,9 @@ class Attempt:
 
     def start_message(self, node_index: int, stop_grace: float, flight_recorder: int,
                       warm_imports: tuple[str, ...] | None = None) -> dict[str, Any]:
-        """The ``start`` a participant's agent gets (agents/protocol.py); ``warm_imports``
-        (None: cold starts only) is what its standbys import besides torch."""
-        node_plan = self.node_plans[node_index]
-        return {"op": P.START, "attempt": self.number, "workdir": node_plan.workdir,
-                "route_to": node_plan.route_to, "env": node_plan.env,
-                "defaults": node_plan.defaults,
-                "workers": [w.to_message() for w in node_plan.workers],
-                "stop_grace": stop_grace, "flight_recorder": flight_recorder,
-                "warm": None if warm_imports is None else {"imports": list(warm_imports)}}
+        """The ``start`` a participant's agent gets (agents/protocol.py)."""
+        return start_message(self.number, self.node_plans[node_index], stop_grace,
+                             flight_recorder, warm_imports)
 
     # --- the agents' messages ---------------------------------------------------------------
     def handle(self, node_index: int, message: P.Message) -> str | None:
@@ -278,12 +286,14 @@ class Attempt:
             node_index=node_index, node_rank=node_rank, host=host, rank=rank,
             local_rank=message.local_rank, exit_code=code, signal=sig,
             stderr_tail=list(self.sink.stderr.get(label, [])),
-            error_file=message.error_file))
+            error_file=message.error_file, at=message.at))
 
     # --- verdicts ------------------------------------------------------------------------------
     def fail(self, failure: Failure) -> None:
         """Keep the first failure of the attempt; later ones are its consequences."""
         if self.failure is None:
+            failure.detected_at = failure.detected_at or time.time()
+            failure.at = min(failure.at or failure.detected_at, failure.detected_at)
             self.failure = failure
 
     @property

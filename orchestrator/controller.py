@@ -34,7 +34,7 @@ from typing import Any
 
 from agents import protocol as P
 from orchestrator import policy
-from orchestrator.attempt import Attempt, AttemptResult, Failure
+from orchestrator.attempt import Attempt, AttemptResult, Failure, start_message
 from orchestrator.engine import Engine, Stop
 from orchestrator.logfiles import LogSink
 from orchestrator.nodebook import Node
@@ -253,7 +253,7 @@ class Controller:
         if len(healthy) < self.spec.min_nodes:
             return Failure(FailureCause.NODE_FAIL, f"only {len(healthy)} healthy node(s), "
                                                    f"fewer than the minimum {self.spec.min_nodes}")
-        return healthy[: self.spec.max_nodes]
+        return last_attempt_first(healthy, self.engine.current)[: self.spec.max_nodes]
 
     # --- one attempt ---------------------------------------------------------------------------
     def _run_attempt(self, participants: list[Node]) -> AttemptResult | None:
@@ -286,13 +286,15 @@ class Controller:
         self.store.start_attempt(self.job_id, self.attempt, plan.master_addr, port or 0,
                                  plan.world_size, ranks)
         engine.checkpoint(force=True)  # a replaced controller finds the participants here
-        for node in self.nodes:
+        for node in self.nodes:  # spares, and nodes out of the job, have no place in it
             node.node_rank = None
+            engine.book.set(node, node.state, node_rank=None)
         for node_plan in plan.nodes:
             node = self.nodes[node_plan.node_index]
             node.node_rank = node_plan.node_rank
             engine.book.set(node, NodeState.RUNNING, node_rank=node_plan.node_rank)
             engine.send_start(node)
+        warm_spares(self, participants, port)
         return self._watch(attempt)
 
     def _sink(self, ranks: int, sizes: dict[str, int] | None = None,
@@ -483,6 +485,38 @@ def pick_port(engine: Engine, spec: JobSpec, node: Node) -> int | None | Failure
             return Failure(FailureCause.LAUNCH_FAILED, f"rendezvous.port {wanted} is in "
                            f"use on {node.host}", node_index=node.index, host=node.host)
     return Failure(FailureCause.LAUNCH_FAILED, f"{node.host}: could not find a free port")
+
+
+def last_attempt_first(nodes: list[Node], last: Attempt | None) -> list[Node]:
+    """The last attempt's nodes first, but the one its failure names last: where nnodes
+    leaves spares, a spare takes the place of a node that was lost or failed, and that
+    node, back, is a spare; nobody else moves."""
+    ran = set(last.participants) if last is not None else set()
+    failed = last.failure.node_index if last is not None and last.failure else None
+    return sorted(nodes, key=lambda n: (n.index == failed, n.index not in ran, n.index))
+
+
+def warm_spares(c: Controller, participants: list[Node], port: int | None) -> None:
+    """Healthy nodes beyond nnodes MAX are hot spares: each gets standbys for the place of
+    the last participant (the start it would get there), so that one taking over a lost
+    node's place starts warm as well."""
+    imports = c.spec.standby_imports
+    chosen = {n.index for n in participants}
+    for node in c.nodes if imports is not None else ():
+        if node.index in chosen or not node.usable:
+            continue
+        stand_in = [*participants[:-1], node]
+        nprocs = workers_per_node(c.spec, stand_in)
+        if isinstance(nprocs, Failure):
+            continue
+        plan = plan_attempt(
+            c.spec, c.job_id, attempt=c.attempt, restart_count=c.attempt - 1,
+            master_port=port, node_indices=[n.index for n in stand_in], spec_dir=c.spec_dir,
+            nprocs=nprocs, sync_tree=c.engine.preparer.tree().tree if c.spec.sync else None)
+        node_plan = next(p for p in plan.nodes if p.node_index == node.index)
+        message = start_message(c.attempt, node_plan, 0.0, c.spec.health.flight_recorder,
+                                imports)
+        c.engine.pool.send(node, {**message, "op": P.WARM})
 
 
 def workers_per_node(spec: JobSpec, participants: list[Node]) -> dict[int, int] | Failure:

@@ -185,7 +185,8 @@ class Engine:
         attempt.fail(Failure(
             FailureCause.HUNG, f"no output or heartbeat from any rank for {hang_timeout:g}s "
             "(health.hang_timeout)" + (f": {diagnosis}" if diagnosis else ""),
-            stacks=found.texts, diagnosis=diagnosis, flight_recorder=dumps))
+            stacks=found.texts, diagnosis=diagnosis, flight_recorder=dumps,
+            at=time.time() - hang_timeout))
 
     def stacks(self, flight_recorder: bool = False) -> hang.Stacks:
         """Every live rank's stack, from every reachable node."""
@@ -322,13 +323,9 @@ class Engine:
     def send_start(self, node: Node) -> None:
         attempt = self.current
         assert attempt is not None
-        restart = self.spec.restart
-        # Warm starts: standbys become the workers (agents/standby.py); torchrun (c10d)
-        # starts its own workers, always cold.
-        warm = restart.warm and self.spec.rendezvous.backend == "static"
         self.pool.send(node, attempt.start_message(
             node.index, self.spec.stop_grace_period, self.spec.health.flight_recorder,
-            restart.warm_imports if warm else None))
+            self.spec.standby_imports))
 
     def _on_closed(self, channel: Channel) -> None:
         node = self.nodes[channel.node_index]
@@ -416,8 +413,8 @@ class Engine:
     def fail_participant(self, node: Node, cause: FailureCause, message: str) -> None:
         attempt = self.current
         if attempt is not None and not attempt.ended and node.index in attempt.participants:
-            attempt.fail(Failure(cause, message, node_index=node.index,
-                                 node_rank=node.node_rank, host=node.host))
+            attempt.fail(Failure(cause, message, node_index=node.index, node_rank=node.node_rank,
+                                 host=node.host, at=node.last_heard_unix))
 
     # --- the end --------------------------------------------------------------------------
     def shutdown(self, wait: float) -> None:

@@ -99,6 +99,12 @@ class Node:
         return max(self.heard, channel.heard) if channel is not None else self.heard
 
     @property
+    def last_heard_unix(self) -> float | None:
+        """When it was last heard, as unix time (a lost node's fault time)."""
+        heard = self.last_heard
+        return time.time() - (time.monotonic() - heard) if heard else None
+
+    @property
     def usable(self) -> bool:
         """Attached and healthy: may run workers."""
         return self.channel is not None and self.state in LIVE and \

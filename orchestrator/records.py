@@ -46,6 +46,18 @@ class NodeRecord:
     history: list[NodeEvent] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class StepSpan:
+    """One rank's steps in one attempt, as its samples have them (orchestrator/timelost.py)."""
+
+    attempt: int
+    rank: int
+    first_step: int
+    first_at: float
+    last_step: int
+    last_at: float
+
+
 @dataclass
 class AttemptRecord:
     attempt: int
@@ -89,3 +101,4 @@ class JobRecord:
     nodes: list[NodeRecord] = field(default_factory=list)
     ranks: list[RankRecord] = field(default_factory=list)
     attempts: list[AttemptRecord] = field(default_factory=list)
+    steps: list[StepSpan] = field(default_factory=list)

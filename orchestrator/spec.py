@@ -285,6 +285,13 @@ class JobSpec(_Model):
         return out
 
     @property
+    def standby_imports(self) -> tuple[str, ...] | None:
+        """What warm standbys import besides torch; None: restarts are cold (``restart.warm``
+        off, or c10d, where torchrun starts its own workers)."""
+        warm = self.restart.warm and self.rendezvous.backend == "static"
+        return self.restart.warm_imports if warm else None
+
+    @property
     def secret_names(self) -> frozenset[str]:
         """Names in ``env`` whose values are masked wherever the orchestrator shows them."""
         return frozenset(k for k in self.env if k in self.secret_env or looks_secret(k))

@@ -31,7 +31,14 @@ from typing import Any
 
 from orchestrator import pids
 from orchestrator.errors import JobNotFoundError, StoreError
-from orchestrator.records import AttemptRecord, JobRecord, NodeEvent, NodeRecord, RankRecord
+from orchestrator.records import (
+    AttemptRecord,
+    JobRecord,
+    NodeEvent,
+    NodeRecord,
+    RankRecord,
+    StepSpan,
+)
 from orchestrator.state import JobState, NodeState, check_node_transition, check_transition
 
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
@@ -520,6 +527,12 @@ class Store:
                               json.loads(r["stragglers_json"] or "[]"), r["warm_starts"] or 0)
                 for r in self._db.execute(
                     "SELECT * FROM attempts WHERE job_id = ? ORDER BY attempt", (job_id,))
+            ]
+            # Steps only increase within an attempt: its first and last are its min and max.
+            job.steps = [
+                StepSpan(r[0], r[1], r[2], r[3], r[4], r[5]) for r in self._db.execute(
+                    "SELECT attempt, rank, MIN(step), MIN(at), MAX(step), MAX(at) FROM samples"
+                    " WHERE job_id = ? AND step IS NOT NULL GROUP BY attempt, rank", (job_id,))
             ]
         finally:
             self._db.execute("COMMIT")

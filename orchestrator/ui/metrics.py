@@ -15,7 +15,10 @@ Per job, for jobs that run or ended within the last hour (older ones would only 
   ``orchestrator_rank_heartbeat_age_seconds``, ``orchestrator_rank_wait_share`` (share of the
   last 30 s spent waiting in collectives), ``orchestrator_rank_straggler`` (1 when named).
 
-``orchestrator_job_restarts_total`` is a counter; the others are gauges.
+- ``orchestrator_time_lost_seconds_total{job_id,name}``, ``orchestrator_gpu_seconds_lost_total``
+  and ``orchestrator_goodput_ratio``: see orchestrator/timelost.py.
+
+The ``_total`` ones are counters; the others are gauges.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import time
 from typing import Any
 
+from orchestrator import timelost
 from orchestrator.state import AttemptOutcome, JobState, NodeState
 from orchestrator.store import JobRecord, Store
 
@@ -93,11 +97,25 @@ class _Collector:
                                  labels=rank_labels)
         slow = GaugeMetricFamily("orchestrator_rank_straggler",
                                  "1 when the others wait for this rank.", labels=rank_labels)
+        lost = CounterMetricFamily("orchestrator_time_lost_seconds",
+                                   "Seconds of training lost to failures: each fault until every "
+                                   "rank trained again, plus the steps redone.",
+                                   labels=job_labels)
+        gpu_lost = CounterMetricFamily("orchestrator_gpu_seconds_lost",
+                                       "Time lost times the ranks.", labels=job_labels)
+        goodput = GaugeMetricFamily("orchestrator_goodput_ratio",
+                                    "Useful step time over wall time since the job started.",
+                                    labels=job_labels)
         for job in shown:
             _job_metrics(job, now, restarts, free, attempt, duration, node_state, node_age,
                          step, rate, beat, wait, slow)
+            summary = timelost.summary(job.attempts, job.steps, job.ended_at)
+            lost.add_metric([job.job_id, job.name], summary["seconds"])
+            gpu_lost.add_metric([job.job_id, job.name], summary["gpu_seconds"])
+            if summary["goodput"] is not None:
+                goodput.add_metric([job.job_id, job.name], summary["goodput"])
         yield from (restarts, free, attempt, duration, node_state, node_age, step, rate, beat,
-                    wait, slow)
+                    wait, slow, lost, gpu_lost, goodput)
 
 
 def _job_metrics(job: JobRecord, now: float, restarts: Any, free: Any, attempt: Any,

@@ -153,3 +153,66 @@ def test_no_standby_or_warm_worker_outlives_its_agent(home, tmp_path):
     left = job_processes(job_id)
     orchestrator.cancel(job_id)
     assert left == []
+
+
+def test_time_lost_per_incident_is_measured_against_the_workers_own_steps(home, tmp_path):
+    """A real gloo training with a checkpoint every 10 steps loses a rank: the incident's steps
+    redone and time to training again agree with the STEP lines the workers printed."""
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "lost", "nodes": [{"host": "local"}, {"host": "local"}], "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "goodput_train.py"), str(tmp_path / "ckpt")],
+        "workdir": str(tmp_path), "max_restarts": 1, "restart_backoff": {"initial": 0.1},
+        "env": {"STEPS": "80", "STEP_TIME": "0.1", "CKPT_EVERY": "10"},
+        "health": {"heartbeat_interval": 0.1}, "stop_grace_period": 2}))
+
+    def at_step_25():
+        ranks = orchestrator.status(job_id)["ranks"]
+        return len(ranks) == 4 and min(r["step"] or 0 for r in ranks) >= 25 and ranks
+
+    victim = wait_for(at_step_25, 90, what="step 25")[3]
+    os.kill(victim["pid"], signal.SIGKILL)  # a worker of this test's job
+    killed = time.time()
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    (incident,) = result["time_lost"]["incidents"]
+    printed = [ln.split("] ", 1)[1].split() for ln in orchestrator.logs(job_id)
+               if "] STEP " in ln]
+    last = max(int(p[3]) for p in printed if p[1] == "0")
+    resumed = min(int(p[3]) for p in printed if p[1] == "1")
+    again = max(min(float(p[4]) for p in printed if p[1] == "1" and p[2] == str(r))
+                for r in range(4))
+    # Steps are seen through heartbeat files read every 0.1 s: a step (0.1 s) either way.
+    assert abs(incident["steps_redone"] - (last + 1 - resumed)) <= 2, (incident, last, resumed)
+    assert incident["recovered_s"] == pytest.approx(again - killed, abs=0.5)
+    assert 0 <= incident["detected_s"] < 2 and incident["restarted_s"] <= incident["recovered_s"]
+    assert incident["gpu_s"] == pytest.approx(4 * incident["lost_s"], rel=1e-3)
+    assert 0 < result["time_lost"]["goodput"] < 1
+    assert_no_job_processes(job_id)
+
+
+def test_a_hot_spare_takes_a_lost_nodes_place_warm(home, tmp_path):
+    """Three nodes, nnodes 2: the third is a spare, connected and with standbys of its own.
+    Node 1's agent is SIGKILLed (its workers and standbys die with it): the next attempt runs
+    on nodes 0 and 2, every worker from a standby, and node 1, back, is the spare."""
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "spare", "nodes": [{"host": "local"}] * 3, "nnodes": 2, "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "goodput_train.py"), str(tmp_path / "ckpt")],
+        "workdir": str(tmp_path), "max_restarts": 1, "restart": {"warm": True},
+        "restart_backoff": {"initial": 0.1}, "stop_grace_period": 2,
+        "env": {"STEPS": "400", "STEP_TIME": "0.05", "CKPT_EVERY": "10"}}))
+    wait_for(lambda: len(standbys(job_id)) == 6, 90, what="6 standbys (2 on the spare)")
+    shown = orchestrator.status(job_id)
+    assert [n["spare"] for n in shown["nodes"]] == [False, False, True]
+    victim = next(r for r in shown["ranks"] if r["node_index"] == 1)
+    with open(f"/proc/{victim['pid']}/stat", "rb") as f:
+        agent = int(f.read().rsplit(b")", 1)[1].split()[1])
+    os.kill(agent, signal.SIGKILL)  # the agent of this test's node 1
+    wait_for(lambda: orchestrator.status(job_id)["attempt"] == 2, 60, what="attempt 2")
+    wait_for(lambda: orchestrator.status(job_id)["nodes"][1]["spare"], 60,
+             what="node 1 back as the spare")
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert result["attempts"][0]["failure"]["cause"] == "NODE_FAIL"
+    assert result["attempts"][1]["warm_starts"] == 4
+    assert {r["node_index"] for r in result["ranks"]} == {0, 2}
+    assert_no_job_processes(job_id)
