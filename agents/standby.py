@@ -211,6 +211,13 @@ class Standbys:
         key = self.key(command, env, cwd, imports)
         if key in self._failed:
             return
+        try:  # never the agent's problem: the next start is cold, that is all
+            self._spawn(local_rank, command, env, cwd, imports, key)
+        except OSError as exc:
+            self._failed[key] = f"no standby could be started: {exc}"
+
+    def _spawn(self, local_rank: int, command: PythonCommand, env: dict[str, str], cwd: str,
+               imports: tuple[str, ...], key: tuple[Any, ...]) -> None:
         boot = os.path.join(self.directory, "standby_boot.py")
         if not os.path.exists(boot):
             with open(boot, "w", encoding="utf-8") as f:
@@ -226,7 +233,7 @@ class Standbys:
                     start_new_session=True, preexec_fn=set_pdeathsig)
             except OSError:
                 parent.close()
-                return
+                raise
             finally:
                 child.close()
             self._by_local[local_rank] = Standby(proc, parent, key)

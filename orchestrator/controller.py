@@ -253,7 +253,7 @@ class Controller:
         if len(healthy) < self.spec.min_nodes:
             return Failure(FailureCause.NODE_FAIL, f"only {len(healthy)} healthy node(s), "
                                                    f"fewer than the minimum {self.spec.min_nodes}")
-        return last_attempt_first(healthy, self.engine.current)[: self.spec.max_nodes]
+        return choose_participants(healthy, self.engine.current, self.spec.max_nodes)
 
     # --- one attempt ---------------------------------------------------------------------------
     def _run_attempt(self, participants: list[Node]) -> AttemptResult | None:
@@ -487,13 +487,23 @@ def pick_port(engine: Engine, spec: JobSpec, node: Node) -> int | None | Failure
     return Failure(FailureCause.LAUNCH_FAILED, f"{node.host}: could not find a free port")
 
 
-def last_attempt_first(nodes: list[Node], last: Attempt | None) -> list[Node]:
-    """The last attempt's nodes first, but the one its failure names last: where nnodes
-    leaves spares, a spare takes the place of a node that was lost or failed, and that
-    node, back, is a spare; nobody else moves."""
-    ran = set(last.participants) if last is not None else set()
-    failed = last.failure.node_index if last is not None and last.failure else None
-    return sorted(nodes, key=lambda n: (n.index == failed, n.index not in ran, n.index))
+def choose_participants(healthy: list[Node], last: Attempt | None, most: int) -> list[Node]:
+    """The first ``most`` healthy nodes, or, with spares (more healthy nodes than ``most``)
+    after an attempt: its nodes in their places, but a spare in the place of the node its
+    failure names (lost, or the failing rank's), which, back, is a spare; nobody else moves."""
+    if last is None or len(healthy) <= most:
+        return healthy[:most]
+    by_index = {n.index: n for n in healthy}
+    failed = last.failure.node_index if last.failure else None
+    spares = [n for n in healthy if n.index not in last.participants and n.index != failed]
+    spares += [by_index[failed]] if failed in by_index else []  # its own place, at worst
+    chosen = []
+    for index in last.participants:  # in node-rank order
+        if index in by_index and index != failed:
+            chosen.append(by_index[index])
+        elif spares:
+            chosen.append(spares.pop(0))
+    return (chosen + spares)[:most]
 
 
 def warm_spares(c: Controller, participants: list[Node], port: int | None) -> None:

@@ -55,7 +55,7 @@ def incidents(attempts: list[AttemptRecord], spans: list[StepSpan]) -> list[Inci
     for s in spans:
         by_attempt.setdefault(s.attempt, []).append(s)
     out = []
-    for failed, following in zip(attempts, attempts[1:]):  # noqa: B905 (pairs)
+    for failed, following in zip(attempts, attempts[1:], strict=False):  # each with the next
         failure = failed.failure or {}
         fault = failure.get("at") or failed.ended_at
         if failed.outcome != "FAILED" or fault is None:

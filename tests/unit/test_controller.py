@@ -247,3 +247,30 @@ def test_a_stop_answered_before_the_deadline_counts_though_read_after_it(tmp_pat
     assert job.state == JobState.SUCCEEDED and job.attempt == 2, job.failure
     lost = [e for n in job.nodes for e in n.history if e.state.value == "LOST"]
     assert lost == []
+
+
+def test_a_spare_takes_the_place_of_the_node_a_failure_names_and_nobody_else_moves():
+    from types import SimpleNamespace
+
+    from orchestrator.controller import choose_participants
+
+    nodes = {i: SimpleNamespace(index=i) for i in range(5)}
+
+    def last(participants, failed):
+        failure = None if failed is None else SimpleNamespace(node_index=failed)
+        return SimpleNamespace(participants=participants, failure=failure)
+
+    def chosen(healthy, previous, most=3):
+        return [n.index for n in choose_participants([nodes[i] for i in healthy], previous, most)]
+
+    assert chosen([0, 1, 2, 3, 4], None) == [0, 1, 2]  # the first attempt: the first ones
+    # node 1 failed: spare 3 takes its place (node rank 1); node 1 is a spare now
+    assert chosen([0, 1, 2, 3, 4], last([0, 1, 2], 1)) == [0, 3, 2]
+    # then node 3 is lost: the first spare, in spec order (node 1 is healthy again)
+    assert chosen([0, 1, 2, 4], last([0, 3, 2], 3)) == [0, 1, 2]
+    # a worker's failure with no spare left: the same nodes in the same places
+    assert chosen([0, 3, 2], last([0, 3, 2], 3)) == [0, 3, 2]
+    # the failed node is the only one left to fill its place
+    assert chosen([0, 1, 2, 3], last([3, 0, 2], 1)) == [3, 0, 2]
+    # no failure named (a hang): nobody moves, and a node that is gone is replaced
+    assert chosen([0, 2, 3, 4], last([0, 1, 2], None)) == [0, 3, 2]
