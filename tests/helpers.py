@@ -41,6 +41,18 @@ def job_processes(job_id: str) -> list[int]:
     return found
 
 
+def standby_processes(job_id: str) -> list[int]:
+    """The job's warm standby interpreters (agents/standby.py), found by its job id."""
+    out = []
+    for pid in job_processes(job_id):
+        try:
+            if b"standby_boot.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
 def command_lines() -> list[bytes]:
     """Every live process's command line, as ``ps`` shows it to any local user."""
     found = []

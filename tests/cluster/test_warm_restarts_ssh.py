@@ -8,31 +8,19 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
 
 import orchestrator
 from tests.cluster.test_ssh_jobs import cluster_spec
-from tests.helpers import PYTHON, WORKERS, assert_no_job_processes, job_processes, wait_for
+from tests.helpers import PYTHON, WORKERS, assert_no_job_processes, standby_processes, wait_for
 
 TRAIN = [PYTHON, str(WORKERS / "goodput_train.py")]
 TRAIN_ENV = {"STEPS": "150", "STEP_TIME": "0.05", "CKPT_EVERY": "10"}
 
 
-def standbys(job_id: str) -> list[int]:
-    out = []
-    for pid in job_processes(job_id):
-        try:
-            if b"standby_boot.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-        except OSError:
-            pass
-    return out
-
-
 def kill_a_rank_once_standbys_are_up(job_id: str, ranks: int) -> dict:
     """SIGKILL the last rank once every local rank of every node has its standby; then the
     job's end, which must be a success with every worker of attempt 2 started warm."""
-    wait_for(lambda: len(standbys(job_id)) == ranks, 120, what=f"{ranks} standbys")
+    wait_for(lambda: len(standby_processes(job_id)) == ranks, 120, what=f"{ranks} standbys")
     shown = orchestrator.status(job_id)
     victim = next(r for r in shown["ranks"] if r["rank"] == ranks - 1)
     os.kill(victim["pid"], signal.SIGKILL)  # a worker of this test's job

@@ -21,6 +21,7 @@ from tests.helpers import (
     WORKERS,
     assert_no_job_processes,
     job_processes,
+    standby_processes,
     wait_for,
     write_spec,
 )
@@ -45,18 +46,6 @@ def project(tmp_path: Path, style: str) -> tuple[Path, list[str]]:
     return root, [PYTHON, "-m", "warmpkg.world"]
 
 
-def standbys(job_id: str) -> list[int]:
-    """The job's standby interpreters (agents/standby.py), found by its job id."""
-    out = []
-    for pid in job_processes(job_id):
-        try:
-            if b"standby_boot.py" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                out.append(pid)
-        except OSError:
-            pass
-    return out
-
-
 def run_warm_job(tmp_path, command, root, out, **extra):
     job_id = orchestrator.submit(write_spec(tmp_path, {
         "name": "warm", "nodes": [{"host": "local"}], "nproc_per_node": 2,
@@ -65,7 +54,7 @@ def run_warm_job(tmp_path, command, root, out, **extra):
         "stop_grace_period": 2, **extra}))
     wait_for(lambda: len(list(out.glob("attempt-1/world-*.json"))) == 2, 60,
              what="attempt 1's worlds")
-    ready = wait_for(lambda: len(standbys(job_id)) == 2 and standbys(job_id), 60,
+    ready = wait_for(lambda: len(standby_processes(job_id)) == 2 and standby_processes(job_id), 60,
                      what="two standbys")
     (out / "fail").touch()
     return job_id, ready
@@ -200,7 +189,7 @@ def test_a_hot_spare_takes_a_lost_nodes_place_warm(home, tmp_path):
         "workdir": str(tmp_path), "max_restarts": 1, "restart": {"warm": True},
         "restart_backoff": {"initial": 0.1}, "stop_grace_period": 2,
         "env": {"STEPS": "400", "STEP_TIME": "0.05", "CKPT_EVERY": "10"}}))
-    wait_for(lambda: len(standbys(job_id)) == 6, 90, what="6 standbys (2 on the spare)")
+    wait_for(lambda: len(standby_processes(job_id)) == 6, 90, what="6 standbys (2 on the spare)")
     shown = orchestrator.status(job_id)
     assert [n["spare"] for n in shown["nodes"]] == [False, False, True]
     victim = next(r for r in shown["ranks"] if r["node_index"] == 1)
