@@ -212,6 +212,19 @@ def test_a_job_page_shows_ranks_attempts_metric_plots_and_logs(restarted_job, se
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000, len(data)
 
 
+def test_the_job_page_says_what_the_restart_cost(restarted_job, server):
+    _, job_id = restarted_job
+    shown = orchestrator.status(job_id, home=restarted_job[0])["time_lost"]
+    (incident,) = shown["incidents"]
+    assert incident["attempt"] == 1 and incident["cause"] == "WORKER_FAILED"
+    dom = _render(_chromium(), server.url(f"/jobs/{job_id}"))
+    (line,) = [text for _, text in dom.find("p", id="time-lost")]
+    assert line.startswith(f"time lost: {shown['seconds']} s ({shown['gpu_seconds']} GPU-s) "
+                           "in 1 incident(s)"), line
+    cells = [text for _, text in dom.find("td")]
+    assert any(f"{incident['steps_redone']} steps redone" in c for c in cells), cells
+
+
 def test_metric_samples_span_both_attempts(restarted_job, server):
     import json
 

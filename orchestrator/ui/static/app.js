@@ -160,6 +160,7 @@ function grid(job) {
   for (const r of job.ranks) (byNode[r.node_index] = byNode[r.node_index] || []).push(r);
   const nodes = job.nodes.map(n => el("div", { class: "node", "data-node": n.node_index, "data-state": n.state },
     el("div", { class: "head" }, el("strong", {}, `node ${n.node_rank ?? "-"}`), ` ${n.host} `, badge(n.state),
+      n.spare ? el("span", { class: "badge spare", title: "a hot spare: takes a lost or failed node's place" }, "spare") : null,
       el("div", { class: "muted" }, `heard ${age(n.last_heard)}`)),
     el("div", { class: "ranks" }, (byNode[n.node_index] || []).map(r => el("div", {
       class: "rank" + (r.straggler ? " straggler" : ""), "data-rank": r.rank, "data-state": r.state,
@@ -194,11 +195,21 @@ function timeline(job) {
   });
   chart.append(svg("text", { x: 60, y: H - 2 }, new Date(t0).toLocaleTimeString()));
   chart.append(svg("text", { x: W - 80, y: H - 2 }, new Date(t1).toLocaleTimeString()));
-  replace("timeline", el("section", {}, el("h2", {}, "Attempts"), chart,
-    el("table", {}, el("thead", {}, el("tr", {}, ["#", "STARTED", "ENDED", "OUTCOME", "CAUSE", "STEPS/S"].map(h => el("th", {}, h)))),
+  const lost = job.time_lost || { incidents: [] };
+  const incident = {};
+  for (const i of lost.incidents) incident[i.attempt] = i;
+  // An incident's cost: time until every rank trained again, plus the steps done twice.
+  const cost = i => !i ? "" : (i.lost_s !== null ? `${i.lost_s.toFixed(1)} s` : "?") +
+    (i.recovered_s !== null ? `: ${i.recovered_s.toFixed(1)} s down, ${i.steps_redone} steps redone` : "");
+  const total = lost.incidents.length ? el("p", { class: "muted", id: "time-lost" },
+    `time lost: ${lost.seconds} s (${lost.gpu_seconds} GPU-s) in ${lost.incidents.length} incident(s)` +
+    (lost.goodput !== null ? ` · goodput ${lost.goodput.toFixed(2)}` : "")) : null;
+  replace("timeline", el("section", {}, el("h2", {}, "Attempts"), chart, total,
+    el("table", {}, el("thead", {}, el("tr", {}, ["#", "STARTED", "ENDED", "OUTCOME", "CAUSE", "STEPS/S", "WARM", "TIME LOST"].map(h => el("th", {}, h)))),
       el("tbody", {}, attempts.map(a => el("tr", { "data-attempt": a.attempt }, el("td", {}, a.attempt), el("td", {}, when(a.started_at)),
         el("td", {}, when(a.ended_at)), el("td", {}, badge(a.outcome)), el("td", {}, a.failure ? a.failure.message : ""),
-        el("td", {}, a.steps_per_s ? a.steps_per_s.toFixed(2) : "-")))))));
+        el("td", {}, a.steps_per_s ? a.steps_per_s.toFixed(2) : "-"), el("td", {}, a.warm_starts || "-"),
+        el("td", {}, cost(incident[a.attempt]))))))));
 }
 
 async function metrics(job) {
