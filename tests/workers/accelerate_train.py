@@ -25,3 +25,6 @@ backend = getattr(state, "backend", None) or torch.distributed.get_backend()
 print(f"ACCELERATE rank={accelerator.process_index} world={accelerator.num_processes} "
       f"local={accelerator.local_process_index} type={state.distributed_type.value} "
       f"backend={backend} weights={digest} pid={os.getpid()}", flush=True)
+# As Accelerate's docs end a script: without it, torch 2.13's gloo threads may still be up at
+# interpreter exit and abort the process ("terminate called without an active exception").
+accelerator.end_training()
