@@ -162,6 +162,7 @@ class Standbys:
         self._by_local: dict[int, Standby] = {}
         self._failed: dict[tuple[Any, ...], str] = {}  # a key whose imports failed
         self._due: tuple[float, list[tuple[Any, ...]]] | None = None  # see schedule()
+        self._ever = False  # any standby started: only then is there anything to sweep
 
     @staticmethod
     def key(command: PythonCommand, env: dict[str, str], cwd: str,
@@ -237,6 +238,7 @@ class Standbys:
             finally:
                 child.close()
             self._by_local[local_rank] = Standby(proc, parent, key)
+            self._ever = True
         prepare = {"path0": command.path0(cwd), "imports": [*DEFAULT_IMPORTS, *imports]}
         parent.sendall((json.dumps(prepare) + "\n").encode())
 
@@ -256,7 +258,10 @@ class Standbys:
 
     def sweep(self) -> None:
         """Kill what carries the standby token and is no standby: workers that were
-        standbys, and their children, once their attempt is stopped."""
+        standbys, and their children, once their attempt is stopped. A scan of /proc: not
+        for an agent that never started a standby (restart.warm off)."""
+        if not self._ever:
+            return
         with self.lock:
             kill_token_processes(self.token, spare={s.proc.pid for s in self._by_local.values()})
 
@@ -266,7 +271,8 @@ class Standbys:
             standbys, self._by_local = list(self._by_local.values()), {}
         for s in standbys:
             s.end()
-        kill_token_processes(self.token)
+        if self._ever:
+            kill_token_processes(self.token)
 
 
 def _what_changed(before: tuple[Any, ...], now: tuple[Any, ...]) -> str:
