@@ -13,6 +13,7 @@ all-reduced across nodes.
 
 import argparse
 import hashlib
+import os
 import sys
 
 import torch
@@ -46,6 +47,10 @@ def worker(local_rank: int, args: argparse.Namespace) -> None:
                      f"final weights {digest}\n")
     sys.stdout.flush()
     dist.destroy_process_group()
+    # Exit without the interpreter's shutdown: torch 2.13's gloo threads can abort it
+    # (pytorch/pytorch#190489; README, "Failures, restarts and health").
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def main() -> None:

@@ -2,6 +2,7 @@
 backward, step. Prints what Accelerate made of the world and a digest of the weights."""
 import hashlib
 import os
+import sys
 
 import torch
 from accelerate import Accelerator
@@ -25,6 +26,9 @@ backend = getattr(state, "backend", None) or torch.distributed.get_backend()
 print(f"ACCELERATE rank={accelerator.process_index} world={accelerator.num_processes} "
       f"local={accelerator.local_process_index} type={state.distributed_type.value} "
       f"backend={backend} weights={digest} pid={os.getpid()}", flush=True)
-# As Accelerate's docs end a script: without it, torch 2.13's gloo threads may still be up at
-# interpreter exit and abort the process ("terminate called without an active exception").
-accelerator.end_training()
+accelerator.end_training()  # as Accelerate's docs end a script
+# Exit without the interpreter's shutdown: torch 2.13's gloo threads can abort it
+# (pytorch/pytorch#190489; README, "Failures, restarts and health").
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
