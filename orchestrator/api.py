@@ -432,6 +432,7 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
         "restarts": job.restarts,
         "max_restarts": job.max_restarts,
         "free_restarts": job.free_restarts,
+        "infra_restarts": job.infra_restarts,
         "controller": controller,
         "controller_grace": json.loads(job.spec_json).get("health", {}).get("controller_grace"),
         "slurm": None if job.slurm is None else {

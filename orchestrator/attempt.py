@@ -53,6 +53,12 @@ class Failure:
     flight_recorder: dict[str, Any] | None = None  # {dir, ranks, left_on_nodes} (on a hang)
     at: float | None = None  # when it happened, as well as known (unix time)
     detected_at: float | None = None  # when the controller knew (orchestrator/timelost.py)
+    step: int | None = None  # the failing rank's last heartbeat step, where it gave one
+    # Written when the attempt ends (orchestrator/failclass.py, orchestrator/policy.py):
+    failure_class: str | None = None  # user, infrastructure, preempted, hung, unknown
+    evidence: str | None = None  # the line, signal or event that decided the class
+    signature: str | None = None  # the error, e.g. 'ModuleNotFoundError at train.py:4'
+    decision: str | None = None  # what the restart policy did, and why
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -105,6 +111,7 @@ class Attempt:
         self.last_activity = time.monotonic()  # output, or a worker's heartbeat()
         self.launched_at = time.monotonic()
         self.first_steps: dict[int, tuple[int, float]] = {}  # rank -> (step, when) first seen
+        self.last_steps: dict[int, int] = {}  # rank -> the last step it gave
         self.output_at: dict[int, float] = {}  # rank -> when it last printed (wall clock)
         self.sampled_at: dict[int, float] = {}  # rank -> its last sample kept for the history
         self.unsampled: dict[int, tuple[int, int | None, float, dict[str, float]]] = {}
@@ -230,7 +237,7 @@ class Attempt:
         step, at = record.step, record.at
         fields: dict[str, Any] = {"metrics": dict(record.metrics), "heartbeat_at": at}
         if step is not None:
-            fields["step"] = step
+            fields["step"] = self.last_steps[rank] = step
             first = self.first_steps.setdefault(rank, (step, float(at or 0)))
             if at is not None and at > first[1] and step > first[0]:
                 fields["steps_per_s"] = (step - first[0]) / (at - first[1])
@@ -286,7 +293,8 @@ class Attempt:
             node_index=node_index, node_rank=node_rank, host=host, rank=rank,
             local_rank=message.local_rank, exit_code=code, signal=sig,
             stderr_tail=list(self.sink.stderr.get(label, [])),
-            error_file=message.error_file, at=message.at))
+            error_file=message.error_file, at=message.at,
+            step=self.last_steps.get(rank) if rank is not None else None))
 
     # --- verdicts ------------------------------------------------------------------------------
     def fail(self, failure: Failure) -> None:

@@ -444,6 +444,8 @@ def _print_status(data: dict[str, Any]) -> None:
 
     console = _console()
     free = f" (+{data['free_restarts']} not charged)" if data.get("free_restarts") else ""
+    if data.get("infra_restarts"):
+        free += f" (+{data['infra_restarts']} infrastructure)"
     typer.echo(f"{data['job_id']}  {data['state']}  attempt {data['attempt']}  "
                f"restarts {data['restarts']}/{data['max_restarts']}{free}  "
                f"submitted {data['submitted_at']}")
@@ -485,13 +487,14 @@ def _print_status(data: dict[str, Any]) -> None:
     if len(data["attempts"]) > 1 or any(a["failure"] for a in data["attempts"]):
         warm = any(a.get("warm_starts") for a in data["attempts"])
         history = Table("ATTEMPT", "STARTED", "ENDED", "OUTCOME", *(["WARM"] if warm else []),
-                        "CAUSE", box=None)
+                        "CLASS", "CAUSE", box=None)
         for a in data["attempts"]:
-            cause = a["failure"]["message"] if a["failure"] else ""
+            f = a["failure"] or {}
+            cause = f.get("message", "") + (f"; {f['decision']}" if f.get("decision") else "")
             history.add_row(*map(_cell, (a["attempt"], a["started_at"] or "",
                                          a["ended_at"] or "", a["outcome"],
                                          *([a.get("warm_starts") or 0] if warm else []),
-                                         cause)))
+                                         f.get("failure_class") or "", cause)))
         console.print(history)
     if (data.get("time_lost") or {}).get("incidents"):
         console.print(visible(_time_lost_line(data["time_lost"])), highlight=False,

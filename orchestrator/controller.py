@@ -68,6 +68,8 @@ class Controller:
         self.attempt = 0
         self.restarts = 0
         self.free_restarts = 0
+        self.infra_restarts = 0  # charged to restart_policy.max_infra_restarts
+        self.previous_failure: Failure | None = None  # the attempt before's, for stop_on_repeat
         self._on_end = on_end
 
     @property
@@ -149,7 +151,9 @@ class Controller:
                 result = self._run_attempt(participants)
                 if result is None:
                     return self._stopped()
-            decision = policy.decide(result, self.restarts, self.spec)
+            decision = policy.decide(result, self.restarts, self.spec,
+                                     self.previous_failure, self.infra_restarts)
+            self.previous_failure = result.failure
             if isinstance(decision, policy.Succeed):
                 self._end_attempt(result)
                 return JobState.SUCCEEDED, {}
@@ -161,6 +165,9 @@ class Controller:
                 self.restarts += 1
                 # Persisted before acting, so a crash here never grants a free restart.
                 engine.set_state(JobState.RESTARTING, restarts=self.restarts)
+            elif decision.infra:
+                self.infra_restarts += 1
+                engine.set_state(JobState.RESTARTING, infra_restarts=self.infra_restarts)
             else:  # not the user's failure: the budget is not touched
                 self.free_restarts += 1
                 engine.set_state(JobState.RESTARTING, free_restarts=self.free_restarts)
@@ -385,6 +392,10 @@ class Controller:
         job = self.store.get_job(self.job_id)
         self.attempt, self.restarts, self.free_restarts = \
             job.attempt, job.restarts, job.free_restarts
+        self.infra_restarts = job.infra_restarts
+        ended = [a for a in job.attempts if a.ended_at is not None]
+        if ended and ended[-1].failure:
+            self.previous_failure = Failure.from_dict(ended[-1].failure)
         engine.state = job.state
         engine.book.restore(job.nodes)
         log.info("resuming job %s in state %s, attempt %d", self.job_id, job.state.value,

@@ -94,6 +94,7 @@ class JobRecord:
     controller_since: float | None = None
     supervisor_pid: int | None = None
     free_restarts: int = 0
+    infra_restarts: int = 0  # charged to restart_policy.max_infra_restarts
     controller_pidns: str | None = None
     controller_ident: str | None = None  # orchestrator.pids.identity of controller_pid
     supervisor_ident: str | None = None

@@ -42,6 +42,7 @@ from orchestrator.specparts import (  # noqa: F401 (the sections are part of spe
     NodeSpec,
     PathText,
     RendezvousSpec,
+    RestartPolicySpec,
     RestartSpec,
     Seconds,
     SlurmSpec,
@@ -107,6 +108,7 @@ class JobSpec(_Model):
     rendezvous: RendezvousSpec = RendezvousSpec()
     restart_backoff: BackoffSpec = BackoffSpec()
     restart: RestartSpec = RestartSpec()
+    restart_policy: RestartPolicySpec = RestartPolicySpec()
     health: HealthSpec = HealthSpec()
     logs: LogsSpec = LogsSpec()
     ssh: SSHOptions = SSHOptions()
@@ -205,6 +207,30 @@ class JobSpec(_Model):
         if v is not None:
             _parse_nnodes(v)
         return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _short_forms(cls, data: Any) -> Any:
+        """``restart_policy.max_restarts`` and ``.fail_on_exit_codes`` become the top-level
+        fields, which the rest of the code reads."""
+        policy = data.get("restart_policy") if isinstance(data, dict) else None
+        if not isinstance(policy, dict):
+            return data
+        data = dict(data)
+        given = policy.get("max_restarts")
+        if given is not None:
+            if data.get("max_restarts") not in (None, given):
+                raise _FieldError("restart_policy.max_restarts", "differs from the top-level "
+                                  "max_restarts: give one of them", given)
+            data["max_restarts"] = given
+        codes = policy.get("fail_on_exit_codes")
+        if isinstance(codes, list | tuple) and codes:
+            top = data.get("fail_on_exit_codes") or []
+            if isinstance(top, list | tuple):
+                # A bad code is left for restart_policy's own check to name.
+                good = [c for c in codes if type(c) is int and 1 <= c <= 255 and c not in top]
+                data["fail_on_exit_codes"] = [*top, *good]
+        return data
 
     @model_validator(mode="after")
     def _nodes(self) -> JobSpec:
@@ -472,7 +498,8 @@ def _value_at(data: Any, loc: tuple[Any, ...]) -> tuple[bool, Any]:
 
 _MODELS: dict[str, type[BaseModel]] = {
     "": JobSpec, "nodes": NodeSpec, "rendezvous": RendezvousSpec, "health": HealthSpec,
-    "restart_backoff": BackoffSpec, "restart": RestartSpec, "ssh": SSHOptions,
+    "restart_backoff": BackoffSpec, "restart": RestartSpec,
+    "restart_policy": RestartPolicySpec, "ssh": SSHOptions,
     "logs": LogsSpec, "sync": SyncSpec, "slurm": SlurmSpec,
 }
 _MESSAGES = {

@@ -287,6 +287,52 @@ class RestartSpec(_Model):
         return v
 
 
+def _regexes(v: tuple[str, ...]) -> tuple[str, ...]:
+    for i, pattern in enumerate(v):
+        try:
+            re.compile(pattern)
+        except (re.error, RecursionError, OverflowError) as exc:
+            raise _FieldError(f"[{i}]", f"not a regular expression: {exc}", pattern) from None
+    return v
+
+
+_ExitCode = Annotated[StrictInt, Field(ge=1, le=255)]
+
+
+class RestartPolicySpec(_Model):
+    """Which failed attempts are restarted (orchestrator/policy.py). ``max_restarts`` and
+    ``fail_on_exit_codes`` may also be given at the top level, the short form."""
+
+    max_restarts: Annotated[StrictInt, Field(ge=0)] | None = Field(
+        default=None, description="restarts for failures of the program (and, unless "
+        "max_infra_restarts is set, of the infrastructure); the same as the top-level field")
+    max_infra_restarts: Annotated[StrictInt, Field(ge=0)] | None = Field(
+        default=None, description="a separate budget for infrastructure failures (a node or "
+        "agent lost, a worker killed from outside, gloo/NCCL connection errors, "
+        "restart_on_exit_codes, restart_on_log); null: they count against max_restarts")
+    stop_on_repeat: bool = Field(
+        default=True, description="end the job when the same error (exception type and "
+        "innermost frame) ends two attempts in a row at the same step (from any rank: which "
+        "rank fails first is a race when all hit the same bug)")
+    fail_on_exit_codes: tuple[_ExitCode, ...] = Field(
+        default=(), description="exit codes that fail the job without a restart (added to "
+        "the top-level field)")
+    restart_on_exit_codes: tuple[_ExitCode, ...] = Field(
+        default=(), description="exit codes that mean 'not my bug': the failure counts as "
+        "infrastructure and is restarted even when stop_on_repeat would end the job")
+    fail_on_log: tuple[str, ...] = Field(
+        default=(), description="regular expressions over the failing rank's last stderr "
+        "lines: a match fails the job without a restart (e.g. 'CUDA out of memory')")
+    restart_on_log: tuple[str, ...] = Field(
+        default=(), description="regular expressions over the failing rank's last stderr "
+        "lines: a match makes the failure infrastructure (restarted on that budget)")
+
+    @field_validator("fail_on_log", "restart_on_log")
+    @classmethod
+    def _patterns(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        return _regexes(v)
+
+
 class LogsSpec(_Model):
     """How much of the workers' output the orchestrator keeps."""
 

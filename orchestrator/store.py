@@ -64,6 +64,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     controller_since REAL,
     supervisor_pid INTEGER,
     free_restarts INTEGER NOT NULL DEFAULT 0,
+    infra_restarts INTEGER NOT NULL DEFAULT 0,
     controller_pidns TEXT,
     stacks_requested_at REAL,
     stacks_json TEXT,
@@ -139,6 +140,7 @@ CREATE INDEX IF NOT EXISTS samples_by_job ON samples (job_id, attempt, rank);
 _ADDED_COLUMNS = {
     "jobs": {"secret": "TEXT", "controller_host": "TEXT", "controller_since": "REAL",
              "supervisor_pid": "INTEGER", "free_restarts": "INTEGER NOT NULL DEFAULT 0",
+             "infra_restarts": "INTEGER NOT NULL DEFAULT 0",
              "controller_pidns": "TEXT", "stacks_requested_at": "REAL",
              "stacks_json": "TEXT", "stacks_at": "REAL", "slurm_json": "TEXT",
              "world_json": "TEXT", "controller_ident": "TEXT", "supervisor_ident": "TEXT"},
@@ -600,7 +602,8 @@ class Store:
             failure=json.loads(row["failure_json"]) if row["failure_json"] else None,
             secret=row["secret"], controller_host=row["controller_host"],
             controller_since=row["controller_since"], supervisor_pid=row["supervisor_pid"],
-            free_restarts=row["free_restarts"], controller_pidns=row["controller_pidns"],
+            free_restarts=row["free_restarts"], infra_restarts=row["infra_restarts"],
+            controller_pidns=row["controller_pidns"],
             controller_ident=row["controller_ident"], supervisor_ident=row["supervisor_ident"],
             slurm=json.loads(row["slurm_json"]) if row["slurm_json"] else None,
         )

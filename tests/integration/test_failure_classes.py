@@ -1,0 +1,95 @@
+"""Failure classes and the restart policy with real local jobs: a bug is not restarted twice,
+the infrastructure's failures have their own budget, and the history says why (issue 20)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import orchestrator
+from tests.helpers import PYTHON, ROOT, assert_no_job_processes, wait_for_output, write_spec
+
+
+def spec_for(tmp_path, script: str, **extra):
+    (tmp_path / "train.py").write_text(script)
+    return write_spec(tmp_path, {
+        "name": "classes", "nodes": [{"host": "local"}, {"host": "local"}],
+        "nproc_per_node": 1, "command": [PYTHON, "train.py"], "workdir": str(tmp_path),
+        "stop_grace_period": 2, "restart_backoff": {"initial": 0.2, "max": 0.2}, **extra})
+
+
+def test_a_missing_import_ends_after_two_attempts_not_six(home, tmp_path):
+    # A two-file project whose train.py imports a module beside it that is not there.
+    (tmp_path / "helpers.py").write_text("VALUE = 1\n")
+    spec = spec_for(tmp_path, "import helpers\nimport os\n\nimport mymodel  # never written\n",
+                    max_restarts=5)
+    job_id = orchestrator.submit(spec)
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "FAILED"
+    assert len(result["attempts"]) == 2 and result["restarts"] == 1
+    first, second = (a["failure"] for a in result["attempts"])
+    assert first["failure_class"] == "user" and first["signature"] == \
+        "ModuleNotFoundError at train.py:4"
+    assert first["evidence"] == "ModuleNotFoundError: No module named 'mymodel'"
+    assert first["decision"] == "restarted: restart 1 of max_restarts 5"
+    assert second["decision"] == \
+        "not restarted: the same error twice (ModuleNotFoundError at train.py:4)"
+    failure = result["failure"]
+    assert failure["restarts_exhausted"] is False
+    assert "not restarted: the same error twice (ModuleNotFoundError at train.py:4)" in \
+        failure["message"]
+    shown = subprocess.run([PYTHON, "-m", "orchestrator", "status", job_id],
+                           capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert "CLASS" in shown.stdout and " user " in shown.stdout, shown.stdout
+    assert "the same error twice (ModuleNotFoundError at train.py:4)" in shown.stdout
+    assert_no_job_processes(job_id)
+
+
+WAIT_FOR_A_SIGNAL = """import os, sys, time
+if os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] in ("0", "1"):
+    print(f"waiting {os.getpid()}", flush=True)
+    time.sleep(120)
+print("done", flush=True)
+"""
+
+
+def rank_pid(job_id: str, attempt: int) -> int:
+    for line in orchestrator.logs(job_id, attempt=attempt):
+        if "waiting " in line:
+            return int(line.rsplit(" ", 1)[1])
+    raise AssertionError("rank 1 did not say its pid")
+
+
+def test_preempted_and_killed_ranks_are_classed_and_charged_apart(home, tmp_path):
+    spec = spec_for(tmp_path, WAIT_FOR_A_SIGNAL, max_restarts=1,
+                    restart_policy={"max_infra_restarts": 1})
+    job_id = orchestrator.submit(spec)
+    wait_for_output(job_id, "waiting ", 1)
+    os.kill(rank_pid(job_id, 1), signal.SIGTERM)  # as a scheduler preempting it would
+    wait_for_output(job_id, "waiting ", 2)  # attempt 2's line (logs() reads every attempt)
+    os.kill(rank_pid(job_id, 2), signal.SIGKILL)  # as the kernel's OOM killer would
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["attempts"]
+    first, second, third = result["attempts"]
+    assert first["failure"]["failure_class"] == "preempted"
+    assert first["failure"]["evidence"] == "SIGTERM from outside the orchestrator"
+    assert second["failure"]["failure_class"] == "infrastructure"
+    assert "SIGKILL" in second["failure"]["evidence"]
+    assert second["failure"]["decision"] == \
+        "restarted: infrastructure failure 1 of max_infra_restarts 1"
+    assert third["failure"] is None
+    assert result["restarts"] == 1 and result["infra_restarts"] == 1
+    assert_no_job_processes(job_id)
+
+
+def test_fail_on_log_ends_the_job_at_the_first_match(home, tmp_path):
+    spec = spec_for(tmp_path, "import sys\nprint('torch.OutOfMemoryError: CUDA out of memory. "
+                              "Tried to allocate 2.00 GiB', file=sys.stderr)\nsys.exit(1)\n",
+                    max_restarts=3, restart_policy={"fail_on_log": ["CUDA out of memory"]})
+    job_id = orchestrator.submit(spec)
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "FAILED" and len(result["attempts"]) == 1
+    assert result["failure"]["decision"].startswith(
+        "not restarted: fail_on_log matched: torch.OutOfMemoryError: CUDA out of memory")
+    assert_no_job_processes(job_id)
