@@ -6,6 +6,10 @@ Per job, for jobs that run or ended within the last hour (older ones would only 
 - ``orchestrator_jobs{state}``: how many jobs are in each state (all jobs);
 - ``orchestrator_job_restarts_total{job_id,name}``: restarts charged to ``max_restarts``;
 - ``orchestrator_job_free_restarts_total{job_id,name}``: restarts not charged (controller lost);
+- ``orchestrator_job_infra_restarts_total{job_id,name}``: restarts charged to
+  ``restart_policy.max_infra_restarts``;
+- ``orchestrator_attempt_failures_total{job_id,name,class}``: failed attempts by failure
+  class (user, infrastructure, preempted, hung, unknown: orchestrator/failclass.py);
 - ``orchestrator_job_attempt{job_id,name}``: the current attempt;
 - ``orchestrator_attempt_duration_seconds{job_id,attempt,outcome}``: each attempt's duration,
   so far for the running one;
@@ -28,6 +32,7 @@ import time
 from typing import Any
 
 from orchestrator import timelost
+from orchestrator.failclass import FailureClass
 from orchestrator.state import AttemptOutcome, JobState, NodeState
 from orchestrator.store import JobRecord, Store
 
@@ -106,7 +111,17 @@ class _Collector:
         goodput = GaugeMetricFamily("orchestrator_goodput_ratio",
                                     "Useful step time over wall time since the job started.",
                                     labels=job_labels)
+        infra = CounterMetricFamily("orchestrator_job_infra_restarts",
+                                    "Restarts charged to max_infra_restarts.", labels=job_labels)
+        classes = CounterMetricFamily("orchestrator_attempt_failures",
+                                      "Failed attempts by failure class.",
+                                      labels=[*job_labels, "class"])
         for job in shown:
+            infra.add_metric([job.job_id, job.name], job.infra_restarts)
+            for klass in FailureClass:
+                classes.add_metric([job.job_id, job.name, klass.value], sum(
+                    1 for a in job.attempts
+                    if a.failure and a.failure.get("failure_class") == klass.value))
             _job_metrics(job, now, restarts, free, attempt, duration, node_state, node_age,
                          step, rate, beat, wait, slow)
             summary = timelost.summary(job.attempts, job.steps, job.ended_at)
@@ -115,7 +130,7 @@ class _Collector:
             if summary["goodput"] is not None:
                 goodput.add_metric([job.job_id, job.name], summary["goodput"])
         yield from (restarts, free, attempt, duration, node_state, node_age, step, rate, beat,
-                    wait, slow, lost, gpu_lost, goodput)
+                    wait, slow, lost, gpu_lost, goodput, infra, classes)
 
 
 def _job_metrics(job: JobRecord, now: float, restarts: Any, free: Any, attempt: Any,

@@ -223,6 +223,9 @@ def test_the_job_page_says_what_the_restart_cost(restarted_job, server):
                            "in 1 incident(s)"), line
     cells = [text for _, text in dom.find("td")]
     assert any(f"{incident['steps_redone']} steps redone" in c for c in cells), cells
+    # Attempt 1's class, and what the policy did about it.
+    assert [text for _, text in dom.find("td", **{"class": "failure-class"})][:1] == ["user"]
+    assert any("restarted: restart 1 of max_restarts 1" in c for c in cells), cells
 
 
 def test_metric_samples_span_both_attempts(restarted_job, server):
@@ -258,6 +261,11 @@ def test_prometheus_metrics_parse_and_tell_the_truth(restarted_job, server):
     assert value("orchestrator_jobs", state="RUNNING") == 0
     assert value("orchestrator_job_restarts_total", job_id=job_id) == 1
     assert value("orchestrator_job_attempt", job_id=job_id) == 2
+    # Rank 1 exited with code 3 in attempt 1: the program's own failure.
+    assert value("orchestrator_attempt_failures_total", job_id=job_id, **{"class": "user"}) == 1
+    assert value("orchestrator_attempt_failures_total", job_id=job_id,
+                 **{"class": "infrastructure"}) == 0
+    assert value("orchestrator_job_infra_restarts_total", job_id=job_id) == 0
     assert value("orchestrator_attempt_duration_seconds", job_id=job_id, attempt="1",
                  outcome="FAILED") > 0
     assert 4 < value("orchestrator_attempt_duration_seconds", job_id=job_id, attempt="2",

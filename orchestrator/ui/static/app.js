@@ -124,6 +124,7 @@ function failure(job) {
   replace("failure", el("section", { class: "panel bad" },
     el("strong", {}, `${f.cause}: `), el("span", { id: "failure-message" }, f.message),
     where ? el("div", { class: "muted" }, where) : null,
+    f.failure_class ? el("div", { id: "failure-class" }, el("strong", {}, `${f.failure_class}: `), f.evidence || "") : null,
     f.diagnosis ? el("div", { id: "diagnosis" }, el("strong", {}, "diagnosis: "), f.diagnosis) : null,
     f.flight_recorder && f.flight_recorder.ranks && f.flight_recorder.ranks.length ? el("div", { id: "flight-recorder" },
       el("strong", {}, "flight recorder: "), `dumps of ${f.flight_recorder.ranks.length} ranks in ${f.flight_recorder.dir}`) : null,
@@ -205,9 +206,11 @@ function timeline(job) {
     `time lost: ${lost.seconds} s (${lost.gpu_seconds} GPU-s) in ${lost.incidents.length} incident(s)` +
     (lost.goodput !== null ? ` · goodput ${lost.goodput.toFixed(2)}` : "")) : null;
   replace("timeline", el("section", {}, el("h2", {}, "Attempts"), chart, total,
-    el("table", {}, el("thead", {}, el("tr", {}, ["#", "STARTED", "ENDED", "OUTCOME", "CAUSE", "STEPS/S", "WARM", "TIME LOST"].map(h => el("th", {}, h)))),
+    el("table", {}, el("thead", {}, el("tr", {}, ["#", "STARTED", "ENDED", "OUTCOME", "CLASS", "CAUSE", "STEPS/S", "WARM", "TIME LOST"].map(h => el("th", {}, h)))),
       el("tbody", {}, attempts.map(a => el("tr", { "data-attempt": a.attempt }, el("td", {}, a.attempt), el("td", {}, when(a.started_at)),
-        el("td", {}, when(a.ended_at)), el("td", {}, badge(a.outcome)), el("td", {}, a.failure ? a.failure.message : ""),
+        el("td", {}, when(a.ended_at)), el("td", {}, badge(a.outcome)),
+        el("td", { class: "failure-class" }, a.failure && a.failure.failure_class ? a.failure.failure_class : ""),
+        el("td", {}, a.failure ? a.failure.message + (a.failure.decision ? `; ${a.failure.decision}` : "") : ""),
         el("td", {}, a.steps_per_s ? a.steps_per_s.toFixed(2) : "-"), el("td", {}, a.warm_starts || "-"),
         el("td", {}, cost(incident[a.attempt]))))))));
 }
