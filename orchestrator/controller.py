@@ -38,6 +38,7 @@ from orchestrator.attempt import Attempt, AttemptResult, Failure, start_message
 from orchestrator.engine import Engine, Stop
 from orchestrator.logfiles import LogSink
 from orchestrator.nodebook import Node
+from orchestrator.notify import Notifier
 from orchestrator.plan import plan_attempt
 from orchestrator.spec import JobSpec
 from orchestrator.state import AttemptOutcome, FailureCause, JobState, NodeState
@@ -71,6 +72,8 @@ class Controller:
         self.infra_restarts = 0  # charged to restart_policy.max_infra_restarts
         self.previous_failure: Failure | None = None  # the attempt before's, for stop_on_repeat
         self._on_end = on_end
+        self.notifier = Notifier(spec.notify, job_id, spec.name)
+        self.engine.book.on_lost = self._node_lost
 
     @property
     def state(self) -> JobState:
@@ -107,6 +110,7 @@ class Controller:
         if self._on_end is not None:
             self._guarded(self._on_end)  # the job's end must still be recorded
         engine.set_state(final, **fields)
+        self._guarded(lambda: self._notify_end(final, fields.get("failure")))
         self._guarded(engine.linger)
         self._guarded(engine.flush)
         engine.close()
@@ -161,6 +165,7 @@ class Controller:
             self._end_attempt(result)
             if isinstance(decision, policy.Fail):
                 return JobState.FAILED, {"failure": decision.failure}
+            self._notify_restart(result.failure)  # queued: never waits for a receiver
             if decision.charged:
                 self.restarts += 1
                 # Persisted before acting, so a crash here never grants a free restart.
@@ -177,6 +182,39 @@ class Controller:
                 return self._stopped()
             engine.set_state(JobState.LAUNCHING)
             result = None
+
+    # --- notifications (orchestrator/notify.py) -------------------------------------------------
+    def _notify_restart(self, failure: Failure | None) -> None:
+        if failure is None:
+            return
+        number = self.current.number if self.current else self.attempt
+        fields = _failure_fields(failure)
+        text = f"after attempt {number}: {failure.message} [{failure.failure_class}]"
+        if failure.cause == FailureCause.HUNG:
+            self.notifier.event("hung", f"hung in attempt {number}: {failure.message}",
+                                str(number), attempt=number, **fields)
+        self.notifier.event("restarted", f"restarted {text}", str(number), attempt=number,
+                            **fields)
+
+    def _notify_end(self, final: JobState, failure: dict[str, Any] | None) -> None:
+        event = {JobState.SUCCEEDED: "succeeded", JobState.FAILED: "failed",
+                 JobState.CANCELLED: "cancelled"}.get(final)
+        if event is not None:
+            fields = _failure_fields(Failure.from_dict(failure)) if failure else {}
+            text = event + (f": {failure['message']}" + (
+                f" [{failure['failure_class']}]" if failure.get("failure_class") else "")
+                if failure else "")
+            if failure and failure.get("root_cause", failure["cause"]) == "HUNG":
+                self.notifier.event("hung", f"hung: {failure['message']}", "end", **fields)
+            self.notifier.event(event, text, "end", **fields)
+        self.notifier.close(NOTIFY_WAIT)
+
+    def _node_lost(self, node: Any, message: str | None) -> None:
+        number = self.current.number if self.current else self.attempt
+        self.notifier.event("node_lost", f"node {node.index} ({node.host}) lost"
+                            + (f": {message}" if message else ""), f"{node.index}/{number}",
+                            host=node.host, node_index=node.index, attempt=number,
+                            message=message)
 
     def _stopped(self) -> tuple[JobState, dict[str, Any]] | None:
         """What a stop reason ends in (None: told to exit, the job goes on without us)."""
@@ -215,6 +253,7 @@ class Controller:
                 attempt.sink.close()
         engine.flush()
         engine.close()
+        self.notifier.close(NOTIFY_WAIT)
 
     # --- nodes ------------------------------------------------------------------------------
     def _connect_all(self) -> Failure | None:
@@ -599,3 +638,13 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+NOTIFY_WAIT = 15.0  # seconds an ending controller gives its webhooks
+
+
+def _failure_fields(failure: Failure) -> dict[str, Any]:
+    """What a notification carries of a failure."""
+    return {k: v for k, v in failure.to_dict().items()
+            if k in ("cause", "message", "failure_class", "evidence", "decision", "host",
+                     "node_rank", "rank", "exit_code", "signal")}

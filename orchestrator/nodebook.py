@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
@@ -137,6 +138,8 @@ class NodeBook:
         self.pool = pool
         self.nodes = [Node(i, n) for i, n in enumerate(spec.nodes)]
         self._writes: list[tuple[int, NodeState, str | None, dict[str, Any]]] = []
+        # Told when a node becomes LOST (the controller's notifications): node, message.
+        self.on_lost: Callable[[Node, str | None], None] | None = None
 
     # --- states and writes ------------------------------------------------------------------
     def set(self, node: Node, state: NodeState, message: str | None = None, *,
@@ -144,6 +147,8 @@ class NodeBook:
         if state != node.state:
             log.info("%s: %s -> %s%s", node.host, node.state.value, state.value,
                      f" ({message})" if message else "")
+            if state == NodeState.LOST and self.on_lost is not None:
+                self.on_lost(node, message)
         node.state = state
         if info is not None:
             node.info = info

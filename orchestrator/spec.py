@@ -40,6 +40,7 @@ from orchestrator.specparts import (  # noqa: F401 (the sections are part of spe
     HealthSpec,
     LogsSpec,
     NodeSpec,
+    NotifySpec,
     PathText,
     RendezvousSpec,
     RestartPolicySpec,
@@ -109,6 +110,9 @@ class JobSpec(_Model):
     restart_backoff: BackoffSpec = BackoffSpec()
     restart: RestartSpec = RestartSpec()
     restart_policy: RestartPolicySpec = RestartPolicySpec()
+    notify: tuple[NotifySpec, ...] = Field(
+        default=(), description="webhooks told of the job's events (a JSON POST each, "
+                                "Slack-compatible)")
     health: HealthSpec = HealthSpec()
     logs: LogsSpec = LogsSpec()
     ssh: SSHOptions = SSHOptions()
@@ -499,7 +503,7 @@ def _value_at(data: Any, loc: tuple[Any, ...]) -> tuple[bool, Any]:
 _MODELS: dict[str, type[BaseModel]] = {
     "": JobSpec, "nodes": NodeSpec, "rendezvous": RendezvousSpec, "health": HealthSpec,
     "restart_backoff": BackoffSpec, "restart": RestartSpec,
-    "restart_policy": RestartPolicySpec, "ssh": SSHOptions,
+    "restart_policy": RestartPolicySpec, "notify": NotifySpec, "ssh": SSHOptions,
     "logs": LogsSpec, "sync": SyncSpec, "slurm": SlurmSpec,
 }
 _MESSAGES = {
@@ -525,7 +529,8 @@ def _spec_error(exc: ValidationError, data: dict[str, Any]) -> SpecError:
     ctx_error = (err.get("ctx") or {}).get("error")
     if isinstance(ctx_error, _FieldError):
         sub = ctx_error.field
-        field = f"{field}{sub}" if sub.startswith("[") or not field else f"{field}.{sub}"
+        if sub:
+            field = f"{field}{sub}" if sub.startswith("[") or not field else f"{field}.{sub}"
         has = ctx_error.value is not ...
         return SpecError(field, ctx_error.message, ctx_error.value if has else None,
                          has_value=has)

@@ -6,6 +6,7 @@ into one SpecError naming the field path and the value."""
 from __future__ import annotations
 
 import re
+import urllib.parse
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -331,6 +332,37 @@ class RestartPolicySpec(_Model):
     @classmethod
     def _patterns(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         return _regexes(v)
+
+
+_NOTIFY_EVENTS = Literal["failed", "succeeded", "cancelled", "restarted", "hung", "node_lost",
+                         "quarantined"]
+
+
+class NotifySpec(_Model):
+    """A webhook that receives a JSON POST per event (orchestrator/notify.py)."""
+
+    url: str = Field(description="http:// or https:// URL; a secret (it often holds a "
+                                 "token): never shown or logged")
+    on: tuple[_NOTIFY_EVENTS, ...] = Field(
+        default=("failed", "succeeded", "restarted", "hung", "node_lost", "quarantined"),
+        description="the events sent: failed, succeeded, cancelled, restarted, hung, "
+                    "node_lost, quarantined")
+    timeout: Annotated[float, Field(gt=0, le=60, allow_inf_nan=False)] = Field(
+        default=5.0, description="seconds per try (a receiver is tried up to 4 times)")
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        try:
+            parts = urllib.parse.urlsplit(v)
+            host = parts.hostname
+        except ValueError:
+            host = None
+        if parts.scheme not in ("http", "https") or not host or any(
+                c in v for c in "\0\r\n "):
+            # Not echoed: the URL is a secret even when it is malformed.
+            raise _FieldError("", "must be an http:// or https:// URL (not shown: a secret)")
+        return v
 
 
 class LogsSpec(_Model):

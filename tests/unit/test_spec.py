@@ -413,3 +413,17 @@ def test_env_file_lines_and_the_line_that_is_wrong(tmp_path):
     bad.write_text("A=1\nnot a pair\n")
     with pytest.raises(SpecError, match=rf"^--env-file: {bad} line 2: expected KEY=VALUE$"):
         envargs.read_file(bad)
+
+
+def test_a_notify_url_is_checked_and_never_echoed():
+    base = "nodes: [{host: local}]\ncommand: [x]\n"
+    spec = parse_jobspec(base + "notify: [{url: 'https://hooks.example/T/abc', on: [failed]}]\n")
+    assert spec.notify[0].on == ("failed",) and spec.notify[0].timeout == 5.0
+    assert "hung" in parse_jobspec(base + "notify: [{url: 'http://127.0.0.1:9/x'}]\n").notify[0].on
+    for bad in ("ftp://hooks.example/T0KEN", "https:///T0KEN", "T0KEN", "http://h/T0KEN x"):
+        with pytest.raises(SpecError) as err:
+            parse_jobspec(base + f"notify: [{{url: '{bad}'}}]\n")
+        assert str(err.value).startswith("notify[0].url: must be an http:// or https:// URL")
+        assert "T0KEN" not in str(err.value)
+    with pytest.raises(SpecError, match=r"notify\[0\]\.on\[0\]"):
+        parse_jobspec(base + "notify: [{url: 'http://h/x', on: [exploded]}]\n")
