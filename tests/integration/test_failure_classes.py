@@ -93,3 +93,48 @@ def test_fail_on_log_ends_the_job_at_the_first_match(home, tmp_path):
     assert result["failure"]["decision"].startswith(
         "not restarted: fail_on_log matched: torch.OutOfMemoryError: CUDA out of memory")
     assert_no_job_processes(job_id)
+
+
+def _memory_cgroup(tmp_path) -> str:
+    """A child of this process's memory cgroup (v1, else v2) limited to 64 MiB: a worker put
+    in it and allocating more is killed by the kernel's OOM killer."""
+    for line in open("/proc/self/cgroup").read().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            base, limit = f"/sys/fs/cgroup/memory{path}", "memory.limit_in_bytes"
+            break
+    else:
+        path = open("/proc/self/cgroup").read().splitlines()[0].split(":", 2)[2]
+        base, limit = f"/sys/fs/cgroup/unified{path}", "memory.max"
+        if not os.path.isdir(base):
+            base = f"/sys/fs/cgroup{path}"
+    group = os.path.join(base, f"orchestrator-oom-{tmp_path.name}"[:60])
+    os.mkdir(group)
+    with open(os.path.join(group, limit), "w") as f:
+        f.write(str(64 * 1024 * 1024))
+    return group
+
+
+def test_an_oom_killed_worker_is_the_infrastructures(home, tmp_path):
+    group = _memory_cgroup(tmp_path)
+    try:
+        (tmp_path / "train.py").write_text(
+            "import os, sys\n"
+            "if os.environ['RANK'] == '1' and os.environ['TORCHELASTIC_RESTART_COUNT'] == '0':\n"
+            f"    open({os.path.join(group, 'cgroup.procs')!r}, 'w').write(str(os.getpid()))\n"
+            "    hog = bytearray(512 * 1024 * 1024)  # past the cgroup's 64 MiB\n"
+            "print('done', flush=True)\n")
+        job_id = orchestrator.submit(write_spec(tmp_path, {
+            "name": "oom", "nodes": [{"host": "local"}, {"host": "local"}],
+            "nproc_per_node": 1, "command": [PYTHON, "train.py"], "workdir": str(tmp_path),
+            "stop_grace_period": 2, "restart_backoff": {"initial": 0.2},
+            "restart_policy": {"max_infra_restarts": 1}}))
+        result = orchestrator.wait(job_id, timeout=120)
+    finally:
+        os.rmdir(group)
+    assert result["state"] == "SUCCEEDED", result["attempts"]
+    failure = result["attempts"][0]["failure"]
+    assert failure["rank"] == 1 and failure["signal"] == "SIGKILL"
+    assert failure["failure_class"] == "infrastructure" and "OOM killer" in failure["evidence"]
+    assert result["restarts"] == 0 and result["infra_restarts"] == 1
+    assert_no_job_processes(job_id)
