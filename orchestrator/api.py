@@ -219,6 +219,48 @@ def list_jobs(*, home: str | os.PathLike[str] | None = None) -> list[dict[str, A
         store.close()
 
 
+def nodes(*, home: str | os.PathLike[str] | None = None,
+          days: float = 7.0) -> list[dict[str, Any]]:
+    """Hosts with infrastructure failures in the last ``days``, or a quarantine on record:
+    host, quarantined (now), until, level, reason, events_24h, events (the last 10: at,
+    job_id, kind, detail). Quarantined first, then by most recent event."""
+    store = Store(home)
+    try:
+        now = time.time()
+        events = store.host_events(now - days * 86400)
+        held = store.quarantines()
+    finally:
+        store.close()
+    hosts: dict[str, list[dict[str, Any]]] = {h: [] for h in held}
+    for e in events:
+        hosts.setdefault(e["host"], []).append(e)
+    out = []
+    for host, its in hosts.items():
+        q = held.get(host)
+        out.append({
+            "host": host, "quarantined": q is not None and q["until"] > now,
+            "until": _iso(q["until"]) if q else None, "level": q["level"] if q else 0,
+            "reason": q["reason"] if q else None,
+            "released_at": _iso(q["released_at"]) if q and q["released_at"] else None,
+            "events_24h": sum(e["at"] >= now - 86400 for e in its),
+            "events": [{**e, "at": _iso(e["at"])} for e in its[-10:]],
+            "_last": its[-1]["at"] if its else 0.0})
+    out.sort(key=lambda h: (not h["quarantined"], -h["_last"]))
+    for h in out:
+        del h["_last"]
+    return out
+
+
+def release_node(host: str, *, home: str | os.PathLike[str] | None = None) -> bool:
+    """End ``host``'s quarantine now (the hostname, as ``nodes`` lists it); False if it had
+    none in force."""
+    store = Store(home)
+    try:
+        return store.release_quarantine(host)
+    finally:
+        store.close()
+
+
 def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,
          home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Block until the job is in a terminal state (or ``timeout``); return its status.

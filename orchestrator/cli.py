@@ -373,6 +373,48 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
     _console().print(table)
 
 
+nodes_app = typer.Typer(help="Hosts across jobs: infrastructure failures and quarantine.",
+                        invoke_without_command=True, no_args_is_help=False)
+app.add_typer(nodes_app, name="nodes")
+
+
+@nodes_app.callback()
+def nodes(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """List hosts with recent infrastructure failures and their quarantine."""
+    if ctx.invoked_subcommand is not None:
+        return
+    hosts = _call(api.nodes)
+    if as_json:
+        _print_json(hosts)
+        return
+    if not hosts:
+        typer.echo("no host has had an infrastructure failure in the last 7 days")
+        return
+    from rich.table import Table
+
+    table = Table("HOST", "HEALTH", "FAILURES (24H)", "LAST EVENT", box=None)
+    for h in hosts:
+        health = (f"QUARANTINED until {h['until']} (#{h['level']})" if h["quarantined"]
+                  else "ok")
+        last = h["events"][-1] if h["events"] else None
+        shown = f"{last['at']} {last['kind']} in {last['job_id']}: {last['detail']}" \
+            if last else ""
+        table.add_row(*map(_cell, (h["host"], health, h["events_24h"], shown)))
+    _console().print(table)
+
+
+@nodes_app.command("release")
+def nodes_release(host: str = typer.Argument(..., help="The host, as `nodes` lists it.")) -> None:
+    """End HOST's quarantine now."""
+    if _call(lambda: api.release_node(host)):
+        typer.echo(f"released {host}")
+    else:
+        _fail(f"{host} is not quarantined", 1)
+
+
 @app.command()
 def check(
     spec: str = typer.Argument(..., help="Path to the job spec (YAML)."),

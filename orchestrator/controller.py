@@ -23,6 +23,7 @@ JOB_ID [--resume] [--supervise]``.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import resource
 import secrets
@@ -33,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agents import protocol as P
-from orchestrator import policy
+from orchestrator import policy, reputation
 from orchestrator.attempt import Attempt, AttemptResult, Failure, start_message
 from orchestrator.engine import Engine, Stop
 from orchestrator.logfiles import LogSink
@@ -158,6 +159,8 @@ class Controller:
             decision = policy.decide(result, self.restarts, self.spec,
                                      self.previous_failure, self.infra_restarts)
             self.previous_failure = result.failure
+            if result.failure is not None:
+                self._guarded(functools.partial(self._keep_reputation, result.failure))
             if isinstance(decision, policy.Succeed):
                 self._end_attempt(result)
                 return JobState.SUCCEEDED, {}
@@ -299,7 +302,37 @@ class Controller:
         if len(healthy) < self.spec.min_nodes:
             return Failure(FailureCause.NODE_FAIL, f"only {len(healthy)} healthy node(s), "
                                                    f"fewer than the minimum {self.spec.min_nodes}")
+        healthy = self._without_quarantined(healthy)
         return choose_participants(healthy, self.engine.current, self.spec.max_nodes)
+
+    def _without_quarantined(self, healthy: list[Node]) -> list[Node]:
+        """Leave quarantined hosts out where ``nnodes`` MIN allows (orchestrator/reputation.py);
+        where it does not, they run, and the log says so."""
+        held = reputation.quarantined(self.store)
+        out = [n for n in healthy if reputation.host_key(n.host) in held]
+        if not out:
+            return healthy
+        names = ", ".join(n.host for n in out)
+        if len(healthy) - len(out) >= self.spec.min_nodes:
+            log.warning("leaving out quarantined node(s) %s (see `orchestrator nodes`)", names)
+            return [n for n in healthy if n not in out]
+        log.warning("quarantined node(s) %s run all the same: without them fewer than "
+                    "nnodes MIN (%d) are left", names, self.spec.min_nodes)
+        return healthy
+
+    def _keep_reputation(self, failure: Failure) -> None:
+        """An infrastructure failure counts against the node it happened on, across jobs."""
+        if (failure.failure_class != "infrastructure" or failure.node_index is None
+                or failure.cause == FailureCause.CONTROLLER_LOST):
+            return
+        host = self.nodes[failure.node_index].host
+        held = reputation.record(self.store, host, self.job_id, failure.cause.value,
+                                 failure.evidence or failure.message)
+        if held is not None:
+            log.warning("node %s quarantined until %s: %s", host,
+                        time.strftime("%H:%M:%S", time.localtime(held["until"])), held["reason"])
+            self.notifier.event("quarantined", f"node {host} quarantined: {held['reason']}",
+                                host, host=host, until=held["until"], reason=held["reason"])
 
     # --- one attempt ---------------------------------------------------------------------------
     def _run_attempt(self, participants: list[Node]) -> AttemptResult | None:

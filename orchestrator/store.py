@@ -125,6 +125,24 @@ CREATE TABLE IF NOT EXISTS attempts (
     warm_starts INTEGER,
     PRIMARY KEY (job_id, attempt)
 );
+-- Across jobs: what happened to each host (infrastructure failures it was part of), and the
+-- hosts quarantined for it (orchestrator/reputation.py).
+CREATE TABLE IF NOT EXISTS host_events (
+    host TEXT NOT NULL,
+    at REAL NOT NULL,
+    job_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    detail TEXT
+);
+CREATE INDEX IF NOT EXISTS host_events_by_host ON host_events (host, at);
+CREATE TABLE IF NOT EXISTS quarantine (
+    host TEXT PRIMARY KEY,
+    since REAL NOT NULL,
+    until REAL NOT NULL,
+    level INTEGER NOT NULL,
+    reason TEXT NOT NULL,
+    released_at REAL
+);
 -- Steps and metrics as the ranks reported them, for plots across attempts.
 CREATE TABLE IF NOT EXISTS samples (
     job_id TEXT NOT NULL,
@@ -494,6 +512,41 @@ class Store:
         db.execute(f"UPDATE {table} SET {sets} WHERE {conds}", [*fields.values(), *where.values()])
 
     # --- reads ---------------------------------------------------------------------------
+    # --- hosts across jobs (orchestrator/reputation.py) -----------------------------------------
+    def add_host_event(self, host: str, job_id: str, kind: str, detail: str,
+                       at: float | None = None) -> None:
+        with self._transaction() as db:
+            db.execute("INSERT INTO host_events (host, at, job_id, kind, detail) "
+                       "VALUES (?, ?, ?, ?, ?)", (host, at or time.time(), job_id, kind, detail))
+
+    def host_events(self, since: float, host: str | None = None) -> list[dict[str, Any]]:
+        """Events since ``since``, oldest first (of one host, or all)."""
+        rows = self._db.execute(
+            "SELECT host, at, job_id, kind, detail FROM host_events WHERE at >= ?"
+            + (" AND host = ?" if host is not None else "") + " ORDER BY at",
+            (since, host) if host is not None else (since,)).fetchall()
+        return [dict(r) for r in rows]
+
+    def quarantines(self) -> dict[str, dict[str, Any]]:
+        """Every host ever quarantined: host -> {since, until, level, reason, released_at}."""
+        rows = self._db.execute("SELECT * FROM quarantine").fetchall()
+        return {r["host"]: dict(r) for r in rows}
+
+    def set_quarantine(self, host: str, since: float, until: float, level: int,
+                       reason: str) -> None:
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO quarantine (host, since, until, level, reason, "
+                       "released_at) VALUES (?, ?, ?, ?, ?, NULL)",
+                       (host, since, until, level, reason))
+
+    def release_quarantine(self, host: str) -> bool:
+        """End ``host``'s quarantine now; False if it had none in force."""
+        now = time.time()
+        with self._transaction() as db:
+            done = db.execute("UPDATE quarantine SET until = ?, released_at = ? WHERE host = ? "
+                              "AND until > ?", (now, now, host, now))
+            return done.rowcount > 0
+
     def get_job(self, job_id: str) -> JobRecord:
         check_job_id(job_id)
         # One read transaction, so a job, its nodes and its ranks are seen at one moment.

@@ -1,0 +1,59 @@
+"""Node reputation across jobs on the namespace cluster: a node cut off twice within the
+window is quarantined, `orchestrator nodes` says so, and the next job runs without it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import orchestrator
+from tests.cluster.test_faults import running
+from tests.cluster.test_ssh_jobs import cluster_spec
+from tests.helpers import PYTHON, ROOT, WORKERS, assert_no_job_processes
+
+CUT = {"health": {"heartbeat_interval": 0.5, "node_timeout": 2}, "ssh": {"connect_timeout": 2}}
+
+
+def cli(*args):
+    return subprocess.run([PYTHON, "-m", "orchestrator", *args], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+
+
+def test_a_node_cut_twice_is_quarantined_and_the_next_job_runs_without_it(
+        cluster, home, tmp_path):
+    victim = cluster.hosts[2].address
+    for n in (1, 2):
+        work = tmp_path / f"cut{n}"
+        work.mkdir()
+        job_id = orchestrator.submit(cluster_spec(
+            cluster, work, [PYTHON, str(WORKERS / "sleeper.py")],
+            hosts=[cluster.hosts[0], cluster.hosts[2]], nproc_per_node=1, **CUT))
+        running(job_id, 2)
+        cluster.link_down(2)
+        try:
+            result = orchestrator.wait(job_id, timeout=60)
+        finally:
+            cluster.link_up(2)
+        failure = result["failure"]
+        assert failure["cause"] == "NODE_FAIL" and failure["failure_class"] == "infrastructure"
+        assert_no_job_processes(job_id, within=15)
+    (held,) = [h for h in orchestrator.nodes() if h["quarantined"]]
+    assert held["host"] == victim and held["level"] == 1 and held["events_24h"] == 2
+    shown = cli("nodes")
+    assert victim in shown.stdout and "QUARANTINED" in shown.stdout, shown.stdout
+    assert json.loads(cli("nodes", "--json").stdout)[0]["host"] == victim
+    # The next job may run on 2 of 3: it runs on the two others.
+    work = tmp_path / "next"
+    work.mkdir()
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, work, [PYTHON, "-c", "print('trained')"], nnodes="2:3", nproc_per_node=1,
+        **CUT))
+    result = orchestrator.wait(job_id, timeout=90)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    ran = {r["host"] for r in result["ranks"]}
+    assert len(result["ranks"]) == 2 and len(ran) == 2 and all(ran), ran
+    assert victim not in " ".join(ran), ran
+    # Released, it is a candidate again.
+    assert cli("nodes", "release", victim).returncode == 0
+    assert not any(h["quarantined"] for h in orchestrator.nodes())
+    assert cli("nodes", "release", victim).returncode == 1

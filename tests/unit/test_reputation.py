@@ -1,0 +1,44 @@
+"""Node reputation across jobs (orchestrator/reputation.py) on a real SQLite store."""
+
+from __future__ import annotations
+
+from orchestrator import reputation
+from orchestrator.store import Store
+
+
+def test_two_infrastructure_failures_in_an_hour_quarantine_a_host_with_a_doubling_cooldown(
+        tmp_path):
+    store = Store(tmp_path)
+    t = 1_000_000.0
+    assert reputation.record(store, "root@10.0.0.2:22", "job-a", "NODE_FAIL", "lost", t) is None
+    held = reputation.record(store, "ubuntu@10.0.0.2", "job-b", "WORKER_FAILED", "SIGKILL",
+                             t + 60)
+    assert held is not None and held["host"] == "10.0.0.2" and held["level"] == 1
+    assert held["until"] == t + 60 + 600 and "2 infrastructure failures" in held["reason"]
+    assert set(reputation.quarantined(store, t + 61)) == {"10.0.0.2"}
+    assert reputation.quarantined(store, t + 60 + 601) == {}
+    # Events before the quarantine ended do not count again; two new ones: twice as long.
+    assert reputation.record(store, "10.0.0.2", "job-c", "NODE_FAIL", "lost", t + 700) is None
+    again = reputation.record(store, "10.0.0.2", "job-d", "NODE_FAIL", "lost", t + 800)
+    assert again is not None and again["level"] == 2 and again["until"] == t + 800 + 1200
+    # Far apart, nothing; this machine, never.
+    assert reputation.record(store, "10.0.0.3", "j", "NODE_FAIL", "x", t) is None
+    assert reputation.record(store, "10.0.0.3", "j", "NODE_FAIL", "x", t + 4000) is None
+    for i in range(5):
+        assert reputation.record(store, "local", "j", "NODE_FAIL", "x", t + i) is None
+    assert reputation.cooldown(20) == reputation.MAX_COOLDOWN
+    store.close()
+
+
+def test_release_ends_a_quarantine_now(tmp_path):
+    import time
+
+    store = Store(tmp_path)
+    now = time.time()
+    reputation.record(store, "h1", "a", "NODE_FAIL", "lost", now)
+    reputation.record(store, "h1", "b", "NODE_FAIL", "lost", now)
+    assert "h1" in reputation.quarantined(store)
+    assert store.release_quarantine("h1") is True
+    assert reputation.quarantined(store) == {}
+    assert store.release_quarantine("h1") is False
+    store.close()
