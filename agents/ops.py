@@ -173,6 +173,19 @@ def op_setup(agent: Agent, msg: dict[str, Any]) -> None:
     agent.on_thread(run, msg)
 
 
+def op_node_check(agent: Agent, msg: dict[str, Any]) -> None:
+    """The health check before an attempt (agents/setup.py: run_check)."""
+    def run(m: dict[str, Any]) -> None:
+        free = m.get("min_free_bytes")
+        problems, tail = setup.run_check(
+            [str(a) for a in m.get("argv") or ()], str(m.get("workdir") or "."),
+            {str(k): str(v) for k, v in (m.get("env") or {}).items()}, agent.token, P.MAX_LINE,
+            float(m["timeout"]), None if free is None else int(free))
+        agent.reply(m, P.CHECKED, problems=problems, tail=list(tail))
+
+    agent.on_thread(run, msg)
+
+
 # ---  hot spares (see agents/standby.py) ---------------------------------------------
 def op_warm(agent: Agent, msg: dict[str, Any]) -> None:
     """A spare node (it runs no worker): standbys, at once, for the workers a start like
@@ -199,4 +212,5 @@ OPS: dict[str, Callable[[Agent, dict[str, Any]], None]] = {
     P.FREE_PORT: op_free_port, P.LISTEN: op_listen, P.PROBE: op_probe,
     P.STACKS_OP: op_stacks, P.READ_TRACE: op_read_trace, P.SYNC_MISSING: op_sync_missing,
     P.SYNC_PUT: op_sync_put, P.SYNC_BUILD: op_sync_build, P.SETUP: op_setup,
+    P.NODE_CHECK: op_node_check,
 }

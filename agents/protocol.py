@@ -93,6 +93,7 @@ SYNC_MISSING = "sync_missing"
 SYNC_PUT = "sync_put"
 SYNC_BUILD = "sync_build"
 SETUP = "setup"
+NODE_CHECK = "node_check"
 STACKS_OP = "stacks"
 READ_TRACE = "read_trace"
 
@@ -111,6 +112,7 @@ PROBE_RESULT = "probe"
 SYNC_BUILT = "sync_built"
 SETUP_OUTPUT = "setup_output"
 SETUP_DONE = "setup_done"
+CHECKED = "checked"
 FAILED = "failed"
 STACKS = "stacks"
 TRACE_CHUNK = "trace_chunk"
@@ -348,6 +350,12 @@ class SetupDone(Reply):
 
 
 @dataclass(frozen=True)
+class Checked(Reply):
+    problems: tuple[str, ...] = ()  # none: the node is healthy
+    tail: tuple[str, ...] = ()  # the last lines of health.node_check's output
+
+
+@dataclass(frozen=True)
 class Stack:
     method: str
     text: str
@@ -409,6 +417,9 @@ _REPLIES: dict[str, Callable[[Fields, int], Reply]] = {
         req, f.integer("exit_code", -255, 255), f.flag("cached"),
         tuple(f.text("tail", MAX_TEXT, value=t) for t in f.array("tail", optional=True)),
         f.flag("timed_out", False)),
+    CHECKED: lambda f, req: Checked(
+        req, tuple(f.text("problems", MAX_TEXT, value=t) for t in f.array("problems")),
+        tuple(f.text("tail", MAX_TEXT, value=t) for t in f.array("tail", optional=True))),
     STACKS: _stacks,
     TRACE_CHUNK: _trace_chunk,
 }

@@ -56,8 +56,8 @@ def run_setup(key: str, script: str, workdir: str, env: dict[str, str], token: s
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(script)
         try:
-            result = _run(path, workdir, {**os.environ, **env, TOKEN_VAR: token}, emit,
-                          max_line, timeout)
+            result = _run(["/bin/sh", path], workdir, {**os.environ, **env, TOKEN_VAR: token},
+                          emit, max_line, timeout)
         finally:
             os.unlink(path)
         if result.exit_code == 0 and not result.timed_out:
@@ -65,10 +65,39 @@ def run_setup(key: str, script: str, workdir: str, env: dict[str, str], token: s
         return result
 
 
-def _run(path: str, workdir: str, env: dict[str, str], emit: Callable[[list[str]], None],
-         max_line: int, timeout: float | None) -> SetupResult:
+def run_check(argv: list[str], workdir: str, env: dict[str, str], token: str, max_line: int,
+              timeout: float, min_free_bytes: int | None) -> tuple[list[str], tuple[str, ...]]:
+    """A node's health check before an attempt: free space in the workdir, then the job's own
+    ``health.node_check`` command (nonzero, or past ``timeout``, is unhealthy). Returns the
+    problems found (none: healthy) and the command's last output lines."""
+    problems: list[str] = []
+    where = os.path.expanduser(workdir or ".")
+    if min_free_bytes is not None:
+        try:
+            st = os.statvfs(where)
+            free = st.f_bavail * st.f_frsize
+            if free < min_free_bytes:
+                problems.append(f"{free / 2**30:.2f} GiB free in {where}, fewer than "
+                                f"health.min_free_bytes ({min_free_bytes / 2**30:.2f} GiB)")
+        except OSError as exc:
+            problems.append(f"cannot read the free space of {where}: {exc.strerror or exc}")
+    if not argv:
+        return problems, ()
+    result = _run(argv, workdir, {**os.environ, **env, TOKEN_VAR: token}, lambda _: None,
+                  max_line, timeout)
+    if result.timed_out:
+        problems.append(f"health.node_check did not finish within {timeout:g}s: stopped")
+    elif result.exit_code != 0:
+        how = f"exit code {result.exit_code}" if result.exit_code > 0 else \
+            f"signal {-result.exit_code}"
+        problems.append(f"health.node_check failed ({how})")
+    return problems, result.tail
+
+
+def _run(argv: list[str], workdir: str, env: dict[str, str],
+         emit: Callable[[list[str]], None], max_line: int, timeout: float | None) -> SetupResult:
     try:
-        proc = subprocess.Popen(["/bin/sh", path], cwd=os.path.expanduser(workdir or "."),
+        proc = subprocess.Popen(argv, cwd=os.path.expanduser(workdir or "."),
                                 env=env,  # the token: a cancel's sweep finds what it starts
                                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True,

@@ -31,10 +31,11 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from agents import protocol as P
-from orchestrator import policy, reputation
+from orchestrator import healthcheck, policy, reputation
 from orchestrator.attempt import Attempt, AttemptResult, Failure, start_message
 from orchestrator.engine import Engine, Stop
 from orchestrator.logfiles import LogSink
@@ -302,8 +303,41 @@ class Controller:
         if len(healthy) < self.spec.min_nodes:
             return Failure(FailureCause.NODE_FAIL, f"only {len(healthy)} healthy node(s), "
                                                    f"fewer than the minimum {self.spec.min_nodes}")
+        if self.spec.health.checks_nodes:
+            checked = self._health_checked(healthy)
+            if isinstance(checked, Failure):
+                return checked
+            healthy = checked
         healthy = self._without_quarantined(healthy)
         return choose_participants(healthy, self.engine.current, self.spec.max_nodes)
+
+    def _health_checked(self, healthy: list[Node]) -> list[Node] | Failure:
+        """The nodes that pass their health check (orchestrator/healthcheck.py). Unhealthy
+        ones are left out where nnodes MIN allows, and count against their host across jobs;
+        where it does not, the job fails at once, naming the first and its check."""
+        results = healthcheck.check_nodes(self.engine, healthy)
+        bad = [n for n in healthy if results[n.index][0]]
+        for node in healthy:
+            problems, _ = results[node.index]
+            shown = f"unhealthy: {'; '.join(problems)}" if problems else None
+            if shown != node.info.error and (problems or (node.info.error or "").startswith(
+                    "unhealthy: ")):
+                self.engine.book.note(node, replace(node.info, error=shown))
+            if problems:
+                log.warning("%s: health check failed: %s", node.host, "; ".join(problems))
+                self._guarded(functools.partial(
+                    reputation.record, self.store, node.host, self.job_id, "CHECK_FAILED",
+                    "; ".join(problems)))
+        if not bad:
+            return healthy
+        if len(healthy) - len(bad) >= self.spec.min_nodes:
+            return [n for n in healthy if n not in bad]
+        first = bad[0]
+        problems, tail = results[first.index]
+        return Failure(FailureCause.NODE_UNHEALTHY,
+                       f"{first.host} failed its health check: {'; '.join(problems)} "
+                       f"({len(bad)} unhealthy node(s); nnodes MIN is {self.spec.min_nodes})",
+                       node_index=first.index, host=first.host, stderr_tail=list(tail))
 
     def _without_quarantined(self, healthy: list[Node]) -> list[Node]:
         """Leave quarantined hosts out where ``nnodes`` MIN allows (orchestrator/reputation.py);

@@ -65,6 +65,7 @@ _EXCEPTION = re.compile(r"^(?P<type>[A-Za-z_][\w.]*)(?::\s(?P<text>.*))?$")
 _INFRA_CAUSES = {
     FailureCause.NODE_FAIL: "node lost",
     FailureCause.CONTROLLER_LOST: "the controller was gone longer than controller_grace",
+    FailureCause.NODE_UNHEALTHY: "health check failed",
 }
 
 

@@ -244,6 +244,18 @@ class HealthSpec(_Model):
         default=600.0,
         description="seconds agents keep the workers running with no controller attached "
                     "(null: forever); then they stop them")
+    node_check: tuple[str, ...] = Field(
+        default=(), description="a command (argv) run on every node, in its workdir with the "
+        "job's env, before each attempt: nonzero or past node_check_timeout, the node is "
+        "unhealthy and left out where nnodes MIN allows (else the job fails naming it)")
+    node_check_timeout: Seconds = 60.0
+    min_free_bytes: Annotated[StrictInt, Field(ge=0)] | None = Field(
+        default=None, description="checked with node_check, before each attempt: fewer free "
+        "bytes in a node's workdir makes it unhealthy (null: not checked)")
+
+    @property
+    def checks_nodes(self) -> bool:
+        return bool(self.node_check) or self.min_free_bytes is not None
 
     @model_validator(mode="after")
     def _order(self) -> HealthSpec:

@@ -89,6 +89,9 @@ class FailureCause(str, Enum):
     CONTROLLER_LOST = "CONTROLLER_LOST"
     TIMEOUT = "TIMEOUT"  # max_duration reached: never restarted
     SETUP_FAILED = "SETUP_FAILED"  # a node's setup commands failed: no restart charged
+    # Nodes failed their health check (health.node_check, min_free_bytes) and too few were
+    # left for nnodes MIN: the job fails at once, naming them.
+    NODE_UNHEALTHY = "NODE_UNHEALTHY"
 
 
 _TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})

@@ -57,3 +57,34 @@ def test_a_node_cut_twice_is_quarantined_and_the_next_job_runs_without_it(
     assert cli("nodes", "release", victim).returncode == 0
     assert not any(h["quarantined"] for h in orchestrator.nodes())
     assert cli("nodes", "release", victim).returncode == 1
+
+
+def test_a_node_failing_its_health_check_is_left_out_of_a_2_of_3_job(cluster, home, tmp_path):
+    victim = cluster.hosts[1].address
+    # Fails on the victim only: its address is local in its own network namespace alone.
+    check = [PYTHON, "-c", "import sys\nif " + repr(victim) + " in open('/proc/net/fib_trie')"
+             ".read():\n    print('GPU 3: uncorrectable ECC errors', file=sys.stderr)\n"
+             "    sys.exit(7)\n"]
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, "-c", "print('trained')"], nnodes="2:3", nproc_per_node=1,
+        health={"node_check": check, "node_check_timeout": 20}))
+    result = orchestrator.wait(job_id, timeout=90)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert len(result["ranks"]) == 2 and {r["node_index"] for r in result["ranks"]} == {0, 2}
+    node = result["nodes"][1]
+    assert node["error"] == "unhealthy: health.node_check failed (exit code 7)", node
+    (host,) = orchestrator.nodes()
+    assert host["host"] == victim and host["events"][0]["kind"] == "CHECK_FAILED"
+    assert "health.node_check failed (exit code 7)" in host["events"][0]["detail"]
+    assert victim in cli("nodes").stdout
+    # Where MIN does not allow it, the job fails at once, naming the node and its check.
+    (tmp_path / "all").mkdir()
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path / "all", [PYTHON, "-c", "print('trained')"], nproc_per_node=1,
+        health={"node_check": check, "node_check_timeout": 20}))
+    result = orchestrator.wait(job_id, timeout=90)
+    assert result["state"] == "FAILED" and result["failure"]["cause"] == "NODE_UNHEALTHY"
+    assert result["failure"]["message"].startswith(
+        f"root@{victim} failed its health check: health.node_check failed (exit code 7)")
+    assert result["failure"]["stderr_tail"] == ["GPU 3: uncorrectable ECC errors"]
+    assert not result["attempts"] or result["attempts"][0]["world_size"] is None

@@ -138,3 +138,14 @@ def test_an_oom_killed_worker_is_the_infrastructures(home, tmp_path):
     assert failure["failure_class"] == "infrastructure" and "OOM killer" in failure["evidence"]
     assert result["restarts"] == 0 and result["infra_restarts"] == 1
     assert_no_job_processes(job_id)
+
+
+def test_too_little_free_disk_fails_the_job_before_it_starts(home, tmp_path):
+    spec = spec_for(tmp_path, "print('never')\n", max_restarts=3,
+                    health={"min_free_bytes": 2 ** 60, "node_check": [PYTHON, "-c", "pass"]})
+    job_id = orchestrator.submit(spec)
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "FAILED" and result["failure"]["cause"] == "NODE_UNHEALTHY"
+    assert "GiB free in " in result["failure"]["message"]
+    assert "fewer than health.min_free_bytes" in result["failure"]["message"]
+    assert not any("never" in ln for ln in orchestrator.logs(job_id))
