@@ -31,7 +31,6 @@ import shutil
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from agents import protocol as P
@@ -40,7 +39,8 @@ from orchestrator.attempt import Attempt, AttemptResult, Failure, start_message
 from orchestrator.engine import Engine, Stop
 from orchestrator.logfiles import LogSink
 from orchestrator.nodebook import Node
-from orchestrator.notify import Notifier
+from orchestrator.notify import END_WAIT, Notifier
+from orchestrator.participants import choose_participants, pick_port, workers_per_node
 from orchestrator.plan import plan_attempt
 from orchestrator.spec import JobSpec
 from orchestrator.state import AttemptOutcome, FailureCause, JobState, NodeState
@@ -112,7 +112,8 @@ class Controller:
         if self._on_end is not None:
             self._guarded(self._on_end)  # the job's end must still be recorded
         engine.set_state(final, **fields)
-        self._guarded(lambda: self._notify_end(final, fields.get("failure")))
+        self._guarded(lambda: self.notifier.ended(final.value, fields.get("failure")))
+        self._guarded(lambda: self.notifier.close(END_WAIT))
         self._guarded(engine.linger)
         self._guarded(engine.flush)
         engine.close()
@@ -169,7 +170,8 @@ class Controller:
             self._end_attempt(result)
             if isinstance(decision, policy.Fail):
                 return JobState.FAILED, {"failure": decision.failure}
-            self._notify_restart(result.failure)  # queued: never waits for a receiver
+            if result.failure is not None:  # queued: never waits for a receiver
+                self.notifier.restarted(result.failure.to_dict(), self.attempt)
             if decision.charged:
                 self.restarts += 1
                 # Persisted before acting, so a crash here never grants a free restart.
@@ -187,38 +189,9 @@ class Controller:
             engine.set_state(JobState.LAUNCHING)
             result = None
 
-    # --- notifications (orchestrator/notify.py) -------------------------------------------------
-    def _notify_restart(self, failure: Failure | None) -> None:
-        if failure is None:
-            return
+    def _node_lost(self, node: Node, message: str | None) -> None:
         number = self.current.number if self.current else self.attempt
-        fields = _failure_fields(failure)
-        text = f"after attempt {number}: {failure.message} [{failure.failure_class}]"
-        if failure.cause == FailureCause.HUNG:
-            self.notifier.event("hung", f"hung in attempt {number}: {failure.message}",
-                                str(number), attempt=number, **fields)
-        self.notifier.event("restarted", f"restarted {text}", str(number), attempt=number,
-                            **fields)
-
-    def _notify_end(self, final: JobState, failure: dict[str, Any] | None) -> None:
-        event = {JobState.SUCCEEDED: "succeeded", JobState.FAILED: "failed",
-                 JobState.CANCELLED: "cancelled"}.get(final)
-        if event is not None:
-            fields = _failure_fields(Failure.from_dict(failure)) if failure else {}
-            text = event + (f": {failure['message']}" + (
-                f" [{failure['failure_class']}]" if failure.get("failure_class") else "")
-                if failure else "")
-            if failure and failure.get("root_cause", failure["cause"]) == "HUNG":
-                self.notifier.event("hung", f"hung: {failure['message']}", "end", **fields)
-            self.notifier.event(event, text, "end", **fields)
-        self.notifier.close(NOTIFY_WAIT)
-
-    def _node_lost(self, node: Any, message: str | None) -> None:
-        number = self.current.number if self.current else self.attempt
-        self.notifier.event("node_lost", f"node {node.index} ({node.host}) lost"
-                            + (f": {message}" if message else ""), f"{node.index}/{number}",
-                            host=node.host, node_index=node.index, attempt=number,
-                            message=message)
+        self.notifier.node_lost(node.index, node.host, message, number)
 
     def _stopped(self) -> tuple[JobState, dict[str, Any]] | None:
         """What a stop reason ends in (None: told to exit, the job goes on without us)."""
@@ -257,7 +230,7 @@ class Controller:
                 attempt.sink.close()
         engine.flush()
         engine.close()
-        self.notifier.close(NOTIFY_WAIT)
+        self.notifier.close(END_WAIT)
 
     # --- nodes ------------------------------------------------------------------------------
     def _connect_all(self) -> Failure | None:
@@ -304,55 +277,12 @@ class Controller:
             return Failure(FailureCause.NODE_FAIL, f"only {len(healthy)} healthy node(s), "
                                                    f"fewer than the minimum {self.spec.min_nodes}")
         if self.spec.health.checks_nodes:
-            checked = self._health_checked(healthy)
+            checked = healthcheck.leave_out_unhealthy(engine, healthy)
             if isinstance(checked, Failure):
                 return checked
             healthy = checked
-        healthy = self._without_quarantined(healthy)
+        healthy = healthcheck.leave_out_quarantined(engine, healthy)
         return choose_participants(healthy, self.engine.current, self.spec.max_nodes)
-
-    def _health_checked(self, healthy: list[Node]) -> list[Node] | Failure:
-        """The nodes that pass their health check (orchestrator/healthcheck.py). Unhealthy
-        ones are left out where nnodes MIN allows, and count against their host across jobs;
-        where it does not, the job fails at once, naming the first and its check."""
-        results = healthcheck.check_nodes(self.engine, healthy)
-        bad = [n for n in healthy if results[n.index][0]]
-        for node in healthy:
-            problems, _ = results[node.index]
-            shown = f"unhealthy: {'; '.join(problems)}" if problems else None
-            if shown != node.info.error and (problems or (node.info.error or "").startswith(
-                    "unhealthy: ")):
-                self.engine.book.note(node, replace(node.info, error=shown))
-            if problems:
-                log.warning("%s: health check failed: %s", node.host, "; ".join(problems))
-                self._guarded(functools.partial(
-                    reputation.record, self.store, node.host, self.job_id, "CHECK_FAILED",
-                    "; ".join(problems)))
-        if not bad:
-            return healthy
-        if len(healthy) - len(bad) >= self.spec.min_nodes:
-            return [n for n in healthy if n not in bad]
-        first = bad[0]
-        problems, tail = results[first.index]
-        return Failure(FailureCause.NODE_UNHEALTHY,
-                       f"{first.host} failed its health check: {'; '.join(problems)} "
-                       f"({len(bad)} unhealthy node(s); nnodes MIN is {self.spec.min_nodes})",
-                       node_index=first.index, host=first.host, stderr_tail=list(tail))
-
-    def _without_quarantined(self, healthy: list[Node]) -> list[Node]:
-        """Leave quarantined hosts out where ``nnodes`` MIN allows (orchestrator/reputation.py);
-        where it does not, they run, and the log says so."""
-        held = reputation.quarantined(self.store)
-        out = [n for n in healthy if reputation.host_key(n.host) in held]
-        if not out:
-            return healthy
-        names = ", ".join(n.host for n in out)
-        if len(healthy) - len(out) >= self.spec.min_nodes:
-            log.warning("leaving out quarantined node(s) %s (see `orchestrator nodes`)", names)
-            return [n for n in healthy if n not in out]
-        log.warning("quarantined node(s) %s run all the same: without them fewer than "
-                    "nnodes MIN (%d) are left", names, self.spec.min_nodes)
-        return healthy
 
     def _keep_reputation(self, failure: Failure) -> None:
         """An infrastructure failure counts against the node it happened on, across jobs."""
@@ -576,53 +506,6 @@ def _wake() -> Any:
     return Wake()
 
 
-def pick_port(engine: Engine, spec: JobSpec, node: Node) -> int | None | Failure:
-    """A master port that node 0 can bind now (the spec's own, if it fixed one), None when a
-    stop reason came meanwhile, or a Failure when node 0 did not answer or has none."""
-    wanted, span = spec.rendezvous.port, spec.rendezvous.port_range
-    if span is not None and span[0] == span[1]:
-        return span[0]  # a range of one port is that port
-    fields: dict[str, Any] = {"range": list(span)} if span is not None else \
-        {"port": wanted if isinstance(wanted, int) else 0}
-    for _ in range(1 if span is not None else 5):
-        channel = node.channel
-        reply = None if channel is None else engine.ask_all(
-            {0: channel}, P.FREE_PORT, spec.launch_timeout, **fields)[0]
-        if engine.stop is not None:
-            return None
-        if not isinstance(reply, P.PortReply):  # node 0 went away: a node failure
-            return Failure(FailureCause.NODE_FAIL, f"{node.host}: no answer while picking "
-                           "the master port", node_index=node.index, host=node.host)
-        if reply.ok:
-            return reply.port
-        if span is not None:
-            return Failure(FailureCause.LAUNCH_FAILED, f"no free port in rendezvous.port "
-                           f"{wanted} on {node.host}", node_index=node.index, host=node.host)
-        if isinstance(wanted, int):
-            return Failure(FailureCause.LAUNCH_FAILED, f"rendezvous.port {wanted} is in "
-                           f"use on {node.host}", node_index=node.index, host=node.host)
-    return Failure(FailureCause.LAUNCH_FAILED, f"{node.host}: could not find a free port")
-
-
-def choose_participants(healthy: list[Node], last: Attempt | None, most: int) -> list[Node]:
-    """The first ``most`` healthy nodes, or, with spares (more healthy nodes than ``most``)
-    after an attempt: its nodes in their places, but a spare in the place of the node its
-    failure names (lost, or the failing rank's), which, back, is a spare; nobody else moves."""
-    if last is None or len(healthy) <= most:
-        return healthy[:most]
-    by_index = {n.index: n for n in healthy}
-    failed = last.failure.node_index if last.failure else None
-    spares = [n for n in healthy if n.index not in last.participants and n.index != failed]
-    spares += [by_index[failed]] if failed in by_index else []  # its own place, at worst
-    chosen = []
-    for index in last.participants:  # in node-rank order
-        if index in by_index and index != failed:
-            chosen.append(by_index[index])
-        elif spares:
-            chosen.append(spares.pop(0))
-    return (chosen + spares)[:most]
-
-
 def warm_spares(c: Controller, participants: list[Node], port: int | None) -> None:
     """Healthy nodes beyond nnodes MAX are hot spares: each gets standbys for the place of
     the last participant (the start it would get there), so that one taking over a lost
@@ -644,23 +527,6 @@ def warm_spares(c: Controller, participants: list[Node], port: int | None) -> No
         message = start_message(c.attempt, node_plan, 0.0, c.spec.health.flight_recorder,
                                 imports)
         c.engine.pool.send(node, {**message, "op": P.WARM})
-
-
-def workers_per_node(spec: JobSpec, participants: list[Node]) -> dict[int, int] | Failure:
-    """Workers per node for ``nproc_per_node: gpu|auto``, from what each agent reported."""
-    mode = spec.nproc_per_node
-    counts = {}
-    for node in participants:
-        if node.spec.slots or isinstance(mode, int):
-            counts[node.index] = node.spec.slots or int(mode)
-            continue
-        gpus = node.info.gpus or 0
-        if mode == "gpu" and gpus == 0:
-            return Failure(FailureCause.LAUNCH_FAILED, f"nproc_per_node: gpu, but "
-                           f"{node.host} has no GPU (use a number, or auto)",
-                           node_index=node.index, host=node.host)
-        counts[node.index] = gpus or 1
-    return counts
 
 
 def raise_open_files_limit() -> None:
@@ -706,12 +572,3 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     sys.exit(main())
 
-
-NOTIFY_WAIT = 15.0  # seconds an ending controller gives its webhooks
-
-
-def _failure_fields(failure: Failure) -> dict[str, Any]:
-    """What a notification carries of a failure."""
-    return {k: v for k, v in failure.to_dict().items()
-            if k in ("cause", "message", "failure_class", "evidence", "decision", "host",
-                     "node_rank", "rank", "exit_code", "signal")}

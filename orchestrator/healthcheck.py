@@ -5,19 +5,27 @@ bounded by ``health.node_check_timeout``; the controller leaves unhealthy nodes 
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from agents import protocol as P
+from orchestrator import reputation
+from orchestrator.attempt import Failure
 from orchestrator.plan import plan_attempt
+from orchestrator.state import FailureCause
 
 if TYPE_CHECKING:
     from orchestrator.engine import Engine
     from orchestrator.nodebook import Node
 
+log = logging.getLogger("orchestrator.controller")
+
 ANSWER_MARGIN = 15.0  # seconds past node_check_timeout before a silent agent counts as failed
 
 
-def check_nodes(engine: Engine, nodes: list[Node]) -> dict[int, tuple[list[str], tuple[str, ...]]]:
+def check_nodes(engine: Engine, nodes: list[Node]
+                ) -> dict[int, tuple[list[str], tuple[str, ...]]]:
     """node index -> (problems, the check's last output lines) for each of ``nodes``; no
     problems: healthy. Turns the controller's loop while the checks run."""
     spec, health = engine.spec, engine.spec.health
@@ -32,7 +40,7 @@ def check_nodes(engine: Engine, nodes: list[Node]) -> dict[int, tuple[list[str],
             env={k: plan.env[k] for k in spec.env if k in plan.env},
             timeout=health.node_check_timeout, min_free_bytes=health.min_free_bytes)
     engine.wait(lambda: all(f.done() for f in futures.values()),
-                health.node_check_timeout + ANSWER_MARGIN, interruptible=False)
+                health.node_check_timeout + ANSWER_MARGIN)  # a cancel comes first
     out: dict[int, tuple[list[str], tuple[str, ...]]] = {}
     by_index = {n.index: n for n in nodes}
     for index, future in futures.items():
@@ -50,3 +58,51 @@ def check_nodes(engine: Engine, nodes: list[Node]) -> dict[int, tuple[list[str],
         else:
             out[index] = (["its channel ended during the health check"], ())
     return out
+
+
+def leave_out_unhealthy(engine: Engine, healthy: list[Node]) -> list[Node] | Failure:
+    """The nodes that pass their health check. Unhealthy ones are left out where nnodes MIN
+    allows, and count against their host across jobs; where MIN does not allow it, the
+    job fails at once, naming the first and its check."""
+    results = check_nodes(engine, healthy)
+    bad = [n for n in healthy if results[n.index][0]]
+    for node in healthy:
+        problems, _ = results[node.index]
+        shown = f"unhealthy: {'; '.join(problems)}" if problems else None
+        if shown != node.info.error and (problems or (node.info.error or "").startswith(
+                "unhealthy: ")):
+            engine.book.note(node, replace(node.info, error=shown))
+        if problems:
+            log.warning("%s: health check failed: %s", node.host, "; ".join(problems))
+            try:
+                reputation.record(engine.store, node.host, engine.job_id, "CHECK_FAILED",
+                                  "; ".join(problems))
+            except Exception:  # the store is busy or gone: the check's verdict stands
+                log.exception("%s: could not keep the failed check", node.host)
+    least = engine.spec.min_nodes
+    if not bad:
+        return healthy
+    if len(healthy) - len(bad) >= least:
+        return [n for n in healthy if n not in bad]
+    first = bad[0]
+    problems, tail = results[first.index]
+    return Failure(FailureCause.NODE_UNHEALTHY,
+                   f"{first.host} failed its health check: {'; '.join(problems)} "
+                   f"({len(bad)} unhealthy node(s); nnodes MIN is {least})",
+                   node_index=first.index, host=first.host, stderr_tail=list(tail))
+
+
+def leave_out_quarantined(engine: Engine, healthy: list[Node]) -> list[Node]:
+    """Leave quarantined hosts out where nnodes MIN allows (orchestrator/reputation.py);
+    where it does not, they run, and the log says so."""
+    held = reputation.quarantined(engine.store)
+    out = [n for n in healthy if reputation.host_key(n.host) in held]
+    if not out:
+        return healthy
+    names = ", ".join(n.host for n in out)
+    if len(healthy) - len(out) >= engine.spec.min_nodes:
+        log.warning("leaving out quarantined node(s) %s (see `orchestrator nodes`)", names)
+        return [n for n in healthy if n not in out]
+    log.warning("quarantined node(s) %s run all the same: without them fewer than nnodes "
+                "MIN (%d) are left", names, engine.spec.min_nodes)
+    return healthy

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 EVENTS = ("failed", "succeeded", "cancelled", "restarted", "hung", "node_lost", "quarantined")
 TRIES = 4
+END_WAIT = 15.0  # seconds an ending controller gives its receivers
 FIRST_WAIT = 0.5  # seconds before the second try; doubling
 
 
@@ -57,6 +58,37 @@ class Notifier:
             self._thread.start()
         for index in wanted:
             self._queue.put((index, body))
+
+    # --- the job's events, as the controller sees them -----------------------------------------
+    def restarted(self, failure: dict[str, Any], attempt: int) -> None:
+        """Attempt ``attempt`` failed with ``failure`` (a Failure's dict) and is restarted."""
+        fields = failure_fields(failure)
+        if failure["cause"] == "HUNG":
+            self.event("hung", f"hung in attempt {attempt}: {failure['message']}",
+                       str(attempt), attempt=attempt, **fields)
+        self.event("restarted", f"restarted after attempt {attempt}: {failure['message']} "
+                   f"[{failure.get('failure_class')}]", str(attempt), attempt=attempt,
+                   **fields)
+
+    def ended(self, state: str, failure: dict[str, Any] | None) -> None:
+        """The job ended in ``state`` (SUCCEEDED, FAILED, CANCELLED)."""
+        event = {"SUCCEEDED": "succeeded", "FAILED": "failed",
+                 "CANCELLED": "cancelled"}.get(state)
+        if event is None:
+            return
+        if failure is None:
+            self.event(event, event, "end")
+            return
+        fields = failure_fields(failure)
+        if failure.get("root_cause", failure["cause"]) == "HUNG":
+            self.event("hung", f"hung: {failure['message']}", "end", **fields)
+        klass = f" [{failure['failure_class']}]" if failure.get("failure_class") else ""
+        self.event(event, f"{event}: {failure['message']}{klass}", "end", **fields)
+
+    def node_lost(self, index: int, host: str, message: str | None, attempt: int) -> None:
+        self.event("node_lost", f"node {index} ({host}) lost"
+                   + (f": {message}" if message else ""), f"{index}/{attempt}",
+                   host=host, node_index=index, attempt=attempt, message=message)
 
     def close(self, wait: float) -> None:
         """Deliver what is queued, for at most ``wait`` seconds (the controller is ending)."""
@@ -105,3 +137,10 @@ class Notifier:
                 wait *= 2
         log.warning("notify[%d]: %s not delivered after %d tries (%s)", index, body["event"],
                     TRIES, why)
+
+
+def failure_fields(failure: dict[str, Any]) -> dict[str, Any]:
+    """What a notification carries of a failure (a Failure's dict)."""
+    return {k: v for k, v in failure.items()
+            if k in ("cause", "message", "failure_class", "evidence", "decision", "host",
+                     "node_rank", "rank", "exit_code", "signal")}
