@@ -379,3 +379,28 @@ def test_no_secret_reaches_a_command_line_on_slurm(sl, tmp_path):
     job_id = submit_with_secrets(tmp_path, path, values)
     assert_secrets_arrived(job_id, values, ranks=2)
     assert_no_job_processes(job_id)
+
+
+def test_a_bug_is_not_restarted_twice_on_slurm_and_the_webhook_hears_it_once(sl, tmp_path):
+    from tests.integration.test_notify import Receiver
+
+    receiver = Receiver()
+    try:
+        (tmp_path / "helpers.py").write_text("VALUE = 1\n")
+        (tmp_path / "train.py").write_text("import helpers\n\nimport mymodel  # not there\n")
+        job_id = orchestrator.submit(slurm_spec(
+            tmp_path, [PYTHON, "train.py"], nodes=2, max_restarts=5,
+            restart_backoff={"initial": 0.5}, notify=[{"url": receiver.url}]))
+        result = orchestrator.wait(job_id, timeout=180)
+        assert result["state"] == "FAILED" and len(result["attempts"]) == 2
+        first = result["attempts"][0]["failure"]
+        assert first["failure_class"] == "user"
+        assert first["signature"] == "ModuleNotFoundError at train.py:3"
+        assert "not restarted: the same error twice (ModuleNotFoundError at train.py:3)" in \
+            result["failure"]["message"]
+        wait_for(lambda: "failed" in receiver.events(job_id), 30, what="the failed event")
+        assert sorted(receiver.events(job_id)) == ["failed", "restarted"]
+        assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+        assert_no_job_processes(job_id)
+    finally:
+        receiver.close()
