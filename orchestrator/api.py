@@ -51,7 +51,7 @@ def dry_run(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = No
 def check(spec: str | os.PathLike[str] | JobSpec) -> dict[str, Any]:
     """Preflight: reach every node, report versions, GPUs, the interface toward the master,
     and whether each node can open a TCP connection to master_addr:master_port."""
-    job_spec, _ = _load(spec, None)
+    job_spec, directory = _load(spec, None)
     if job_spec.slurm is not None:
         slurm.quick_check(job_spec)
         allocation = slurm.existing_allocation(job_spec)
@@ -62,8 +62,9 @@ def check(spec: str | os.PathLike[str] | JobSpec) -> dict[str, Any]:
         from orchestrator.transport.slurm import SlurmConnector
 
         return preflight.check(slurm.spec_with_nodes(job_spec, allocation),
-                               connect=SlurmConnector(allocation.job_id)).to_dict()
-    return preflight.check(job_spec).to_dict()
+                               connect=SlurmConnector(allocation.job_id),
+                               spec_dir=directory).to_dict()
+    return preflight.check(job_spec, spec_dir=directory).to_dict()
 
 
 def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = None,

@@ -29,7 +29,7 @@ from orchestrator.errors import (
 )
 from orchestrator.loop import EventLoop
 from orchestrator.nodepool import CONNECT_FANOUT
-from orchestrator.plan import node_address
+from orchestrator.plan import node_address, plan_attempt
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.transport import default_connect
 from orchestrator.transport.base import ConnectionFactory, NodeConnection, attach_agent
@@ -53,6 +53,8 @@ class NodeReport:
     interface: str | None = None
     master_port_reachable: bool | None = None
     unreachable_ports: list[int] = field(default_factory=list)
+    health: list[str] = field(default_factory=list)  # health.node_check's problems, if asked
+    health_tail: list[str] = field(default_factory=list)  # the check's last output lines
     error: str | None = None
 
     @property
@@ -117,8 +119,11 @@ class _Reader:
         self.loop.close()
 
 
-def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> CheckReport:
-    """Reach every node and report; never raises for a node's fault (it is in the report)."""
+def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
+          spec_dir: str = ".") -> CheckReport:
+    """Reach every node and report; never raises for a node's fault (it is in the report).
+    With ``health.node_check`` or ``health.min_free_bytes``, every node runs them too, as
+    before an attempt (a synced job's tree is not there yet: they run in the home)."""
     reports = [NodeReport(i, n.host) for i, n in enumerate(spec.nodes)]
     sessions: dict[int, _Session] = {}
 
@@ -199,8 +204,28 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect) -> Che
                 reports[i].error = (f"cannot reach {master_addr} on port(s) {shown}: "
                                     f"{answer.error}")
 
+        def health(i: int) -> None:
+            plan = plan_attempt(spec, "preflight", node_indices=[i], spec_dir=spec_dir).nodes[0]
+            try:
+                answer = sessions[i].ask(
+                    P.NODE_CHECK, spec.health.node_check_timeout + AGENT_TIMEOUT,
+                    argv=list(spec.health.node_check),
+                    workdir="~" if spec.sync is not None else plan.workdir,
+                    env={k: plan.env[k] for k in spec.env if k in plan.env},
+                    timeout=spec.health.node_check_timeout,
+                    min_free_bytes=spec.health.min_free_bytes)
+            except OrchestratorError as exc:
+                reports[i].error = reports[i].error or str(exc)
+                return
+            if isinstance(answer, P.Checked) and answer.problems:
+                reports[i].health, reports[i].health_tail = list(answer.problems), \
+                    list(answer.tail)
+                reports[i].error = reports[i].error or f"unhealthy: {'; '.join(answer.problems)}"
+
         with ThreadPoolExecutor(max_workers=min(CONNECT_FANOUT, len(spec.nodes))) as pool:
             list(pool.map(probe, sorted(sessions)))
+            if spec.health.checks_nodes:
+                list(pool.map(health, sorted(sessions)))
         outside = _reachable_from_here(spec, master_addr, master_port)
     finally:
         for session in sessions.values():

@@ -149,3 +149,21 @@ def test_too_little_free_disk_fails_the_job_before_it_starts(home, tmp_path):
     assert "GiB free in " in result["failure"]["message"]
     assert "fewer than health.min_free_bytes" in result["failure"]["message"]
     assert not any("never" in ln for ln in orchestrator.logs(job_id))
+
+
+def test_check_runs_the_nodes_health_checks_too(home, tmp_path):
+    failing = [PYTHON, "-c", "import sys; print('GPU 0 fell off the bus', file=sys.stderr); "
+                             "sys.exit(4)"]
+    spec = spec_for(tmp_path, "print('never')\n", health={"node_check": failing})
+    report = orchestrator.check(spec)
+    assert report["ok"] is False
+    for node in report["nodes"]:
+        assert node["health"] == ["health.node_check failed (exit code 4)"]
+        assert node["health_tail"] == ["GPU 0 fell off the bus"]
+        assert node["error"] == "unhealthy: health.node_check failed (exit code 4)"
+    shown = subprocess.run([PYTHON, "-m", "orchestrator", "check", str(spec)],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert shown.returncode != 0 and "unhealthy: health.node_check failed" in shown.stdout
+    healthy = spec_for(tmp_path, "print('never')\n",
+                       health={"node_check": [PYTHON, "-c", "pass"], "min_free_bytes": 1})
+    assert orchestrator.check(healthy)["ok"] is True
