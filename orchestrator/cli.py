@@ -97,6 +97,7 @@ def submit(
     """Validate SPEC and start the job; print its id."""
     sets = list(set_ or [])
     extra_env, written = _call(lambda: envargs.parse(env or [], env_file or [], os.environ))
+    _call(lambda: envargs.refuse_webhook_sets(sets))
     loaded = _call(lambda: api.load_jobspec(spec, env=extra_env, overrides=sets))
     _call(lambda: envargs.refuse_written_secrets(loaded, written, sets))
     for path in env_file or []:

@@ -69,6 +69,17 @@ def read_file(path: Path) -> dict[str, str]:
     return env
 
 
+def refuse_webhook_sets(overrides: list[str]) -> None:
+    """SpecError for ``--set notify...``: a webhook URL is a secret (it often holds a token),
+    and a command line is readable by every local user. Checked before the spec is read."""
+    for item in overrides:
+        path = item.partition("=")[0].strip()
+        if path == "notify" or path.startswith(("notify.", "notify[")):
+            raise SpecError("--set", f"{path}: a webhook URL is a secret (it often holds a "
+                                     "token) and the command line is readable by every local "
+                                     "user (ps): write notify: in the spec file")
+
+
 def refuse_written_secrets(spec: JobSpec, written: set[str], overrides: list[str]) -> None:
     """SpecError for a secret-looking variable whose value was written on the command line
     (``--env KEY=VALUE`` or ``--set env.KEY=VALUE``)."""

@@ -243,6 +243,10 @@ def test_no_secret_reaches_a_command_line_and_one_written_there_is_refused(home,
             f"error: --env: {name}'s value is on the command line, where every local user can "
             f"read it (ps): pass --env {name} to take it from your environment, or --env-file "
             "FILE")
+    # A webhook URL holds a token as often as not: never from the command line either.
+    refused = run_cli("submit", str(path), "--set", "notify[0].url=https://hooks.example/T0KEN")
+    assert refused.returncode == 2 and refused.stderr.startswith(
+        "error: --set: notify[0].url: a webhook URL is a secret"), refused.stderr
     assert orchestrator.list_jobs() == []  # nothing was submitted
     job_id = submit_with_secrets(tmp_path, path, values)
     assert_secrets_arrived(job_id, values, ranks=1)
