@@ -28,7 +28,6 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-EVENTS = ("failed", "succeeded", "cancelled", "restarted", "hung", "node_lost", "quarantined")
 TRIES = 4
 END_WAIT = 15.0  # seconds an ending controller gives its receivers
 FIRST_WAIT = 0.5  # seconds before the second try; doubling
@@ -40,7 +39,6 @@ class Notifier:
     def __init__(self, targets: tuple[Any, ...], job_id: str, name: str):
         self.targets = targets  # specparts.NotifySpec: url, on, timeout
         self.job_id, self.name = job_id, name
-        self.sent = 0  # deliveries that a receiver took (for tests and logs)
         self._queue: queue.Queue[tuple[int, dict[str, Any]] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
 
@@ -122,7 +120,6 @@ class Notifier:
             try:
                 with urllib.request.urlopen(request, timeout=target.timeout) as answer:
                     answer.read(65536)
-                self.sent += 1
                 return
             except urllib.error.HTTPError as exc:
                 if exc.code != 429 and exc.code < 500:
