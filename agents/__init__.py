@@ -23,7 +23,8 @@ import os
 #: What is shipped to a node, in this order (packages before their modules).
 MODULES = ("agents", "agents.fields", "agents.protocol", "agents.paths", "agents.text",
            "agents.netinfo", "agents.processes", "agents.outbox", "agents.leases",
-           "agents.cache", "agents.setup", "agents.rankfiles", "agents.shims",
+           "agents.cache", "agents.setup", "agents.gpucheck", "agents.netcheck",
+           "agents.rankfiles", "agents.shims",
            "agents.shims.sitecustomize", "agents.shims.orchestrator_worker",
            "agents.shims.standby_boot", "agents.workers", "agents.standby", "agents.stacks",
            "agents.ops", "agents.agent", "agents.holder", "agents.relay", "agents.main")

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from agents import cache, setup, stacks
+from agents import cache, gpucheck, netcheck, setup, stacks
 from agents import protocol as P
 from agents.netinfo import free_port, interface_for
 from agents.paths import traces
@@ -176,12 +176,46 @@ def op_setup(agent: Agent, msg: dict[str, Any]) -> None:
 def op_node_check(agent: Agent, msg: dict[str, Any]) -> None:
     """The health check before an attempt (agents/setup.py: run_check)."""
     def run(m: dict[str, Any]) -> None:
-        free = m.get("min_free_bytes")
+        free, gpus = m.get("min_free_bytes"), m.get("gpus")
         problems, tail = setup.run_check(
             [str(a) for a in m.get("argv") or ()], str(m.get("workdir") or "."),
             {str(k): str(v) for k, v in (m.get("env") or {}).items()}, agent.token, P.MAX_LINE,
             float(m["timeout"]), None if free is None else int(free))
+        if m.get("gpu_check"):
+            problems += gpucheck.check(None if gpus is None else int(gpus),
+                                       float(m["timeout"]))
         agent.reply(m, P.CHECKED, problems=problems, tail=list(tail))
+
+    agent.on_thread(run, msg)
+
+
+def op_net_listen(agent: Agent, msg: dict[str, Any]) -> None:
+    """The receiving end of the network check (agents/netcheck.py) for ``timeout`` seconds;
+    answers with its port. A new one replaces the last."""
+    if agent.net_receiver is not None:
+        agent.net_receiver.close()
+    agent.net_receiver = netcheck.Receiver(bytes.fromhex(str(msg["token"])), int(msg["bytes"]),
+                                           float(msg["timeout"]))
+    agent.reply(msg, P.NET_LISTENING, port=agent.net_receiver.port)
+
+
+def op_net_close(agent: Agent, msg: dict[str, Any]) -> None:
+    if agent.net_receiver is not None:
+        agent.net_receiver.close()
+        agent.net_receiver = None
+
+
+def op_net_send(agent: Agent, msg: dict[str, Any]) -> None:
+    """One link of the network check: ``bytes`` to a peer's receiver, timed."""
+    def run(m: dict[str, Any]) -> None:
+        try:
+            seconds = netcheck.send(str(m["address"]), int(m["port"]),
+                                    bytes.fromhex(str(m["token"])), int(m["bytes"]),
+                                    float(m["timeout"]))
+        except OSError as exc:
+            agent.reply(m, P.NET_SENT, error=str(exc) or type(exc).__name__)
+            return
+        agent.reply(m, P.NET_SENT, seconds=seconds)
 
     agent.on_thread(run, msg)
 
@@ -212,5 +246,6 @@ OPS: dict[str, Callable[[Agent, dict[str, Any]], None]] = {
     P.FREE_PORT: op_free_port, P.LISTEN: op_listen, P.PROBE: op_probe,
     P.STACKS_OP: op_stacks, P.READ_TRACE: op_read_trace, P.SYNC_MISSING: op_sync_missing,
     P.SYNC_PUT: op_sync_put, P.SYNC_BUILD: op_sync_build, P.SETUP: op_setup,
-    P.NODE_CHECK: op_node_check,
+    P.NODE_CHECK: op_node_check, P.NET_LISTEN: op_net_listen, P.NET_SEND: op_net_send,
+    P.NET_CLOSE: op_net_close,
 }

@@ -46,6 +46,14 @@ Controller -> agent (``op``)::
     sync_build {req, tree, files: [[path, sha, executable]], keep}   build the tree, prune
     setup     {req, key, script, workdir, env, timeout}   run once per key (cached when it
               succeeds), stopped past ``timeout`` seconds
+    node_check {req, argv, workdir, env, timeout, min_free_bytes, gpu_check, gpus}
+              the health check before an attempt: free space, the GPUs through nvidia-smi
+              (``gpus``: how many there must be), the job's own command
+    net_listen {req, token, bytes, timeout}   the network check's receiver: takes ``bytes``
+              from each connection that first sends the token (hex), for ``timeout`` s
+    net_send  {req, address, port, token, bytes, timeout}   one timed transfer to a peer's
+              receiver
+    net_close {}                    the network check is over: close the receiver
     stacks    {req, timeout, flight_recorder}    every live rank's stack, and dumps
     read_trace {req, path, offset}  a piece of a flight recorder dump
 
@@ -94,6 +102,9 @@ SYNC_PUT = "sync_put"
 SYNC_BUILD = "sync_build"
 SETUP = "setup"
 NODE_CHECK = "node_check"
+NET_LISTEN = "net_listen"
+NET_SEND = "net_send"
+NET_CLOSE = "net_close"
 STACKS_OP = "stacks"
 READ_TRACE = "read_trace"
 
@@ -113,6 +124,8 @@ SYNC_BUILT = "sync_built"
 SETUP_OUTPUT = "setup_output"
 SETUP_DONE = "setup_done"
 CHECKED = "checked"
+NET_LISTENING = "net_listening"
+NET_SENT = "net_sent"
 FAILED = "failed"
 STACKS = "stacks"
 TRACE_CHUNK = "trace_chunk"
@@ -356,6 +369,17 @@ class Checked(Reply):
 
 
 @dataclass(frozen=True)
+class NetListening(Reply):
+    port: int = 0
+
+
+@dataclass(frozen=True)
+class NetSent(Reply):
+    seconds: float | None = None  # the transfer's time; None: it failed (``error``)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
 class Stack:
     method: str
     text: str
@@ -401,6 +425,16 @@ def _trace_chunk(f: Fields, req: int) -> TraceChunk:
     return TraceChunk(req, data, f.integer("size", 0, MAX_COUNT))
 
 
+def _net_sent(f: Fields, req: int) -> NetSent:
+    seconds = f.number("seconds", optional=True)
+    if seconds is not None and not 0 <= seconds < MAX_COUNT:
+        raise f.bad("seconds")
+    error = f.text("error", MAX_TEXT, True)
+    if (seconds is None) == (error is None):
+        raise f.bad("seconds")  # one or the other
+    return NetSent(req, seconds, error)
+
+
 _REPLIES: dict[str, Callable[[Fields, int], Reply]] = {
     FAILED: lambda f, req: Failed(req, f.text("error", MAX_TEXT)),
     PORT: lambda f, req: PortReply(req, f.integer("port", 0, 65535), f.flag("ok")),
@@ -420,6 +454,8 @@ _REPLIES: dict[str, Callable[[Fields, int], Reply]] = {
     CHECKED: lambda f, req: Checked(
         req, tuple(f.text("problems", MAX_TEXT, value=t) for t in f.array("problems")),
         tuple(f.text("tail", MAX_TEXT, value=t) for t in f.array("tail", optional=True))),
+    NET_LISTENING: lambda f, req: NetListening(req, f.integer("port", 1, 65535)),
+    NET_SENT: _net_sent,
     STACKS: _stacks,
     TRACE_CHUNK: _trace_chunk,
 }

@@ -236,6 +236,7 @@ def nodes(*, home: str | os.PathLike[str] | None = None,
     for e in events:
         hosts.setdefault(e["host"], []).append(e)
     out = []
+    last = {host: its[-1]["at"] if its else 0.0 for host, its in hosts.items()}
     for host, its in hosts.items():
         q = held.get(host)
         out.append({
@@ -244,11 +245,8 @@ def nodes(*, home: str | os.PathLike[str] | None = None,
             "reason": q["reason"] if q else None,
             "released_at": _iso(q["released_at"]) if q and q["released_at"] else None,
             "events_24h": sum(e["at"] >= now - 86400 for e in its),
-            "events": [{**e, "at": _iso(e["at"])} for e in its[-10:]],
-            "_last": its[-1]["at"] if its else 0.0})
-    out.sort(key=lambda h: (not h["quarantined"], -h["_last"]))
-    for h in out:
-        del h["_last"]
+            "events": [{**e, "at": _iso(e["at"])} for e in its[-10:]]})
+    out.sort(key=lambda h: (not h["quarantined"], -last[h["host"]]))
     return out
 
 

@@ -441,6 +441,8 @@ def check(
         console = _console()
         console.print(table)
         typer.echo(f"master {report['master_addr']}:{report['master_port'] or '-'}")
+        if report["network"]:
+            typer.echo(report["network"])
         typer.echo(f"controller_grace {_grace(report['controller_grace'])}: how long agents "
                    "keep the workers running with no controller attached")
         for warning in report["warnings"]:

@@ -276,7 +276,7 @@ class Controller:
         if len(healthy) < self.spec.min_nodes:
             return Failure(FailureCause.NODE_FAIL, f"only {len(healthy)} healthy node(s), "
                                                    f"fewer than the minimum {self.spec.min_nodes}")
-        if self.spec.health.checks_nodes:
+        if healthcheck.wanted(engine, healthy):
             checked = healthcheck.leave_out_unhealthy(engine, healthy)
             if isinstance(checked, Failure):
                 return checked

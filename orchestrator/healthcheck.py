@@ -1,7 +1,9 @@
 """Node health checks before each attempt: every participant-to-be runs the job's
-``health.node_check`` command and the free-space check (agents/setup.py: run_check) at once,
-bounded by ``health.node_check_timeout``; the controller leaves unhealthy nodes out where
-``nnodes`` MIN allows (orchestrator/controller.py)."""
+``health.node_check`` command, the free-space check (agents/setup.py: run_check) and, on a
+node with GPUs, the GPU check (agents/gpucheck.py) at once, bounded by
+``health.node_check_timeout``; then the nodes that passed run the pairwise network check
+(orchestrator/netcheck.py) where the spec asks for it. The controller leaves unhealthy nodes
+out where ``nnodes`` MIN allows (orchestrator/controller.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +12,9 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from agents import protocol as P
-from orchestrator import reputation
+from orchestrator import netcheck, reputation
 from orchestrator.attempt import Failure
-from orchestrator.plan import plan_attempt
+from orchestrator.plan import node_address, plan_attempt
 from orchestrator.state import FailureCause
 
 if TYPE_CHECKING:
@@ -24,6 +26,21 @@ log = logging.getLogger("orchestrator.controller")
 ANSWER_MARGIN = 15.0  # seconds past node_check_timeout before a silent agent counts as failed
 
 
+def gpus_expected(engine: Engine, node: Node) -> int | None:
+    """The GPUs the node must show, or None: no GPU check there (a CPU node, or off)."""
+    health = engine.spec.health
+    if not health.gpu_check:
+        return None
+    return health.gpus_per_node or node.info.gpus or None
+
+
+def wanted(engine: Engine, nodes: list[Node]) -> bool:
+    """Whether these nodes have anything to check before an attempt."""
+    health = engine.spec.health
+    return (health.checks_nodes or (health.network_check is not None and len(nodes) > 1)
+            or any(gpus_expected(engine, n) for n in nodes))
+
+
 def check_nodes(engine: Engine, nodes: list[Node]
                 ) -> dict[int, tuple[list[str], tuple[str, ...]]]:
     """node index -> (problems, the check's last output lines) for each of ``nodes``; no
@@ -31,17 +48,18 @@ def check_nodes(engine: Engine, nodes: list[Node]
     spec, health = engine.spec, engine.spec.health
     tree = engine.preparer.tree().tree if spec.sync is not None else None
     futures: dict[int, Any] = {}
-    for node in nodes:
+    for node in [n for n in nodes if health.checks_nodes or gpus_expected(engine, n)]:
         assert node.channel is not None
         plan = plan_attempt(spec, engine.job_id, node_indices=[node.index],
                             spec_dir=engine.preparer.spec_dir, sync_tree=tree).nodes[0]
         futures[node.index] = node.channel.request(
             P.NODE_CHECK, argv=list(health.node_check), workdir=plan.workdir,
             env={k: plan.env[k] for k in spec.env if k in plan.env},
-            timeout=health.node_check_timeout, min_free_bytes=health.min_free_bytes)
+            timeout=health.node_check_timeout, min_free_bytes=health.min_free_bytes,
+            gpu_check=gpus_expected(engine, node) is not None, gpus=gpus_expected(engine, node))
     engine.wait(lambda: all(f.done() for f in futures.values()),
                 health.node_check_timeout + ANSWER_MARGIN)  # a cancel comes first
-    out: dict[int, tuple[list[str], tuple[str, ...]]] = {}
+    out: dict[int, tuple[list[str], tuple[str, ...]]] = {n.index: ([], ()) for n in nodes}
     by_index = {n.index: n for n in nodes}
     for index, future in futures.items():
         reply = future.result() if future.done() else None
@@ -57,15 +75,26 @@ def check_nodes(engine: Engine, nodes: list[Node]
             out[index] = ([f"health check: {reply.error}"], ())
         else:
             out[index] = (["its channel ended during the health check"], ())
+    passed = [n for n in nodes if not out[n.index][0]]
+    if health.network_check is not None and len(passed) > 1:
+        unhealthy, summary = netcheck.run(
+            [n.channel for n in passed], [node_address(n.spec) for n in passed],
+            [f"node {n.index} ({n.host})" for n in passed], health.network_check, engine.wait,
+            lambda: engine.stop is not None)
+        log.info("%s", summary)
+        for position, problem in unhealthy.items():
+            out[passed[position].index][0].append(problem)
     return out
 
 
 def leave_out_unhealthy(engine: Engine, healthy: list[Node]) -> list[Node] | Failure:
     """The nodes that pass their health check. Unhealthy ones are left out where nnodes MIN
-    allows, and count against their host across jobs; where MIN does not allow it, the
-    job fails at once, naming the first and its check."""
+    allows, and count against their host across jobs, unless every node failed: a check
+    that fails everywhere says more about the check or the network than about any node;
+    where MIN does not allow it, the job fails at once, naming the first and its check."""
     results = check_nodes(engine, healthy)
     bad = [n for n in healthy if results[n.index][0]]
+    blame = len(bad) < len(healthy)
     for node in healthy:
         problems, _ = results[node.index]
         shown = f"unhealthy: {'; '.join(problems)}" if problems else None
@@ -74,6 +103,7 @@ def leave_out_unhealthy(engine: Engine, healthy: list[Node]) -> list[Node] | Fai
             engine.book.note(node, replace(node.info, error=shown))
         if problems:
             log.warning("%s: health check failed: %s", node.host, "; ".join(problems))
+        if problems and blame:
             try:
                 reputation.record(engine.store, node.host, engine.job_id, "CHECK_FAILED",
                                   "; ".join(problems))

@@ -14,11 +14,13 @@ import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agents import protocol as P
+from orchestrator import netcheck
 from orchestrator.channel import Channel, ask
 from orchestrator.errors import (
     AuthenticationError,
@@ -70,6 +72,7 @@ class CheckReport:
     warnings: list[str] = field(default_factory=list)
     controller_grace: float | None = None
     ports: list[int] = field(default_factory=list)  # every master port that was tested
+    network: str | None = None  # the network check's summary, when the spec asks for it
 
     @property
     def ok(self) -> bool:
@@ -78,7 +81,8 @@ class CheckReport:
     def to_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "master_addr": self.master_addr, "master_port": self.master_port,
                 "controller_grace": self.controller_grace, "ports": self.ports,
-                "nodes": [asdict(n) for n in self.nodes], "warnings": self.warnings}
+                "network": self.network, "nodes": [asdict(n) for n in self.nodes],
+                "warnings": self.warnings}
 
 
 class _Session:
@@ -126,6 +130,7 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
     before an attempt (a synced job's tree is not there yet: they run in the home)."""
     reports = [NodeReport(i, n.host) for i, n in enumerate(spec.nodes)]
     sessions: dict[int, _Session] = {}
+    report_network: str | None = None
 
     def open_one(i: int) -> None:
         node, report = spec.nodes[i], reports[i]
@@ -204,7 +209,13 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
                 reports[i].error = (f"cannot reach {master_addr} on port(s) {shown}: "
                                     f"{answer.error}")
 
+        def gpus(i: int) -> int | None:
+            return (spec.health.gpus_per_node or reports[i].gpus or None) \
+                if spec.health.gpu_check else None
+
         def health(i: int) -> None:
+            if not spec.health.checks_nodes and not gpus(i):
+                return
             plan = plan_attempt(spec, "preflight", node_indices=[i], spec_dir=spec_dir).nodes[0]
             try:
                 answer = sessions[i].ask(
@@ -213,7 +224,8 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
                     workdir="~" if spec.sync is not None else plan.workdir,
                     env={k: plan.env[k] for k in spec.env if k in plan.env},
                     timeout=spec.health.node_check_timeout,
-                    min_free_bytes=spec.health.min_free_bytes)
+                    min_free_bytes=spec.health.min_free_bytes, gpu_check=gpus(i) is not None,
+                    gpus=gpus(i))
             except OrchestratorError as exc:
                 reports[i].error = reports[i].error or str(exc)
                 return
@@ -224,8 +236,9 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
 
         with ThreadPoolExecutor(max_workers=min(CONNECT_FANOUT, len(spec.nodes))) as pool:
             list(pool.map(probe, sorted(sessions)))
-            if spec.health.checks_nodes:
-                list(pool.map(health, sorted(sessions)))
+            list(pool.map(health, sorted(sessions)))
+        if spec.health.network_check is not None:
+            report_network = _network(spec, sessions, reports)
         outside = _reachable_from_here(spec, master_addr, master_port)
     finally:
         for session in sessions.values():
@@ -239,7 +252,8 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
             session.channel.conn.close()
 
     report = CheckReport(master_addr, master_port, reports,
-                         controller_grace=spec.health.controller_grace, ports=ports)
+                         controller_grace=spec.health.controller_grace, ports=ports,
+                         network=report_network)
     if busy and ports:
         report.warnings.append(f"port(s) in use on node 0, not tested: "
                                f"{', '.join(map(str, busy[:20]))}")
@@ -257,6 +271,28 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
         report.warnings.append("torch not found by the agent's python on some node(s) "
                                "(the workers' python may differ)")
     return report
+
+
+def _network(spec: JobSpec, sessions: dict[int, _Session], reports: list[NodeReport]) -> str:
+    """The pairwise network check among the nodes that passed so far (orchestrator/netcheck.py);
+    an unhealthy node's report says why. Returns the summary line."""
+    assert spec.health.network_check is not None
+    passed = [i for i in sorted(sessions) if reports[i].error is None]
+
+    def wait(done: Callable[[], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not done() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return done()
+
+    unhealthy, summary = netcheck.run(
+        [sessions[i].channel for i in passed], [node_address(spec.nodes[i]) for i in passed],
+        [f"node {i} ({spec.nodes[i].host})" for i in passed], spec.health.network_check, wait)
+    for position, problem in unhealthy.items():
+        report = reports[passed[position]]
+        report.health.append(problem)
+        report.error = report.error or f"unhealthy: {problem}"
+    return summary
 
 
 def _reachable_from_here(spec: JobSpec, address: str, port: int | None) -> bool:

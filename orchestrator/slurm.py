@@ -17,18 +17,21 @@ Parsing is kept in small pure functions (``parse_*``) so that it can be tested w
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from orchestrator.errors import LaunchError, SpecError
 from orchestrator.spec import JobSpec, NodeSpec, SlurmSpec
+
+log = logging.getLogger("orchestrator.controller")
 
 COMMAND_TIMEOUT = 30.0  # seconds for one scontrol/squeue/scancel: slurmctld answers in ms
 _ALLOCATION_RE = re.compile(r"(?:Granted|Pending) job allocation (\d+)")
@@ -117,14 +120,31 @@ def salloc_error(spec: SlurmSpec, stderr: str) -> Exception:
     return LaunchError(f"slurm: salloc failed: {detail}")
 
 
-def salloc_argv(spec: SlurmSpec, name: str) -> list[str]:
-    """The allocation request: ``salloc --no-shell`` with the spec's settings."""
+def salloc_argv(spec: SlurmSpec, name: str, exclude: Sequence[str] = ()) -> list[str]:
+    """The allocation request: ``salloc --no-shell`` with the spec's settings; ``exclude``:
+    nodes not to allocate (quarantined ones), joined to the spec's own ``--exclude``."""
     argv = ["salloc", "--no-shell", f"--nodes={spec.nodes}", f"--job-name={name}"]
     for option, value in (("--partition", spec.partition), ("--time", spec.time),
                           ("--account", spec.account), ("--gres", spec.gres)):
         if value is not None:
             argv.append(f"{option}={value}")
-    return argv + list(spec.extra)
+    extra = list(spec.extra)
+    if exclude:
+        # Slurm takes the last of several --exclude: the spec's own names join ours.
+        own = [item for item in extra if item.startswith(("--exclude=", "-x"))]
+        extra = [item for item in extra if item not in own]
+        names = [item.split("=", 1)[1] if item.startswith("--") else item[2:] for item in own]
+        argv.append(f"--exclude={','.join([*names, *exclude])}")
+    return argv + extra
+
+
+def slurm_nodes() -> set[str] | None:
+    """The nodes this Slurm cluster has (sinfo), or None when it cannot be asked."""
+    try:
+        run = _run("sinfo", "--noheader", "--Node", "--format=%N")
+    except LaunchError:
+        return None
+    return set(run.stdout.split()) if run.returncode == 0 else None
 
 
 def spec_with_nodes(spec: JobSpec, allocation: Allocation | None) -> JobSpec:
@@ -247,13 +267,32 @@ def existing_allocation(spec: JobSpec, env: Mapping[str, str] | None = None
 
 def request(spec: SlurmSpec, name: str, timeout: float, *,
             record: Callable[[Allocation], None],
-            stop: Callable[[], bool] = lambda: False) -> Allocation:
+            stop: Callable[[], bool] = lambda: False, exclude: Sequence[str] = ()
+            ) -> Allocation:
     """Request an allocation with ``salloc --no-shell`` and wait up to ``timeout`` for it to
     be granted. ``record`` is called with the allocation as soon as its id is known (pending
     or granted) and again with its nodes. Not granted in time, or ``stop()`` true: the
-    pending request is cancelled (scancel), then LaunchError or Interrupted."""
+    pending request is cancelled (scancel), then LaunchError or Interrupted. ``exclude``:
+    nodes to keep out of it (quarantined: orchestrator/reputation.py), those Slurm knows;
+    when Slurm refuses the request with them out, it is asked again with them in."""
     require("salloc", "scontrol", "scancel")
-    proc = subprocess.Popen(salloc_argv(spec, name), stdin=subprocess.DEVNULL,
+    known = slurm_nodes() if exclude else None
+    exclude = sorted(set(exclude) & known) if known is not None else []
+    if exclude:
+        log.info("slurm: asking for nodes other than the quarantined %s", ",".join(exclude))
+        try:
+            return _request(spec, name, timeout, record, stop, exclude)
+        except LaunchError as exc:
+            if "salloc failed" not in str(exc):
+                raise
+            log.warning("slurm refused the allocation without the quarantined node(s) %s "
+                        "(%s): asking again with them", ",".join(exclude), exc)
+    return _request(spec, name, timeout, record, stop, [])
+
+
+def _request(spec: SlurmSpec, name: str, timeout: float, record: Callable[[Allocation], None],
+             stop: Callable[[], bool], exclude: Sequence[str]) -> Allocation:
+    proc = subprocess.Popen(salloc_argv(spec, name, exclude), stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env=slurm_env(), start_new_session=True)
     assert proc.stderr is not None
@@ -353,7 +392,8 @@ def release(allocation: Allocation) -> bool:
 
 def acquire(spec: JobSpec, name: str, saved: Mapping[str, Any] | None, *,
             record: Callable[[Allocation], None],
-            stop: Callable[[], bool] = lambda: False) -> Allocation:
+            stop: Callable[[], bool] = lambda: False, exclude: Sequence[str] = ()
+            ) -> Allocation:
     """The job's allocation: the recorded one (the user's own, or one a controller before
     this one requested), else a new one. A recorded allocation is never swapped for
     another: its agents and workers run there. Raises LaunchError, SpecError, Interrupted."""
@@ -380,4 +420,5 @@ def acquire(spec: JobSpec, name: str, saved: Mapping[str, Any] | None, *,
                                   f"launch_timeout ({spec.launch_timeout:g}s); the pending "
                                   "request was cancelled")
         # Cancelled before it was granted (by us on the way out, or by someone): ask again.
-    return request(spec.slurm, name, spec.launch_timeout, record=record, stop=stop)
+    return request(spec.slurm, name, spec.launch_timeout, record=record, stop=stop,
+                   exclude=exclude)

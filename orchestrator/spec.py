@@ -39,6 +39,7 @@ from orchestrator.specparts import (  # noqa: F401 (the sections are part of spe
     BackoffSpec,
     HealthSpec,
     LogsSpec,
+    NetworkCheckSpec,
     NodeSpec,
     NotifySpec,
     PathText,
@@ -504,7 +505,7 @@ _MODELS: dict[str, type[BaseModel]] = {
     "": JobSpec, "nodes": NodeSpec, "rendezvous": RendezvousSpec, "health": HealthSpec,
     "restart_backoff": BackoffSpec, "restart": RestartSpec,
     "restart_policy": RestartPolicySpec, "notify": NotifySpec, "ssh": SSHOptions,
-    "logs": LogsSpec, "sync": SyncSpec, "slurm": SlurmSpec,
+    "logs": LogsSpec, "sync": SyncSpec, "slurm": SlurmSpec, "network_check": NetworkCheckSpec,
 }
 _MESSAGES = {
     "model_type": "must be a mapping",
@@ -537,7 +538,7 @@ def _spec_error(exc: ValidationError, data: dict[str, Any]) -> SpecError:
     has_value, value = _value_at(data, loc)
     kind = err["type"]
     if kind == "extra_forbidden":
-        parent = str(loc[0]) if len(loc) > 1 else ""
+        parent = next((str(p) for p in reversed(loc[:-1]) if str(p) in _MODELS), "")
         fields = list(_MODELS.get(parent, JobSpec).model_fields)
         close = difflib.get_close_matches(str(loc[-1]), fields, n=1)
         hint = f"did you mean {close[0]!r}?" if close else f"expected one of {', '.join(fields)}"

@@ -229,6 +229,18 @@ def _duration(v: Any) -> Any:
     return v
 
 
+class NetworkCheckSpec(_Model):
+    """The pairwise network check among the job's nodes (orchestrator/netcheck.py)."""
+
+    bytes: Annotated[StrictInt, Field(ge=65536, le=2**30)] = Field(
+        default=8 * 2**20, description="sent over each link (each node to its ring neighbour "
+        "and to node 0)")
+    min_mb_per_s: Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)] | None = \
+        Field(default=None, description="a slower link is bad (null: only failed transfers "
+              "are); a node whose every link is bad is unhealthy")
+    timeout: Seconds = Field(default=30.0, description="per transfer; past it, it failed")
+
+
 class HealthSpec(_Model):
     """Heartbeats and timeouts, in seconds."""
 
@@ -252,9 +264,25 @@ class HealthSpec(_Model):
     min_free_bytes: Annotated[StrictInt, Field(ge=0)] | None = Field(
         default=None, description="checked with node_check, before each attempt: fewer free "
         "bytes in a node's workdir makes it unhealthy (null: not checked)")
+    gpu_check: bool = Field(
+        default=True, description="on nodes with GPUs, before each attempt: nvidia-smi must "
+        "see gpus_per_node GPUs (default: as many as at the job's start) with no "
+        "uncorrectable ECC error and no page retirement or row remapping pending")
+    gpus_per_node: Annotated[StrictInt, Field(ge=1)] | None = None
+    network_check: NetworkCheckSpec | None = Field(
+        default=None, description="the pairwise network check before each attempt (true: "
+        "with the defaults); null: off")
+
+    @field_validator("network_check", mode="before")
+    @classmethod
+    def _network_check_flag(cls, v: Any) -> Any:
+        if v is True:
+            return {}
+        return None if v is False else v
 
     @property
     def checks_nodes(self) -> bool:
+        """Whether every node runs node_check before each attempt, GPUs aside."""
         return bool(self.node_check) or self.min_free_bytes is not None
 
     @model_validator(mode="after")

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from typing import Any
 
-from orchestrator import slurm
+from orchestrator import reputation, slurm
 from orchestrator.controller import Controller, raise_open_files_limit
 from orchestrator.errors import LaunchError, OrchestratorError, SpecError
 from orchestrator.pids import pid_namespace
@@ -95,10 +95,12 @@ def _slurm_allocation(store: Store, job_id: str, spec: JobSpec) -> slurm.Allocat
         log.info("slurm allocation %s %s", allocation.job_id,
                  f"granted: {','.join(allocation.nodes)}" if allocation.nodes else "requested")
 
+    held = sorted(reputation.quarantined(store))
     try:
         return slurm.acquire(spec, f"orchestrator-{job_id}", store.get_job(job_id).slurm,
                              record=record,
-                             stop=lambda: bool(told) or store.job_state(job_id)[1])
+                             stop=lambda: bool(told) or store.job_state(job_id)[1],
+                             exclude=held)
     except slurm.Interrupted:
         if store.job_state(job_id)[1]:
             store.set_state(job_id, JobState.CANCELLED)

@@ -328,6 +328,17 @@ class Cluster:
         """Plug host i's cable back in (the bridge has no STP, so it forwards at once)."""
         _run("ip", "link", "set", self.hosts[i].host_side_veth, "up")
 
+    def slow_link(self, i: int, mbit: int | None) -> None:
+        """Throttle host i's cable to ``mbit`` megabits a second each way (a token bucket on
+        both ends of its veth: a bad cable, a port negotiated down); None: full speed again."""
+        for prefix, dev in ((["ip", "netns", "exec", self.hosts[i].netns], "eth0"),
+                            ([], self.hosts[i].host_side_veth)):
+            if mbit is None:
+                _run(*prefix, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+            else:
+                _run(*prefix, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate",
+                     f"{mbit}mbit", "burst", "32kbit", "latency", "400ms")
+
     def exec(self, i: int, argv: list[str], **popen_kwargs: Any) -> subprocess.Popen[Any]:
         """Start ``argv`` inside host i's network namespace (``ip netns exec``)."""
         return subprocess.Popen(["ip", "netns", "exec", self.hosts[i].netns, *argv],

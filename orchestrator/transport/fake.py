@@ -155,6 +155,7 @@ class FakeAgent:
         self.fail_open = False
         self.protocol = P.VERSION
         self.gpus = 0
+        self.check_problems: list[str] = []  # what its health checks find (none: healthy)
         self.malformed = False
         self.drop_port = False
         # Rewrites (or drops: None) what it says, as a broken or hostile agent would.
@@ -227,6 +228,11 @@ class FakeAgent:
             self.wire.put(None)  # the channel breaks before the reply
         else:
             self._say({"type": P.PORT, "req": message["req"], "port": 29500, "ok": True})
+
+    def _op_node_check(self, message: dict[str, Any]) -> None:
+        # The script's verdict (healthy unless told): a fake node runs no command.
+        self._say({"type": P.CHECKED, "req": message["req"],
+                   "problems": list(self.check_problems), "tail": []})
 
     def _op_stacks(self, message: dict[str, Any]) -> None:
         self._say({"type": P.STACKS, "req": message["req"], "stacks": self.stacks,

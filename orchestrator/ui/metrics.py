@@ -19,6 +19,13 @@ Per job, for jobs that run or ended within the last hour (older ones would only 
   ``orchestrator_rank_heartbeat_age_seconds``, ``orchestrator_rank_wait_share`` (share of the
   last 30 s spent waiting in collectives), ``orchestrator_rank_straggler`` (1 when named).
 
+Per host with an infrastructure failure in the last day or a quarantine on record
+(orchestrator/reputation.py):
+
+- ``orchestrator_host_quarantined{host}``: 1 while quarantined, else 0;
+- ``orchestrator_host_infra_failures_24h{host}``: its infrastructure failures and failed
+  health checks in the last 24 hours.
+
 - ``orchestrator_time_lost_seconds_total{job_id,name}``, ``orchestrator_gpu_seconds_lost_total``
   and ``orchestrator_goodput_ratio``: see orchestrator/timelost.py.
 
@@ -62,6 +69,8 @@ class _Collector:
             now = time.time()
             shown = [store.get_job(j.job_id) for j in records
                      if not j.state.is_terminal() or (j.ended_at or 0) > now - RECENT]
+            held = store.quarantines()
+            events = store.host_events(now - 86400)
         finally:
             store.close()
 
@@ -72,6 +81,16 @@ class _Collector:
         for state, count in counts.items():
             jobs.add_metric([state], count)
         yield jobs
+
+        quarantined = GaugeMetricFamily("orchestrator_host_quarantined",
+                                        "1 while the host is quarantined.", labels=["host"])
+        failures = GaugeMetricFamily("orchestrator_host_infra_failures_24h",
+                                     "The host's infrastructure failures and failed health "
+                                     "checks in the last 24 hours.", labels=["host"])
+        for host in sorted(set(held) | {e["host"] for e in events}):
+            quarantined.add_metric([host], int(host in held and held[host]["until"] > now))
+            failures.add_metric([host], sum(e["host"] == host for e in events))
+        yield from (quarantined, failures)
 
         job_labels = ["job_id", "name"]
         restarts = CounterMetricFamily("orchestrator_job_restarts",

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -404,3 +405,74 @@ def test_a_bug_is_not_restarted_twice_on_slurm_and_the_webhook_hears_it_once(sl,
         assert_no_job_processes(job_id)
     finally:
         receiver.close()
+
+
+def test_a_node_failing_its_health_check_is_left_out_on_slurm(sl, tmp_path):
+    """Inside a 3-node allocation, the node whose check fails is left out of a 2:3 job, and
+    `orchestrator nodes` shows it under its Slurm name."""
+    victim = sl.hosts[1]
+    check = [PYTHON, "-c", "import sys\nif " + repr(victim.address) + " in open('/proc/net/"
+             "fib_trie').read():\n    print('GPU 3: uncorrectable ECC errors')\n"
+             "    sys.exit(7)\n"]
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path, [PYTHON, "-c", "print('trained')"], nodes=3, nnodes="2:3", nproc_per_node=1,
+        health={"node_check": check, "node_check_timeout": 20}))
+    result = orchestrator.wait(job_id, timeout=180)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    (left_out,) = [n for n in result["nodes"] if n["error"]]
+    assert left_out["host"] == victim.name, result["nodes"]
+    assert left_out["error"] == "unhealthy: health.node_check failed (exit code 7)"
+    assert len(result["ranks"]) == 2
+    assert left_out["node_index"] not in {r["node_index"] for r in result["ranks"]}
+    (host,) = orchestrator.nodes()
+    assert host["host"] == victim.name and host["events"][0]["kind"] == "CHECK_FAILED"
+    assert victim.name in cli("nodes").stdout
+    assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+    assert_no_job_processes(job_id)
+
+
+def test_a_node_killed_twice_is_quarantined_and_slurm_allocates_around_it(sl, tmp_path):
+    """A worker SIGKILLed from outside (as the OOM killer would) on the same Slurm node in two
+    attempts: the node is quarantined, the job's next attempt runs without it, and the next
+    job's allocation excludes it."""
+    victim = sl.hosts[0].name  # the node Slurm would give first
+
+    def attempt_running(attempt, ranks):
+        def check():
+            s = orchestrator.status(job_id)
+            return s if (s["state"] == "RUNNING" and s["attempt"] == attempt
+                         and len(s["ranks"]) == ranks
+                         and all(r["state"] == "RUNNING" and r["pid"] for r in s["ranks"])) \
+                else None
+        return wait_for(check, 90, what=f"attempt {attempt} running {ranks} ranks")
+
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], nodes=3, nnodes="2:3",
+        nproc_per_node=1, max_restarts=0, restart_policy={"max_infra_restarts": 3},
+        restart_backoff={"initial": 0.2}))
+    try:
+        for attempt in (1, 2):
+            status = attempt_running(attempt, 3)
+            (rank,) = [r for r in status["ranks"] if r["host"] == victim]
+            os.kill(rank["pid"], signal.SIGKILL)
+        status = attempt_running(3, 2)
+        assert victim not in {r["host"] for r in status["ranks"]}, status["ranks"]
+        (held,) = [h for h in orchestrator.nodes() if h["quarantined"]]
+        assert held["host"] == victim and held["events_24h"] == 2, held
+        for attempt in status["attempts"][:2]:
+            assert attempt["failure"]["failure_class"] == "infrastructure", attempt["failure"]
+    finally:
+        orchestrator.cancel(job_id)
+    assert orchestrator.wait(job_id, timeout=60)["state"] == "CANCELLED"
+    assert_no_job_processes(job_id)
+
+    (tmp_path / "next").mkdir()
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path / "next", [PYTHON, "-c", "print('trained')"], nodes=2, nproc_per_node=1))
+    result = orchestrator.wait(job_id, timeout=180)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    hosts = {r["host"] for r in result["ranks"]}
+    assert len(hosts) == 2 and victim not in hosts, hosts
+    log = (Path(os.environ["ORCHESTRATOR_HOME"]) / "jobs" / job_id / "controller.log").read_text()
+    assert f"slurm: asking for nodes other than the quarantined {victim}" in log, log
+    assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")

@@ -167,3 +167,22 @@ def test_check_runs_the_nodes_health_checks_too(home, tmp_path):
     healthy = spec_for(tmp_path, "print('never')\n",
                        health={"node_check": [PYTHON, "-c", "pass"], "min_free_bytes": 1})
     assert orchestrator.check(healthy)["ok"] is True
+
+
+def test_check_runs_the_network_check_among_the_nodes(home, tmp_path):
+    spec = spec_for(tmp_path, "print('never')\n", health={"network_check": True})
+    report = orchestrator.check(spec)
+    assert report["ok"] is True, report
+    assert report["network"].startswith("network check: 2 link(s) of 8 MiB, slowest node ")
+    # A minimum no link can reach (a petabyte a second): every link is bad.
+    spec = spec_for(tmp_path, "print('never')\n",
+                    health={"network_check": {"bytes": 2**20, "min_mb_per_s": 1e9}})
+    report = orchestrator.check(spec)
+    assert report["ok"] is False
+    for node in report["nodes"]:
+        assert node["error"].startswith(
+            "unhealthy: network check: every link of this node is slow or broken (below "
+            "health.network_check.min_mb_per_s 1e+09): node 0 (local) -> node 1 (local) "), node
+    shown = subprocess.run([PYTHON, "-m", "orchestrator", "check", str(spec)],
+                           capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert shown.returncode == 1 and "network check: 2 link(s) of 1 MiB" in shown.stdout

@@ -42,3 +42,34 @@ def test_release_ends_a_quarantine_now(tmp_path):
     assert reputation.quarantined(store) == {}
     assert store.release_quarantine("h1") is False
     store.close()
+
+
+CHECKED = """
+name: checked
+nodes: [{host: a}, {host: b}]
+nnodes: "1:2"
+nproc_per_node: 1
+command: [train]
+health: {node_check: [check], heartbeat_interval: 1, node_timeout: 30}
+"""
+
+
+def test_a_failed_check_counts_against_its_host_unless_every_node_failed(tmp_path):
+    from orchestrator.state import JobState
+    from tests.unit.test_the_door import run
+
+    def one_bad(agent, _):
+        agent.check_problems = ["health.node_check failed (exit code 7)"] \
+            if agent.host == "b" else []
+
+    state, job = run(tmp_path / "one", one_bad, CHECKED)
+    assert state == JobState.SUCCEEDED
+    store = Store(tmp_path / "one" / "home")
+    assert [(e["host"], e["kind"]) for e in store.host_events(0)] == [("b", "CHECK_FAILED")]
+
+    def all_bad(agent, _):
+        agent.check_problems = ["health.node_check failed (exit code 2)"]  # a typo in it
+
+    state, job = run(tmp_path / "all", all_bad, CHECKED)
+    assert state == JobState.FAILED and job.failure["cause"] == "NODE_UNHEALTHY"
+    assert Store(tmp_path / "all" / "home").host_events(0) == []

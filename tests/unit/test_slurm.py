@@ -25,6 +25,12 @@ def test_a_slurm_spec_needs_no_nodes():
         "salloc", "--no-shell", "--nodes=3", "--job-name=orchestrator-x", "--partition=gpu",
         "--time=1-02:00:00", "--account=ml", "--gres=gpu:4", "--constraint=a100",
         "--exclusive"]
+    # Quarantined nodes are excluded, with the spec's own --exclude (-x) if it has one.
+    assert slurm.salloc_argv(spec.slurm, "o", ["n7", "n9"])[-3:] == [
+        "--exclude=n7,n9", "--constraint=a100", "--exclusive"]
+    own = parse_jobspec("slurm: {nodes: 2, extra: [-xn1, --exclusive]}\n" + CMD).slurm
+    assert slurm.salloc_argv(own, "o", ["n7"])[-2:] == ["--exclude=n1,n7", "--exclusive"]
+    assert slurm.salloc_argv(own, "o")[-2:] == ["-xn1", "--exclusive"]
     # Minutes as a number are Slurm's own reading of --time.
     assert parse_jobspec("slurm: {nodes: 1, time: 90}\n" + CMD).slurm.time == "90"  # type: ignore[union-attr]
 

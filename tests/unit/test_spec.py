@@ -126,6 +126,10 @@ BAD = [
     ("unknown host key policy", BASE + "ssh: {host_key_policy: yolo}\n", "ssh.host_key_policy", "'reject' or 'accept-new'"),
     ("fail_on_exit_codes 0", BASE + "fail_on_exit_codes: [0]\n", "fail_on_exit_codes[0]", "greater than or equal to 1"),
     ("fail_on_exit_codes 256", BASE + "fail_on_exit_codes: [1, 256]\n", "fail_on_exit_codes[1]", "less than or equal to 255"),
+    ("network_check bytes too few", BASE + "health: {network_check: {bytes: 10}}\n", "health.network_check.bytes", "greater than or equal to 65536"),
+    ("network_check misspelt", BASE + "health: {network_check: {min_mbps: 100}}\n", "health.network_check.min_mbps", "did you mean 'min_mb_per_s'"),
+    ("network_check string", BASE + "health: {network_check: yes please}\n", "health.network_check", "must be a mapping"),
+    ("gpus_per_node zero", BASE + "health: {gpus_per_node: 0}\n", "health.gpus_per_node", "greater than or equal to 1"),
     ("list document", "- a\n- b\n", "", "must be a mapping"),
     ("scalar document", "hello\n", "", "must be a mapping"),
     ("empty document", "", "", "empty"),
@@ -427,3 +431,11 @@ def test_a_notify_url_is_checked_and_never_echoed():
         assert "T0KEN" not in str(err.value)
     with pytest.raises(SpecError, match=r"notify\[0\]\.on\[0\]"):
         parse_jobspec(base + "notify: [{url: 'http://h/x', on: [exploded]}]\n")
+
+
+def test_the_network_check_is_off_by_default_and_true_means_its_defaults():
+    assert parse_jobspec(BASE).health.network_check is None
+    assert parse_jobspec(BASE + "health: {network_check: false}\n").health.network_check is None
+    on = parse_jobspec(BASE + "health: {network_check: true}\n").health.network_check
+    assert on is not None and (on.bytes, on.min_mb_per_s, on.timeout) == (8 * 2**20, None, 30.0)
+    assert parse_jobspec(BASE).health.gpu_check is True

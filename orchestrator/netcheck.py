@@ -1,0 +1,140 @@
+"""The pairwise network check among a job's nodes (``health.network_check``), before each
+attempt, over the agents' own sockets (agents/netcheck.py): every node sends
+``network_check.bytes`` to its ring neighbour (all at once: each node sends one transfer and
+receives one) and then to node 0 (one node at a time, so that node 0's link is not shared).
+
+A link is bad when its transfer fails or is slower than ``min_mb_per_s``. A node is
+unhealthy when every link it is part of is bad while some link elsewhere is good: one slow
+link alone cannot tell which of its two ends is at fault, and a node whose every link is slow
+is the one. When no link is good at all, every node is. The slowest link is named in the
+controller's log either way. ``links`` and ``judge`` are pure (tests/unit/test_netcheck.py).
+"""
+
+from __future__ import annotations
+
+import secrets
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from agents import protocol as P
+
+if TYPE_CHECKING:
+    from orchestrator.channel import Channel
+    from orchestrator.specparts import NetworkCheckSpec
+
+ANSWER_MARGIN = 5.0  # seconds past a transfer's timeout before its silent sender counts
+
+
+@dataclass
+class Link:
+    src: int  # positions in the checked nodes' list
+    dst: int
+    seconds: float | None = None
+    error: str | None = None
+
+    def mb_per_s(self, size: int) -> float | None:
+        if self.seconds is None:
+            return None
+        return size / 1e6 / max(self.seconds, 1e-6)
+
+
+def links(n: int) -> list[Link]:
+    """The links of ``n`` nodes: the ring (i -> i+1) first, then each node -> node 0."""
+    if n < 2:
+        return []
+    ring = [Link(i, (i + 1) % n) for i in range(n)]
+    seen = {(link.src, link.dst) for link in ring}
+    return ring + [Link(i, 0) for i in range(1, n) if (i, 0) not in seen]
+
+
+def judge(measured: list[Link], n: int, size: int, min_mb_per_s: float | None,
+          names: list[str]) -> tuple[dict[int, str], str]:
+    """Unhealthy positions with the problem to show, and a line naming the slowest link."""
+    def bad(link: Link) -> bool:
+        rate = link.mb_per_s(size)
+        return rate is None or (min_mb_per_s is not None and rate < min_mb_per_s)
+
+    def shown(link: Link) -> str:
+        rate = link.mb_per_s(size)
+        how = f"{rate:.1f} MB/s" if rate is not None else f"failed ({link.error})"
+        return f"{names[link.src]} -> {names[link.dst]} {how}"
+
+    rates = [r for r in (link.mb_per_s(size) for link in measured) if r is not None]
+    failed = [link for link in measured if link.seconds is None]
+    if not measured:
+        summary = "network check: nothing to check"
+    else:
+        slowest = failed[0] if failed else min(measured,
+                                               key=lambda link: link.mb_per_s(size) or 0.0)
+        summary = (f"network check: {len(measured)} link(s) of {size / 2**20:g} MiB, "
+                   f"slowest {shown(slowest)}"
+                   + (f", median {statistics.median(rates):.1f} MB/s" if rates else ""))
+    limit = f" (below health.network_check.min_mb_per_s {min_mb_per_s:g})" \
+        if min_mb_per_s is not None else ""
+    unhealthy: dict[int, str] = {}
+    for node in range(n):
+        # Every link of the node bad: it is the one (when no link at all is good, every
+        # node is, and the job fails unless MIN allows leaving them all out, which it never
+        # does).
+        own = [link for link in measured if node in (link.src, link.dst)]
+        if own and all(bad(link) for link in own):
+            unhealthy[node] = (f"network check: every link of this node is slow or broken{limit}: "
+                               + "; ".join(shown(link) for link in own))
+    return unhealthy, summary
+
+
+def run(channels: list[Channel | None], addresses: list[str], names: list[str],
+        spec: NetworkCheckSpec, wait: Callable[[Callable[[], bool], float], object],
+        stopped: Callable[[], bool] = lambda: False) -> tuple[dict[int, str], str]:
+    """Check the links among these nodes (their channels, the addresses peers reach them at,
+    their names as shown): the unhealthy positions with their problem, and the summary line.
+    ``wait(done, timeout)`` waits for the replies (the controller turns its loop there)."""
+    if len(channels) < 2:
+        return {}, "network check: nothing to check"
+    token = secrets.token_hex(32)
+    todo = links(len(channels))
+    ring, to_first = todo[:len(channels)], todo[len(channels):]
+    lifetime = spec.timeout * (1 + len(to_first)) + ANSWER_MARGIN * 2
+    ports: dict[int, int] = {}
+    asked = {i: c.request(P.NET_LISTEN, token=token, bytes=spec.bytes, timeout=lifetime)
+             for i, c in enumerate(channels) if c is not None}
+    wait(lambda: all(f.done() for f in asked.values()), spec.timeout + ANSWER_MARGIN)
+    for i, future in asked.items():
+        reply = future.result() if future.done() else None
+        if isinstance(reply, P.NetListening):
+            ports[i] = reply.port
+
+    def send_all(batch: list[Link]) -> None:
+        futures = []
+        for link in batch:
+            sender = channels[link.src]
+            if link.dst not in ports or sender is None:
+                link.error = "its receiver did not start"
+                continue
+            futures.append((link, sender, sender.request(
+                P.NET_SEND, address=addresses[link.dst], port=ports[link.dst], token=token,
+                bytes=spec.bytes, timeout=spec.timeout)))
+        wait(lambda: all(f.done() for _, _, f in futures), spec.timeout + ANSWER_MARGIN)
+        for link, sender, future in futures:
+            reply = future.result() if future.done() else None
+            if not future.done():
+                sender.forget(future)
+            if isinstance(reply, P.NetSent):
+                link.seconds, link.error = reply.seconds, reply.error
+            else:
+                link.error = reply.error if isinstance(reply, P.Failed) else "no answer"
+
+    try:
+        send_all(ring)
+        for link in to_first:
+            if stopped():
+                break
+            send_all([link])
+    finally:
+        for c in channels:
+            if c is not None:
+                c.send({"op": P.NET_CLOSE})
+    measured = [link for link in todo if link.seconds is not None or link.error is not None]
+    return judge(measured, len(channels), spec.bytes, spec.min_mb_per_s, names)
