@@ -74,10 +74,7 @@ def judge(measured: list[Link], n: int, size: int, min_mb_per_s: float | None,
     limit = f" (below health.network_check.min_mb_per_s {min_mb_per_s:g})" \
         if min_mb_per_s is not None else ""
     unhealthy: dict[int, str] = {}
-    for node in range(n):
-        # Every link of the node bad: it is the one (when no link at all is good, every
-        # node is, and the job fails unless MIN allows leaving them all out, which it never
-        # does).
+    for node in range(n):  # with no good link anywhere, this is every node
         own = [link for link in measured if node in (link.src, link.dst)]
         if own and all(bad(link) for link in own):
             unhealthy[node] = (f"network check: every link of this node is slow or broken{limit}: "
@@ -98,11 +95,13 @@ def run(channels: list[Channel | None], addresses: list[str], names: list[str],
     ring, to_first = todo[:len(channels)], todo[len(channels):]
     lifetime = spec.timeout * (1 + len(to_first)) + ANSWER_MARGIN * 2
     ports: dict[int, int] = {}
-    asked = {i: c.request(P.NET_LISTEN, token=token, bytes=spec.bytes, timeout=lifetime)
+    asked = {i: (c, c.request(P.NET_LISTEN, token=token, bytes=spec.bytes, timeout=lifetime))
              for i, c in enumerate(channels) if c is not None}
-    wait(lambda: all(f.done() for f in asked.values()), spec.timeout + ANSWER_MARGIN)
-    for i, future in asked.items():
+    wait(lambda: all(f.done() for _, f in asked.values()), spec.timeout + ANSWER_MARGIN)
+    for i, (channel, future) in asked.items():
         reply = future.result() if future.done() else None
+        if not future.done():
+            channel.forget(future)
         if isinstance(reply, P.NetListening):
             ports[i] = reply.port
 
