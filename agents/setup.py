@@ -67,20 +67,26 @@ def run_setup(key: str, script: str, workdir: str, env: dict[str, str], token: s
 
 def run_check(argv: list[str], workdir: str, env: dict[str, str], token: str, max_line: int,
               timeout: float, min_free_bytes: int | None) -> tuple[list[str], tuple[str, ...]]:
-    """A node's health check before an attempt: free space in the workdir, then the job's own
-    ``health.node_check`` command (nonzero, or past ``timeout``, is unhealthy). Returns the
-    problems found (none: healthy) and the command's last output lines."""
+    """A node's health check before an attempt: free space in the workdir and the cache, then
+    the job's own ``health.node_check`` command (nonzero, or past ``timeout``, is unhealthy).
+    Returns the problems found (none: healthy) and the command's last output lines."""
     problems: list[str] = []
-    where = os.path.expanduser(workdir or ".")
     if min_free_bytes is not None:
-        try:
-            st = os.statvfs(where)
+        # The workdir (checkpoints, outputs) and the cache (synced trees), once each where
+        # they share a filesystem.
+        seen: set[int] = set()
+        for where in (os.path.expanduser(workdir or "."), cache()):
+            try:
+                st = os.statvfs(where)
+                fs = os.stat(where).st_dev
+            except OSError as exc:
+                problems.append(f"cannot read the free space of {where}: {exc.strerror or exc}")
+                continue
             free = st.f_bavail * st.f_frsize
-            if free < min_free_bytes:
+            if fs not in seen and free < min_free_bytes:
                 problems.append(f"{free / 2**30:.2f} GiB free in {where}, fewer than "
                                 f"health.min_free_bytes ({min_free_bytes / 2**30:.2f} GiB)")
-        except OSError as exc:
-            problems.append(f"cannot read the free space of {where}: {exc.strerror or exc}")
+            seen.add(fs)
     if not argv:
         return problems, ()
     result = _run(argv, workdir, {**os.environ, **env, TOKEN_VAR: token}, lambda _: None,

@@ -263,7 +263,7 @@ class HealthSpec(_Model):
     node_check_timeout: Seconds = 60.0
     min_free_bytes: Annotated[StrictInt, Field(ge=0)] | None = Field(
         default=None, description="checked with node_check, before each attempt: fewer free "
-        "bytes in a node's workdir makes it unhealthy (null: not checked)")
+        "bytes in a node's workdir or its cache makes it unhealthy (null: not checked)")
     gpu_check: bool = Field(
         default=True, description="on nodes with GPUs, before each attempt: nvidia-smi must "
         "see gpus_per_node GPUs (default: as many as at the job's start) with no "

@@ -76,3 +76,25 @@ def test_a_success_is_remembered_and_a_failure_is_not(node):
     first, again = once(f"echo x >> {count}\n"), once(f"echo x >> {count}\n")
     assert first.exit_code == 0 and not first.cached and again.cached
     assert count.read_text().count("x") == 2
+
+
+def test_free_space_is_checked_in_the_workdir_and_in_the_cache(node, tmp_path):
+    """The cache (synced trees) on a filesystem of its own, 4 MiB: too little for 1 GiB."""
+    if os.geteuid() != 0:
+        if os.environ.get("CI") == "true":
+            pytest.fail("needs root to mount a small tmpfs")
+        pytest.skip("needs root to mount a small tmpfs")
+    import subprocess
+
+    cache = tmp_path / "home" / ".cache" / "orchestrator"
+    cache.mkdir(parents=True, mode=0o700)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(cache)],
+                   check=True)
+    try:
+        problems, _ = setup.run_check([], str(node), {}, "tok", 8192, 5, 2**30)
+        (problem,) = problems
+        assert problem.endswith(f"GiB free in {cache}, fewer than health.min_free_bytes "
+                                "(1.00 GiB)"), problem
+        assert setup.run_check([], str(node), {}, "tok", 8192, 5, 2**20)[0] == []
+    finally:
+        subprocess.run(["umount", str(cache)], check=True)
