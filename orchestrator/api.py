@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import secrets
@@ -16,7 +17,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orchestrator import logfiles, logread, pids, preflight, slurm, sync, timelost
+from orchestrator import logfiles, logread, pids, preflight, reputation, slurm, sync, timelost
 from orchestrator.errors import JobEndedError, LaunchError
 from orchestrator.pids import pid_namespace
 from orchestrator.plan import LaunchPlan, plan_attempt
@@ -258,6 +259,19 @@ def release_node(host: str, *, home: str | os.PathLike[str] | None = None) -> bo
         return store.release_quarantine(host)
     finally:
         store.close()
+
+
+def quarantine_policy(*, home: str | os.PathLike[str] | None = None,
+                      **changes: Any) -> dict[str, Any]:
+    """This home's quarantine thresholds (after, window, cooldown, max_cooldown; seconds),
+    after applying ``changes`` (checked: OrchestratorError naming the setting)."""
+    store = Store(home)
+    try:
+        rules = reputation.set_policy(store, **changes) if changes else \
+            reputation.policy(store)
+    finally:
+        store.close()
+    return dataclasses.asdict(rules)
 
 
 def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,

@@ -416,6 +416,51 @@ def nodes_release(host: str = typer.Argument(..., help="The host, as `nodes` lis
         _fail(f"{host} is not quarantined", 1)
 
 
+@nodes_app.command("policy")
+def nodes_policy(
+    after: int = typer.Option(None, "--after", help="Infrastructure failures that quarantine "
+                              "a host (0: never)."),
+    window: str = typer.Option(None, "--window", help="...within this long (30m, 1h, 3600)."),
+    cooldown: str = typer.Option(None, "--cooldown", help="The first quarantine's length; "
+                                 "doubled for each one before it."),
+    max_cooldown: str = typer.Option(None, "--max-cooldown", help="The longest quarantine."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Show the quarantine's thresholds (this home's, for every job), or change them."""
+    changes: dict[str, Any] = {} if after is None else {"after": after}
+    for name, text in (("window", window), ("cooldown", cooldown),
+                       ("max_cooldown", max_cooldown)):
+        if text is not None:
+            changes[name] = _seconds(text, f"--{name.replace('_', '-')}")
+    rules = _call(lambda: api.quarantine_policy(**changes))
+    if as_json:
+        _print_json(rules)
+        return
+    typer.echo(f"quarantine a host after {rules['after']} infrastructure failure(s) within "
+               f"{_span(rules['window'])}, for {_span(rules['cooldown'])} (doubled each time, "
+               f"at most {_span(rules['max_cooldown'])})" if rules["after"] else
+               "hosts are never quarantined")
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _seconds(text: str, option: str) -> float:
+    """"90", "30m", "1h", "1d" as seconds."""
+    number, unit = (text[:-1], text[-1]) if text[-1:] in _UNITS else (text, "s")
+    try:
+        return float(number) * _UNITS[unit]
+    except ValueError:
+        _fail(f"{option}: not a length of time: {text!r} (e.g. 90, 30m, 1h, 1d)", 2)
+
+
+def _span(seconds: float) -> str:
+    for unit in ("d", "h", "m"):
+        if seconds >= _UNITS[unit] and seconds % _UNITS[unit] == 0:
+            return f"{seconds / _UNITS[unit]:g}{unit}"
+    return f"{seconds:g}s"
+
+
 @app.command()
 def check(
     spec: str = typer.Argument(..., help="Path to the job spec (YAML)."),

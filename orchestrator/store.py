@@ -143,6 +143,11 @@ CREATE TABLE IF NOT EXISTS quarantine (
     reason TEXT NOT NULL,
     released_at REAL
 );
+-- Settings of this home, across jobs (the quarantine's thresholds: `orchestrator nodes policy`).
+CREATE TABLE IF NOT EXISTS settings (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
 -- Steps and metrics as the ranks reported them, for plots across attempts.
 CREATE TABLE IF NOT EXISTS samples (
     job_id TEXT NOT NULL,
@@ -538,6 +543,17 @@ class Store:
             db.execute("INSERT OR REPLACE INTO quarantine (host, since, until, level, reason, "
                        "released_at) VALUES (?, ?, ?, ?, ?, NULL)",
                        (host, since, until, level, reason))
+
+    def settings(self, prefix: str) -> dict[str, str]:
+        """Stored settings whose names start with ``prefix``: name -> value (JSON text)."""
+        rows = self._db.execute("SELECT name, value FROM settings WHERE name LIKE ? || '%'",
+                                (prefix,)).fetchall()
+        return {r["name"]: r["value"] for r in rows}
+
+    def set_settings(self, values: dict[str, str]) -> None:
+        with self._transaction() as db:
+            db.executemany("INSERT OR REPLACE INTO settings (name, value) VALUES (?, ?)",
+                           list(values.items()))
 
     def release_quarantine(self, host: str) -> bool:
         """End ``host``'s quarantine now; False if it had none in force."""

@@ -3,6 +3,7 @@ the infrastructure's failures have their own budget, and the history says why (i
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -186,3 +187,24 @@ def test_check_runs_the_network_check_among_the_nodes(home, tmp_path):
     shown = subprocess.run([PYTHON, "-m", "orchestrator", "check", str(spec)],
                            capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert shown.returncode == 1 and "network check: 2 link(s) of 1 MiB" in shown.stdout
+
+
+def test_nodes_policy_shows_and_sets_the_quarantine_thresholds(home):
+    def cli(*args):
+        return subprocess.run([PYTHON, "-m", "orchestrator", "nodes", "policy", *args],
+                              capture_output=True, text=True, timeout=60, cwd=ROOT)
+
+    assert cli().stdout.strip() == ("quarantine a host after 2 infrastructure failure(s) "
+                                    "within 1h, for 10m (doubled each time, at most 1d)")
+    changed = cli("--after", "3", "--window", "2h", "--cooldown", "90", "--json")
+    assert json.loads(changed.stdout) == {"after": 3, "window": 7200.0, "cooldown": 90.0,
+                                          "max_cooldown": 86400.0}
+    assert orchestrator.quarantine_policy()["after"] == 3  # the same store, from Python
+    refused = cli("--window", "soon")
+    assert refused.returncode == 2 and "--window: not a length of time: 'soon'" in \
+        refused.stderr
+    refused = cli("--after", "-1")
+    assert refused.returncode == 1 and "quarantine after: must be a whole number" in \
+        refused.stderr
+    assert orchestrator.quarantine_policy()["after"] == 3
+    assert cli("--after", "0").stdout.strip() == "hosts are never quarantined"

@@ -73,3 +73,33 @@ def test_a_failed_check_counts_against_its_host_unless_every_node_failed(tmp_pat
     state, job = run(tmp_path / "all", all_bad, CHECKED)
     assert state == JobState.FAILED and job.failure["cause"] == "NODE_UNHEALTHY"
     assert Store(tmp_path / "all" / "home").host_events(0) == []
+
+
+def test_the_policy_is_this_homes_setting_checked_and_kept(tmp_path):
+    import pytest
+
+    from orchestrator.errors import OrchestratorError
+
+    store = Store(tmp_path)
+    assert reputation.policy(store) == reputation.Policy()
+    rules = reputation.set_policy(store, after=3, window=60, cooldown=30)
+    assert (rules.after, rules.window, rules.cooldown, rules.max_cooldown) == (3, 60, 30, 86400.0)
+    assert reputation.policy(Store(tmp_path)) == rules  # kept in the store
+    for bad in ({"after": -1}, {"after": 1.5}, {"window": 0}, {"cooldown": float("inf")},
+                {"max_cooldown": True}, {"afterr": 2}):
+        with pytest.raises(OrchestratorError):
+            reputation.set_policy(store, **bad)
+    assert reputation.policy(store) == rules  # a refused change changes nothing
+    t = 1_000_000.0
+    for i in range(2):
+        assert reputation.record(store, "h", "j", "NODE_FAIL", "x", t + i) is None
+    held = reputation.record(store, "h", "j", "NODE_FAIL", "x", t + 2)
+    assert held is not None and held["until"] == t + 2 + 30
+    assert "3 infrastructure failures within 1 min" in held["reason"]
+    # Outside the 60 s window, three more do not add up.
+    for i in range(3):
+        assert reputation.record(store, "k", "j", "NODE_FAIL", "x", t + 100 * i) is None
+    reputation.set_policy(store, after=0)
+    for i in range(5):
+        assert reputation.record(store, "m", "j", "NODE_FAIL", "x", t + i) is None
+    store.close()
