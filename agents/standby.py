@@ -205,11 +205,20 @@ class Standbys:
 
     def refill(self, local_rank: int, argv: list[str], env: dict[str, str], cwd: str,
                imports: tuple[str, ...]) -> None:
-        """Start this local rank's next standby, unless it has one or it cannot be warm."""
+        """Start this local rank's next standby, unless it has one for the same start or it
+        cannot be warm. One for another start (a spare told of a new place) is replaced."""
         command = parse(argv)
-        if command is None or local_rank in self._by_local or not runnable_script(command, cwd):
+        if command is None or not runnable_script(command, cwd):
             return
         key = self.key(command, env, cwd, imports)
+        with self.lock:
+            old = self._by_local.get(local_rank)
+            if old is not None and old.key == key:
+                return
+            if old is not None:
+                del self._by_local[local_rank]
+        if old is not None:
+            old.end()
         if key in self._failed:
             return
         try:  # never the agent's problem: the next start is cold, that is all

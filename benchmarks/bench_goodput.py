@@ -46,15 +46,19 @@ def worker_env(args: argparse.Namespace) -> dict[str, str]:
             "CKPT_EVERY": str(args.ckpt_every)}
 
 
-def run_orchestrator(work: Path, args: argparse.Namespace, warm: bool
+def run_orchestrator(work: Path, args: argparse.Namespace, warm: bool, *,
+                     nodes: dict[str, object] | None = None, cut: Cut | None = None
                      ) -> tuple[list[str], list[float], float]:
+    """One run; ``nodes``: the spec's nodes part (default: two local nodes); ``cut``: cut a
+    participant's cable once instead of killing ranks on a schedule."""
     ckpt = work / f"ckpt-{uuid.uuid4().hex[:6]}"
     spec = work / f"goodput-{uuid.uuid4().hex[:6]}.yaml"
     spec.write_text(yaml.safe_dump({
-        "name": "goodput", "nodes": [{"host": "local"}, {"host": "local"}],
-        "nproc_per_node": NPROC, "command": [PY, WORKER, str(ckpt)], "workdir": str(work),
-        "env": worker_env(args), "max_restarts": 1000, "stop_grace_period": 2,
-        "restart_backoff": {"initial": 0.1, "max": 0.1}, "restart": {"warm": warm}}))
+        "name": "goodput", "nproc_per_node": NPROC, "command": [PY, WORKER, str(ckpt)],
+        "workdir": str(work), "env": worker_env(args), "max_restarts": 1000,
+        "stop_grace_period": 2, "restart_backoff": {"initial": 0.1, "max": 0.1},
+        "restart": {"warm": warm},
+        **(nodes or {"nodes": [{"host": "local"}, {"host": "local"}]})}))
     job = orchestrator.submit(spec)
 
     def pid_of(rank: int) -> int | None:
@@ -68,7 +72,11 @@ def run_orchestrator(work: Path, args: argparse.Namespace, warm: bool
         return orchestrator.status(job)["state"] not in ("PENDING", "LAUNCHING", "RUNNING",
                                                          "RESTARTING")
 
-    kills = _kill_on_schedule(args, pid_of, done, lambda: _steps_seen(orchestrator.logs(job)))
+    if cut is None:
+        kills = _kill_on_schedule(args, pid_of, done,
+                                  lambda: _steps_seen(orchestrator.logs(job)))
+    else:
+        kills = cut.once(job, done)
     ended = time.time()
     if not done():
         orchestrator.cancel(job)
@@ -121,6 +129,40 @@ def run_torchrun(work: Path, args: argparse.Namespace
                     os.kill(pid, signal.SIGKILL)
     reader.join(timeout=10)
     return lines, kills, ended
+
+
+class Cut:
+    """A participant's cable cut once, after the job trained ``after`` steps on every rank;
+    plugged back in once every rank trained again (or after ``give_up``); then the training
+    goes on to its end."""
+
+    def __init__(self, cluster: object, after: int, give_up: float):
+        self.cluster, self.after, self.give_up = cluster, after, give_up
+
+    def once(self, job: str, done) -> list[float]:
+        def steps(attempt: int) -> set[int]:
+            return {int(m[2]) for m in map(STEP_RE.search, orchestrator.logs(job))
+                    if m and int(m[1]) == attempt}
+
+        while len(steps(0)) < 2 * NPROC or _steps_seen(orchestrator.logs(job)) < \
+                self.after * 2 * NPROC:
+            if done():
+                return []
+            time.sleep(0.1)
+        shown = orchestrator.status(job)
+        # Node rank 1's host: a participant that is not the master's.
+        victim = next(n["node_index"] for n in shown["nodes"] if n["node_rank"] == 1)
+        self.cluster.link_down(victim)  # type: ignore[attr-defined]
+        at = time.time()
+        try:
+            deadline = time.monotonic() + self.give_up
+            while len(steps(1)) < 2 * NPROC and time.monotonic() < deadline and not done():
+                time.sleep(0.1)
+        finally:
+            self.cluster.link_up(victim)  # type: ignore[attr-defined]
+        while not done():  # the rest of the training, for the run's goodput
+            time.sleep(0.2)
+        return [at]
 
 
 def _steps_seen(lines) -> int:
@@ -197,7 +239,11 @@ def main() -> int:
                    help="seconds after a kill without a new step: the run is stopped")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "goodput"))
     p.add_argument("--replot", action="store_true", help="only redraw <out>.png from <out>.json")
+    p.add_argument("--cluster", action="store_true",
+                   help="over SSH on a 3-host namespace cluster (root): kills and a node cut")
     args = p.parse_args()
+    if args.cluster:
+        return main_cluster(args)
     if args.replot:
         plot(json.loads(Path(args.out + ".json").read_text())["summary"], args.out)
         return 0
@@ -220,6 +266,73 @@ def main() -> int:
                       f"{[round(x, 2) for x in result['recover']]}, redone {result['redone']}",
                       flush=True)
     report(results, args)
+    return 0
+
+
+NODE_TIMEOUT = 2.0  # the cluster runs' health.node_timeout (heartbeat_interval 0.5)
+
+
+def main_cluster(args: argparse.Namespace) -> int:
+    """The same training over SSH on the namespace cluster: kills every ``fault_every`` s on
+    two hosts, cold and warm; and one cable cut with a third host as the spare, cold and
+    warm. No torchrun anchor here: its multi-node restarts never recover (bench_cluster.py)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_cluster import load_cluster_module
+
+    local_cluster = load_cluster_module()
+    local_cluster.cleanup_stale()
+    variants = ("ssh cold", "ssh warm", "ssh cold + spare, node cut",
+                "ssh warm + spare, node cut")
+    results: dict[str, list[dict[str, object]]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp, \
+            local_cluster.Cluster(3, Path(tmp) / "cluster") as cluster:
+        os.environ["ORCHESTRATOR_HOME"] = str(Path(tmp) / "home")
+        work = Path(tmp) / "work"
+        work.mkdir()
+        for rep in range(args.reps):
+            for variant in variants:
+                spare = "spare" in variant
+                nodes = {
+                    "nodes": [{"host": f"root@{h.address}"}
+                              for h in cluster.hosts[:3 if spare else 2]],
+                    "nnodes": 2, "python": PY,
+                    "ssh": {"identity_file": str(cluster.client_key),
+                            "known_hosts": str(cluster.known_hosts), "connect_timeout": 2},
+                    "health": {"heartbeat_interval": 0.5, "node_timeout": NODE_TIMEOUT}}
+                cut = Cut(cluster, after=40, give_up=args.give_up) if spare else None
+                lines, kills, ended = run_orchestrator(work, args, "warm" in variant,
+                                                       nodes=nodes, cut=cut)
+                result = analyse(lines, kills, ended, args.steps)
+                results[variant].append(result)
+                print(f"rep {rep} {variant}: goodput {result['goodput']:.3f}, recover "
+                      f"{[round(x, 2) for x in result['recover']]}, redone {result['redone']}",
+                      flush=True)
+    summary = {v: {"goodput": _median([r["goodput"] for r in runs]),  # type: ignore[misc]
+                   "recover_all_s": [x for r in runs for x in r["recover"]],  # type: ignore[attr-defined]
+                   "kills": sum(r["kills"] for r in runs)}  # type: ignore[misc]
+               for v, runs in results.items()}
+    for s in summary.values():
+        s["recover_median_s"] = _median(s["recover_all_s"])  # type: ignore[arg-type]
+    lines = [
+        f"Over SSH on the namespace cluster (2 hosts x {NPROC} ranks, gloo; a third host as "
+        f"the spare where named), {args.steps} steps of {args.step_time:g} s + an all-reduce, "
+        f"a checkpoint every {args.ckpt_every} steps; kills: a rank SIGKILLed every "
+        f"{args.fault_every:g} s; node cut: node rank 1's cable cut once (`node_timeout` "
+        f"{NODE_TIMEOUT:g} s); medians of {args.reps} runs "
+        "(`sudo python benchmarks/bench_goodput.py --cluster`).", "",
+        "| variant | goodput | fault -> all ranks training again (median) | x cold | faults "
+        "recovered |", "| --- | --- | --- | --- | --- |"]
+    for v, s in summary.items():
+        cold = summary[v.replace("warm", "cold")]["recover_median_s"]
+        lines.append(f"| {v} | {s['goodput']:.3f} | {s['recover_median_s']:.2f} s | "
+                     f"{s['recover_median_s'] / cold:.2f} | "
+                     f"{len(s['recover_all_s'])}/{s['kills']} |")  # type: ignore[arg-type]
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    out = args.out + "-ssh"
+    Path(out + ".md").write_text(text)
+    Path(out + ".json").write_text(json.dumps({"args": vars(args), "summary": summary,
+                                               "runs": results}, indent=1))
     return 0
 
 

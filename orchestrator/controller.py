@@ -40,7 +40,12 @@ from orchestrator.engine import Engine, Stop
 from orchestrator.logfiles import LogSink
 from orchestrator.nodebook import Node
 from orchestrator.notify import END_WAIT, Notifier
-from orchestrator.participants import choose_participants, pick_port, workers_per_node
+from orchestrator.participants import (
+    Placed,
+    choose_participants,
+    pick_port,
+    workers_per_node,
+)
 from orchestrator.plan import plan_attempt
 from orchestrator.spec import JobSpec
 from orchestrator.state import AttemptOutcome, FailureCause, JobState, NodeState
@@ -73,6 +78,9 @@ class Controller:
         self.free_restarts = 0
         self.infra_restarts = 0  # charged to restart_policy.max_infra_restarts
         self.previous_failure: Failure | None = None  # the attempt before's, for stop_on_repeat
+        # The last attempt, where it ended before this controller took over (a resume
+        # between attempts): who runs the next one depends on it (a spare in a failed place).
+        self.placed: Placed | None = None
         self._on_end = on_end
         self.notifier = Notifier(spec.notify, job_id, spec.name)
         self.engine.book.on_lost = self._node_lost
@@ -282,7 +290,8 @@ class Controller:
                 return checked
             healthy = checked
         healthy = healthcheck.leave_out_quarantined(engine, healthy)
-        return choose_participants(healthy, self.engine.current, self.spec.max_nodes)
+        return choose_participants(healthy, self.engine.current or self.placed,
+                                   self.spec.max_nodes)
 
     def _keep_reputation(self, failure: Failure) -> None:
         """An infrastructure failure counts against the node it happened on, across jobs."""
@@ -432,6 +441,9 @@ class Controller:
         ended = [a for a in job.attempts if a.ended_at is not None]
         if ended and ended[-1].failure:
             self.previous_failure = Failure.from_dict(ended[-1].failure)
+            where = (ended[-1].checkpoint or {}).get("participants")
+            if where:
+                self.placed = Placed([int(i) for i in where], self.previous_failure)
         engine.state = job.state
         engine.book.restore(job.nodes)
         log.info("resuming job %s in state %s, attempt %d", self.job_id, job.state.value,

@@ -4,6 +4,7 @@ and quarantine (orchestrator/healthcheck.py) have left out whom they must before
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from agents import protocol as P
@@ -44,7 +45,17 @@ def pick_port(engine: Engine, spec: JobSpec, node: Node) -> int | None | Failure
     return Failure(FailureCause.LAUNCH_FAILED, f"{node.host}: could not find a free port")
 
 
-def choose_participants(healthy: list[Node], last: Attempt | None, most: int) -> list[Node]:
+@dataclass(frozen=True)
+class Placed:
+    """An attempt that ended before this controller took over, as ``choose_participants``
+    needs it: its nodes in node-rank order and its failure (from the store)."""
+
+    participants: list[int]
+    failure: Failure | None
+
+
+def choose_participants(healthy: list[Node], last: Attempt | Placed | None,
+                        most: int) -> list[Node]:
     """The first ``most`` healthy nodes, or, with spares (more healthy nodes than ``most``)
     after an attempt: its nodes in their places, but a spare in the place of the node its
     failure names (lost, or the failing rank's), which, back, is a spare; nobody else moves."""

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import orchestrator
+from orchestrator.store import Store
 from tests.helpers import (
     PYTHON,
     WORKERS,
@@ -205,3 +206,46 @@ def test_a_hot_spare_takes_a_lost_nodes_place_warm(home, tmp_path):
     assert result["attempts"][1]["warm_starts"] == 4
     assert {r["node_index"] for r in result["ranks"]} == {0, 2}
     assert_no_job_processes(job_id)
+
+
+def test_a_controller_replaced_mid_recovery_counts_one_restart_loses_no_line_and_stays_warm(
+        home, tmp_path):
+    """The fault suite's hardest case: a rank SIGKILLed on node 1 of 2 (+ a spare), and the
+    controller SIGKILLed while the job waits to restart. Its supervisor starts a new one,
+    which finishes the recovery: attempt 2 on nodes 0 and 2, every worker warm, one restart
+    charged once, every line of both attempts in the logs, nothing left running."""
+    steps = 120
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "midway", "nodes": [{"host": "local"}] * 3, "nnodes": 2, "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "steps.py")], "workdir": str(tmp_path),
+        "max_restarts": 1, "restart": {"warm": True}, "stop_grace_period": 2,
+        "restart_backoff": {"initial": 3, "max": 3},
+        "env": {"STEPS": str(steps), "STEP_SLEEP": "0.05"}}))
+    wait_for(lambda: len(standby_processes(job_id)) == 6, 90, what="6 standbys (2 on the spare)")
+    shown = orchestrator.status(job_id)
+    victim = next(r for r in shown["ranks"] if r["node_index"] == 1)
+    first = shown["controller"]
+    os.kill(victim["pid"], signal.SIGKILL)  # a worker of this test's job
+    wait_for(lambda: orchestrator.status(job_id)["state"] == "RESTARTING", 30,
+             what="RESTARTING")
+    os.kill(first["pid"], signal.SIGKILL)  # the controller, in the middle of the recovery
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert result["controller"]["pid"] != first["pid"]
+    assert len(result["attempts"]) == 2, result["attempts"]
+    assert result["restarts"] + result["infra_restarts"] == 1, result
+    assert result["free_restarts"] == 0
+    assert result["attempts"][1]["warm_starts"] == 4
+    assert {r["node_index"] for r in result["ranks"]} == {0, 2}
+    store = Store()
+    for rank in range(4):
+        second = (store.log_dir(job_id, 2) / f"rank-{rank}.log").read_text().splitlines()
+        assert [ln for ln in second if ln.startswith("step ")] == \
+            [f"step {rank} {i}" for i in range(steps)]
+        # Attempt 1 ended at the kill: each rank's lines, whole and in order, up to it.
+        first_lines = [ln for ln in (store.log_dir(job_id, 1) / f"rank-{rank}.log")
+                       .read_text().splitlines() if ln.startswith("step ")]
+        assert first_lines == [f"step {rank} {i}" for i in range(len(first_lines))]
+        assert first_lines, rank
+    assert_no_job_processes(job_id)
+    assert standby_processes(job_id) == []

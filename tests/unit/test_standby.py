@@ -127,3 +127,21 @@ def test_the_boot_file_is_shipped_with_the_agent():
     import agents
     assert "agents.shims.standby_boot" in agents.MODULES and "agents.standby" in agents.MODULES
     assert isinstance(standby.PythonCommand, type) and PythonCommand.__doc__
+
+
+def test_a_standby_for_another_start_is_replaced_and_one_for_the_same_is_kept(tmp_path):
+    """A spare told of a new place (its start's environment changed): its standby is ended
+    and a new one started; told the same again, the standby stays."""
+    (tmp_path / "t.py").write_text("")
+    argv = [sys.executable, "t.py"]
+    pool = _standbys(tmp_path)
+    pool.refill(0, argv, {**os.environ, "MY_SETTING": "1"}, str(tmp_path), ())
+    first = pool._by_local[0].proc
+    pool.refill(0, argv, {**os.environ, "MY_SETTING": "1"}, str(tmp_path), ())
+    assert pool._by_local[0].proc is first
+    pool.refill(0, argv, {**os.environ, "MY_SETTING": "2"}, str(tmp_path), ())
+    assert pool._by_local[0].proc is not first and first.poll() is not None
+    proc, why = pool.take(0, argv, {**os.environ, "MY_SETTING": "2"}, str(tmp_path), ())
+    assert proc is not None and why is None
+    proc.wait(timeout=30)
+    pool.close()
