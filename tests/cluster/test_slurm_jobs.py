@@ -209,6 +209,17 @@ def test_a_warm_restart_inside_the_allocation(sl, tmp_path):
     kill_a_rank_once_standbys_are_up(job_id, 4)
 
 
+def test_a_hot_spare_inside_the_allocation_takes_a_lost_nodes_place_warm(sl, tmp_path):
+    from tests.cluster.test_warm_restarts_ssh import TRAIN, TRAIN_ENV, spare_takes_over
+
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path, [*TRAIN, str(tmp_path / "ckpt")], nodes=3, nnodes=2, env=TRAIN_ENV,
+        max_restarts=1, restart={"warm": True}, restart_backoff={"initial": 0.1},
+        health={"heartbeat_interval": 0.5, "node_timeout": 2}))
+    result = spare_takes_over(job_id)
+    assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+
+
 def test_cancel_releases_the_allocation(sl, tmp_path):
     spec = slurm_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], nodes=2)
     job_id = orchestrator.submit(spec)

@@ -102,8 +102,12 @@ def test_a_warm_worker_fails_as_a_cold_one_does(home, tmp_path):
     assert result["attempt"] == 2 and 1 in {r["exit_code"] for r in result["ranks"]}
 
     def traceback(attempt):
+        # From its first line to the exception's: stdout and stderr are two pipes, so a line
+        # the script printed before raising may be read after the traceback.
         lines = [ln.split("] ", 1)[1] for ln in orchestrator.logs(job_id, rank=0, attempt=attempt)]
-        return lines[lines.index("Traceback (most recent call last):"):]
+        start = lines.index("Traceback (most recent call last):")
+        end = next(i for i in range(start, len(lines)) if lines[i].startswith("ValueError: "))
+        return lines[start:end + 1]
 
     assert traceback(2) == traceback(1)  # no frame of ours, the same lines
     assert traceback(1)[-1] == "ValueError: failed on purpose in on purpose"
