@@ -266,7 +266,7 @@ class HealthSpec(_Model):
         "bytes in a node's workdir or its cache makes it unhealthy (null: not checked)")
     gpu_check: bool = Field(
         default=True, description="on nodes with GPUs, before each attempt: nvidia-smi must "
-        "see gpus_per_node GPUs (default: as many as at the job's start) with no "
+        "see gpus_per_node GPUs (default: as many as the node's agent counted) with no "
         "uncorrectable ECC error and no page retirement or row remapping pending")
     gpus_per_node: Annotated[StrictInt, Field(ge=1)] | None = None
     network_check: NetworkCheckSpec | None = Field(
