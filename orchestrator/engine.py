@@ -1,14 +1,15 @@
 """The controller's machinery: the event loop and everything one turn of it does.
 
 :meth:`Engine.wait` is the controller's one wait: it turns the loop until a condition holds,
-and every turn runs the same checks, in this order: the events of the turn, handled (node
-news to the node book, agents' messages to the attempt, connects, preparations); the node
-and rank writes of the turn, in one transaction each; readers' requests (cancel, stacks);
-the stop reasons (cancel, a signal, ``max_duration``); silent nodes; a hang; a checkpoint;
-the liveness ``status --watch`` shows. Nothing here raises for a node's fault: a node that
-says something out of protocol, or whose message makes anything fail, loses its channel and
-the attempt fails for it, naming the field; the controller lives. A wait returns early when
-a stop reason is set (unless it must not be interrupted) and the caller decides.
+and every turn runs the same checks, in this order: the events of the turn, handled
+(orchestrator/dispatch.py: node news to the node book, agents' messages to the attempt,
+connects, preparations); the node and rank writes of the turn, in one transaction each;
+readers' requests (cancel, stacks); the stop reasons (cancel, a signal, ``max_duration``);
+silent nodes; a hang; a checkpoint; the liveness ``status --watch`` shows. Nothing here
+raises for a node's fault: a node that says something out of protocol, or whose message
+makes anything fail, loses its channel and the attempt fails for it, naming the field; the
+controller lives. A wait returns early when a stop reason is set (unless it must not be
+interrupted) and the caller decides.
 """
 
 from __future__ import annotations
@@ -18,17 +19,16 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from agents import protocol as P
-from orchestrator import events as E
 from orchestrator import hang
 from orchestrator.attempt import Attempt, Failure
 from orchestrator.channel import Channel, ask_all
+from orchestrator.dispatch import dispatch
 from orchestrator.logfiles import LogSink
 from orchestrator.loop import EventLoop
-from orchestrator.nodebook import LIVE, Node, NodeBook, NodeInfo, Order
+from orchestrator.nodebook import LIVE, Node, NodeBook
 from orchestrator.nodepool import NodePool
 from orchestrator.prepare import Preparer
 from orchestrator.spec import JobSpec
@@ -103,7 +103,7 @@ class Engine:
     def turn(self, timeout: float) -> None:
         self.pool.main_tick = time.monotonic()
         for event in self.loop.poll(timeout):
-            self._dispatch(event)
+            dispatch(self, event)
         self.flush()
         self._checks()
 
@@ -230,169 +230,12 @@ class Engine:
                 node.acked = node.received
                 self.pool.send(node, {"op": P.ACK, "seq": node.acked})
 
-    # --- events ---------------------------------------------------------------------------
-    def _dispatch(self, event: E.Event) -> None:
-        match event:
-            case E.Received(channel, message):
-                node = self.nodes[channel.node_index]
-                if node.channel is not channel:
-                    return  # a channel we already left
-                try:
-                    self._on_message(node, message)
-                except OSError:
-                    raise  # the controller's own trouble (descriptors, disk): not the node's
-                except Exception as exc:  # one node's message must never end the controller
-                    log.exception("%s: handling its message failed", node.host)
-                    self.reject(node, f"{type(message).__name__.lower()}: {exc!r}")
-            case E.Rejected(channel, problem):
-                if self.nodes[channel.node_index].channel is channel:
-                    self.reject(self.nodes[channel.node_index], problem)
-            case E.Attached(index, channel):
-                if self.on_attached is not None:
-                    self.on_attached(self.nodes[index], channel)
-                self._on_attached(self.nodes[index], channel)
-            case E.Closed(channel):
-                self._on_closed(channel)
-            case E.Unavailable():
-                self._on_unavailable(event)
-            case E.Prepared(index, failure, interrupted):
-                self._on_prepared(self.nodes[index], failure, interrupted)
-            case E.SyncProgress(index, progress):
-                node = self.nodes[index]
-                self.book.note(node, replace(node.info, sync=progress))
-            case E.Wake():
-                pass
-
-    def _on_message(self, node: Node, message: P.Message) -> None:
-        if isinstance(message, P.Sequenced):
-            order = self.book.order(node, message.seq)
-            if order == Order.DUPLICATE:
-                return
-            if order == Order.GAP:
-                if node.state in LIVE:
-                    self.book.unreachable(node, "a message went missing")
-                else:
-                    self.pool.drop_channel(node)
-                    self.pool.connect(node, launch=True, retry=True)
-                return
-        if isinstance(message, P.AgentError):
-            log.warning("%s: agent error: %s", node.host, message.message)
-            return
-        if isinstance(message, P.SetupOutput):
-            if self.setup_sink is None:
-                self.setup_sink = LogSink(self.store.job_dir(self.job_id) / "logs" / "setup",
-                                          cap=self.spec.logs.max_bytes_per_rank,
-                                          min_free=self.spec.logs.min_free_bytes)
-            self.setup_sink.write(self.hosts[node.index], "setup", "stdout",
-                                  list(message.lines))
-            self.setup_sink.flush()
-            return
-        if isinstance(message, P.Stopped) and self.book.drained(node, message.attempt):
-            attempt = self.current
-            if (attempt is not None and not attempt.ended and not attempt.stopping and
-                    node.index in attempt.participants and message.attempt != attempt.number):
-                self.book.set(node, NodeState.RUNNING)
-                self.send_start(node)  # a participant whose start waited for the drain
-        for attempt in (self.current, self.previous):
-            if attempt is None or (attempt is self.previous and
-                                   getattr(message, "attempt", None) != attempt.number):
-                continue
-            problem = attempt.handle(node.index, message)
-            if problem is not None:
-                self.reject(node, problem)
-                return
-
-    def _on_attached(self, node: Node, channel: Channel) -> None:
-        if self.lingering:
-            self.pool.adopt(node, channel)
-            self.pool.send(node, {"op": P.SHUTDOWN})
-            return
-        attempt = self.current
-        plan = self.book.attach(node, channel, attempt, resuming=self.resuming,
-                                needs_prep=self.preparer.needed)
-        stop_grace = self.spec.stop_grace_period
-        if plan.drain is not None:
-            self.pool.send(node, {"op": P.STOP, "attempt": plan.drain, "grace": stop_grace})
-        elif plan.start:
-            self.send_start(node)
-        elif plan.stop is not None:
-            self.pool.send(node, {"op": P.STOP, "attempt": plan.stop, "grace": stop_grace})
-        if plan.prepare:
-            self.preparer.start(node.index, node.host, node.spec.is_local, channel)
-
     def send_start(self, node: Node) -> None:
         attempt = self.current
         assert attempt is not None
         self.pool.send(node, attempt.start_message(
             node.index, self.spec.stop_grace_period, self.spec.health.flight_recorder,
             self.spec.standby_imports))
-
-    def _on_closed(self, channel: Channel) -> None:
-        node = self.nodes[channel.node_index]
-        if node.channel is not channel:
-            return
-        self.pool.drop_channel(node)
-        if self.lingering:
-            return
-        if node.state in LIVE:
-            self.book.unreachable(node, "agent channel closed")
-        elif node.state in (NodeState.LOST, NodeState.FAILED):
-            self.pool.connect(node, launch=True, retry=True)
-
-    def _on_unavailable(self, event: E.Unavailable) -> None:
-        node, error = self.nodes[event.node], event.error
-        if self.lingering:
-            node.retry = node.retry and not event.gone
-            return
-        if event.refused is not None:  # another version, or out of protocol: not retried
-            log.error("%s", error)
-            was_running = node.state in (NodeState.RUNNING, NodeState.UNREACHABLE)
-            self.book.lose(node, error, retry=False)
-            if was_running:
-                self.fail_participant(node, FailureCause.LAUNCH_FAILED
-                                      if event.refused == "version" else FailureCause.NODE_FAIL,
-                                      error)
-            return
-        if event.gone:
-            self.book.note(node, replace(node.info, gone_reason=event.reason))
-            if self.resuming and node.state != NodeState.PENDING:
-                # Its workers died with it while no controller was there: resume decides.
-                self.book.set(node, NodeState.LOST, error, info=replace(node.info, error=error))
-                return
-        if node.state == NodeState.PENDING:
-            self.book.set(node, NodeState.FAILED, error, info=NodeInfo(error=error))
-        elif node.state in LIVE or node.state == NodeState.UNREACHABLE:
-            if event.gone:
-                self.lose(node, error)
-            else:  # a resumed controller could not reach it yet
-                self.book.unreachable(node, error)
-        elif node.state in (NodeState.LOST, NodeState.FAILED, NodeState.DONE):
-            if not self.resuming:  # gone for good: a fresh agent may rejoin later
-                self.pool.connect(node, launch=True, retry=True)
-
-    def _on_prepared(self, node: Node, failure: Failure | None, interrupted: bool) -> None:
-        node.preparing = False
-        if interrupted:
-            if node.channel is not None and not node.prepared and self.preparer.needed:
-                # The channel it ran on dropped, and a newer one is already attached.
-                node.preparing = True
-                self.preparer.start(node.index, node.host, node.spec.is_local, node.channel)
-        elif failure is None:
-            node.prepared = True
-            log.info("%s: prepared (sync, setup)", node.host)
-        elif self.current is None and not self.ending and not self._can_go_on_without(node):
-            self.launch_failure = failure  # the job's own setup: it would fail again
-        else:
-            # Enough nodes without it (nnodes MIN:MAX, spares), or a node rejoining while the
-            # job runs: that node stays out of the job (its setup would fail again), the job
-            # goes on.
-            log.error("%s: %s; the job goes on without it", node.host, failure.message)
-            node.setup_failed = True
-            self.book.lose(node, failure.message, retry=False)
-
-    def _can_go_on_without(self, node: Node) -> bool:
-        return sum(1 for n in self.nodes if n is not node and not n.setup_failed) >= \
-            self.spec.min_nodes
 
     # --- losing nodes -----------------------------------------------------------------------
     def lose(self, node: Node, message: str) -> None:

@@ -1,0 +1,188 @@
+"""What the controller's loop does with each event of a turn (orchestrator/events.py): an
+agent's message to the node book (order, gaps) and then to the attempt, an attached channel
+to what the node must do (drain, start, stop, prepare), a closed or unavailable channel to the
+node's state, a finished preparation to the node or the job. A node's message that makes
+anything fail loses that node (``Engine.reject``), never the controller."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from agents import protocol as P
+from orchestrator import events as E
+from orchestrator.attempt import Failure
+from orchestrator.channel import Channel
+from orchestrator.logfiles import LogSink
+from orchestrator.nodebook import LIVE, Node, NodeInfo, Order
+from orchestrator.state import FailureCause, NodeState
+
+if TYPE_CHECKING:
+    from orchestrator.engine import Engine
+
+log = logging.getLogger("orchestrator.controller")
+
+
+def dispatch(engine: Engine, event: E.Event) -> None:
+    """Handle one event of the turn (Engine.turn calls it for each)."""
+    match event:
+        case E.Received(channel, message):
+            node = engine.nodes[channel.node_index]
+            if node.channel is not channel:
+                return  # a channel we already left
+            try:
+                _on_message(engine, node, message)
+            except OSError:
+                raise  # the controller's own trouble (descriptors, disk): not the node's
+            except Exception as exc:  # one node's message must never end the controller
+                log.exception("%s: handling its message failed", node.host)
+                engine.reject(node, f"{type(message).__name__.lower()}: {exc!r}")
+        case E.Rejected(channel, problem):
+            if engine.nodes[channel.node_index].channel is channel:
+                engine.reject(engine.nodes[channel.node_index], problem)
+        case E.Attached(index, channel):
+            if engine.on_attached is not None:
+                engine.on_attached(engine.nodes[index], channel)
+            _on_attached(engine, engine.nodes[index], channel)
+        case E.Closed(channel):
+            _on_closed(engine, channel)
+        case E.Unavailable():
+            _on_unavailable(engine, event)
+        case E.Prepared(index, failure, interrupted):
+            _on_prepared(engine, engine.nodes[index], failure, interrupted)
+        case E.SyncProgress(index, progress):
+            node = engine.nodes[index]
+            engine.book.note(node, replace(node.info, sync=progress))
+        case E.Wake():
+            pass
+
+
+def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
+    if isinstance(message, P.Sequenced):
+        order = engine.book.order(node, message.seq)
+        if order == Order.DUPLICATE:
+            return
+        if order == Order.GAP:
+            if node.state in LIVE:
+                engine.book.unreachable(node, "a message went missing")
+            else:
+                engine.pool.drop_channel(node)
+                engine.pool.connect(node, launch=True, retry=True)
+            return
+    if isinstance(message, P.AgentError):
+        log.warning("%s: agent error: %s", node.host, message.message)
+        return
+    if isinstance(message, P.SetupOutput):
+        if engine.setup_sink is None:
+            engine.setup_sink = LogSink(engine.store.job_dir(engine.job_id) / "logs" / "setup",
+                                      cap=engine.spec.logs.max_bytes_per_rank,
+                                      min_free=engine.spec.logs.min_free_bytes)
+        engine.setup_sink.write(engine.hosts[node.index], "setup", "stdout",
+                              list(message.lines))
+        engine.setup_sink.flush()
+        return
+    if isinstance(message, P.Stopped) and engine.book.drained(node, message.attempt):
+        attempt = engine.current
+        if (attempt is not None and not attempt.ended and not attempt.stopping and
+                node.index in attempt.participants and message.attempt != attempt.number):
+            engine.book.set(node, NodeState.RUNNING)
+            engine.send_start(node)  # a participant whose start waited for the drain
+    for attempt in (engine.current, engine.previous):
+        if attempt is None or (attempt is engine.previous and
+                               getattr(message, "attempt", None) != attempt.number):
+            continue
+        problem = attempt.handle(node.index, message)
+        if problem is not None:
+            engine.reject(node, problem)
+            return
+
+
+def _on_attached(engine: Engine, node: Node, channel: Channel) -> None:
+    if engine.lingering:
+        engine.pool.adopt(node, channel)
+        engine.pool.send(node, {"op": P.SHUTDOWN})
+        return
+    attempt = engine.current
+    plan = engine.book.attach(node, channel, attempt, resuming=engine.resuming,
+                            needs_prep=engine.preparer.needed)
+    stop_grace = engine.spec.stop_grace_period
+    if plan.drain is not None:
+        engine.pool.send(node, {"op": P.STOP, "attempt": plan.drain, "grace": stop_grace})
+    elif plan.start:
+        engine.send_start(node)
+    elif plan.stop is not None:
+        engine.pool.send(node, {"op": P.STOP, "attempt": plan.stop, "grace": stop_grace})
+    if plan.prepare:
+        engine.preparer.start(node.index, node.host, node.spec.is_local, channel)
+
+
+def _on_closed(engine: Engine, channel: Channel) -> None:
+    node = engine.nodes[channel.node_index]
+    if node.channel is not channel:
+        return
+    engine.pool.drop_channel(node)
+    if engine.lingering:
+        return
+    if node.state in LIVE:
+        engine.book.unreachable(node, "agent channel closed")
+    elif node.state in (NodeState.LOST, NodeState.FAILED):
+        engine.pool.connect(node, launch=True, retry=True)
+
+
+def _on_unavailable(engine: Engine, event: E.Unavailable) -> None:
+    node, error = engine.nodes[event.node], event.error
+    if engine.lingering:
+        node.retry = node.retry and not event.gone
+        return
+    if event.refused is not None:  # another version, or out of protocol: not retried
+        log.error("%s", error)
+        was_running = node.state in (NodeState.RUNNING, NodeState.UNREACHABLE)
+        engine.book.lose(node, error, retry=False)
+        if was_running:
+            engine.fail_participant(node, FailureCause.LAUNCH_FAILED
+                                  if event.refused == "version" else FailureCause.NODE_FAIL,
+                                  error)
+        return
+    if event.gone:
+        engine.book.note(node, replace(node.info, gone_reason=event.reason))
+        if engine.resuming and node.state != NodeState.PENDING:
+            # Its workers died with it while no controller was there: resume decides.
+            engine.book.set(node, NodeState.LOST, error, info=replace(node.info, error=error))
+            return
+    if node.state == NodeState.PENDING:
+        engine.book.set(node, NodeState.FAILED, error, info=NodeInfo(error=error))
+    elif node.state in LIVE or node.state == NodeState.UNREACHABLE:
+        if event.gone:
+            engine.lose(node, error)
+        else:  # a resumed controller could not reach it yet
+            engine.book.unreachable(node, error)
+    elif node.state in (NodeState.LOST, NodeState.FAILED, NodeState.DONE):
+        if not engine.resuming:  # gone for good: a fresh agent may rejoin later
+            engine.pool.connect(node, launch=True, retry=True)
+
+
+def _on_prepared(engine: Engine, node: Node, failure: Failure | None, interrupted: bool) -> None:
+    node.preparing = False
+    if interrupted:
+        if node.channel is not None and not node.prepared and engine.preparer.needed:
+            # The channel it ran on dropped, and a newer one is already attached.
+            node.preparing = True
+            engine.preparer.start(node.index, node.host, node.spec.is_local, node.channel)
+    elif failure is None:
+        node.prepared = True
+        log.info("%s: prepared (sync, setup)", node.host)
+    elif engine.current is None and not engine.ending and not _can_go_on_without(engine, node):
+        engine.launch_failure = failure  # the job's own setup: it would fail again
+    else:
+        # Enough nodes without it (nnodes MIN:MAX, spares), or a node rejoining while the
+        # job runs: that node stays out of the job (its setup would fail again), the job
+        # goes on.
+        log.error("%s: %s; the job goes on without it", node.host, failure.message)
+        node.setup_failed = True
+        engine.book.lose(node, failure.message, retry=False)
+
+
+def _can_go_on_without(engine: Engine, node: Node) -> bool:
+    return sum(1 for n in engine.nodes if n is not node and not n.setup_failed) >= \
+        engine.spec.min_nodes
