@@ -3,8 +3,9 @@
 A request gets an id (``req``); its reply, parsed at the door (agents/protocol.py), completes
 the request's future on the controller's event loop (orchestrator/loop.py). A reply nobody
 waits for any more (a late one) is dropped; when the channel ends, every request still open
-gets None. ``ask_all`` asks many channels at once and waits for all the replies, either by
-turning the caller's event loop (the controller) or by blocking (any other thread).
+gets None. ``ask_all`` asks many channels at once (``ask_each``: each with its own fields)
+and waits for all the replies, either by turning the caller's event loop (the controller) or
+by blocking (any other thread).
 """
 
 from __future__ import annotations
@@ -107,17 +108,24 @@ def ask_all(channels: Mapping[K, Channel], op: str, within: float | None,
     """Ask every channel ``op`` at once and wait up to ``within`` seconds for all the
     replies: a node's entry is its reply, or None (no reply in time, or its channel ended).
     ``wait`` turns the caller's event loop meanwhile; without it, this thread blocks."""
-    futures = {key: ch.request(op, **fields) for key, ch in channels.items()}
+    return ask_each({key: (ch, fields) for key, ch in channels.items()}, op, within, wait)
+
+
+def ask_each(requests: Mapping[K, tuple[Channel, Mapping[str, Any]]], op: str,
+             within: float | None, wait: Waiter | None = None) -> dict[K, P.Reply | None]:
+    """``ask_all`` with each channel's own fields: ``requests`` maps a key to (channel,
+    fields)."""
+    futures = {key: (ch, ch.request(op, **fields)) for key, (ch, fields) in requests.items()}
     if wait is not None:
-        wait(lambda: all(f.done() for f in futures.values()), within)
+        wait(lambda: all(f.done() for _, f in futures.values()), within)
     else:
-        wait_futures(list(futures.values()), within)
+        wait_futures([f for _, f in futures.values()], within)
     out: dict[K, P.Reply | None] = {}
-    for key, future in futures.items():
+    for key, (channel, future) in futures.items():
         if future.done():
             out[key] = future.result()
         else:
-            channels[key].forget(future)
+            channel.forget(future)
             out[key] = None
     return out
 

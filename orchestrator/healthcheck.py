@@ -14,31 +14,45 @@ from typing import TYPE_CHECKING, Any
 from agents import protocol as P
 from orchestrator import netcheck, reputation
 from orchestrator.attempt import Failure
+from orchestrator.channel import Channel, ask_each
 from orchestrator.plan import node_address, plan_attempt
 from orchestrator.state import FailureCause
 
 if TYPE_CHECKING:
     from orchestrator.engine import Engine
     from orchestrator.nodebook import Node
+    from orchestrator.plan import NodePlan
+    from orchestrator.spec import JobSpec
+    from orchestrator.specparts import HealthSpec
 
 log = logging.getLogger("orchestrator.controller")
 
 ANSWER_MARGIN = 15.0  # seconds past node_check_timeout before a silent agent counts as failed
 
 
-def gpus_expected(engine: Engine, node: Node) -> int | None:
-    """The GPUs the node must show, or None: no GPU check there (a CPU node, or off)."""
-    health = engine.spec.health
+def gpus_expected(health: HealthSpec, counted: int | None) -> int | None:
+    """The GPUs a node whose agent counted ``counted`` must show, or None: no GPU check
+    there (a CPU node, or off)."""
     if not health.gpu_check:
         return None
-    return health.gpus_per_node or node.info.gpus or None
+    return health.gpus_per_node or counted or None
+
+
+def check_fields(spec: JobSpec, node: NodePlan, gpus: int | None,
+                 workdir: str | None = None) -> dict[str, Any]:
+    """The ``node_check`` request for a node (``workdir``: instead of the plan's)."""
+    health = spec.health
+    return {"argv": list(health.node_check), "workdir": workdir or node.workdir,
+            "env": {k: node.env[k] for k in spec.env if k in node.env},
+            "timeout": health.node_check_timeout, "min_free_bytes": health.min_free_bytes,
+            "gpu_check": gpus is not None, "gpus": gpus}
 
 
 def wanted(engine: Engine, nodes: list[Node]) -> bool:
     """Whether these nodes have anything to check before an attempt."""
     health = engine.spec.health
     return (health.checks_nodes or (health.network_check is not None and len(nodes) > 1)
-            or any(gpus_expected(engine, n) for n in nodes))
+            or any(gpus_expected(health, n.info.gpus) for n in nodes))
 
 
 def check_nodes(engine: Engine, nodes: list[Node]
@@ -47,34 +61,27 @@ def check_nodes(engine: Engine, nodes: list[Node]
     problems: healthy. Turns the controller's loop while the checks run."""
     spec, health = engine.spec, engine.spec.health
     tree = engine.preparer.tree().tree if spec.sync is not None else None
-    futures: dict[int, Any] = {}
-    for node in [n for n in nodes if health.checks_nodes or gpus_expected(engine, n)]:
+    asked: dict[int, tuple[Channel, dict[str, Any]]] = {}
+    for node in nodes:
+        gpus = gpus_expected(health, node.info.gpus)
+        if not health.checks_nodes and gpus is None:
+            continue
         assert node.channel is not None
         plan = plan_attempt(spec, engine.job_id, node_indices=[node.index],
                             spec_dir=engine.preparer.spec_dir, sync_tree=tree).nodes[0]
-        futures[node.index] = node.channel.request(
-            P.NODE_CHECK, argv=list(health.node_check), workdir=plan.workdir,
-            env={k: plan.env[k] for k in spec.env if k in plan.env},
-            timeout=health.node_check_timeout, min_free_bytes=health.min_free_bytes,
-            gpu_check=gpus_expected(engine, node) is not None, gpus=gpus_expected(engine, node))
-    engine.wait(lambda: all(f.done() for f in futures.values()),
-                health.node_check_timeout + ANSWER_MARGIN)  # a cancel comes first
+        asked[node.index] = (node.channel, check_fields(spec, plan, gpus))
+    within = health.node_check_timeout + ANSWER_MARGIN
+    replies = ask_each(asked, P.NODE_CHECK, within, engine.wait)  # a cancel comes first
     out: dict[int, tuple[list[str], tuple[str, ...]]] = {n.index: ([], ()) for n in nodes}
-    by_index = {n.index: n for n in nodes}
-    for index, future in futures.items():
-        reply = future.result() if future.done() else None
-        if not future.done():
-            channel = by_index[index].channel
-            if channel is not None:
-                channel.forget(future)
-            out[index] = ([f"no answer to the health check within "
-                           f"{health.node_check_timeout + ANSWER_MARGIN:g}s"], ())
-        elif isinstance(reply, P.Checked):
+    for index, reply in replies.items():
+        if isinstance(reply, P.Checked):
             out[index] = (list(reply.problems), reply.tail)
         elif isinstance(reply, P.Failed):
             out[index] = ([f"health check: {reply.error}"], ())
-        else:
+        elif asked[index][0].closed:
             out[index] = (["its channel ended during the health check"], ())
+        else:
+            out[index] = ([f"no answer to the health check within {within:g}s"], ())
     passed = [n for n in nodes if not out[n.index][0]]
     if health.network_check is not None and len(passed) > 1:
         unhealthy, summary = netcheck.run(

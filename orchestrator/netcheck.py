@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from agents import protocol as P
+from orchestrator.channel import Channel, Waiter, ask_all, ask_each
 
 if TYPE_CHECKING:
-    from orchestrator.channel import Channel
     from orchestrator.specparts import NetworkCheckSpec
 
 ANSWER_MARGIN = 5.0  # seconds past a transfer's timeout before its silent sender counts
@@ -83,47 +83,38 @@ def judge(measured: list[Link], n: int, size: int, min_mb_per_s: float | None,
 
 
 def run(channels: list[Channel | None], addresses: list[str], names: list[str],
-        spec: NetworkCheckSpec, wait: Callable[[Callable[[], bool], float], object],
+        spec: NetworkCheckSpec, wait: Waiter | None,
         stopped: Callable[[], bool] = lambda: False) -> tuple[dict[int, str], str]:
     """Check the links among these nodes (their channels, the addresses peers reach them at,
     their names as shown): the unhealthy positions with their problem, and the summary line.
-    ``wait(done, timeout)`` waits for the replies (the controller turns its loop there)."""
+    ``wait`` turns the caller's event loop while the replies come (None: this thread blocks;
+    see orchestrator/channel.py)."""
     if len(channels) < 2:
-        return {}, "network check: nothing to check"
+        return judge([], len(channels), spec.bytes, spec.min_mb_per_s, names)
     token = secrets.token_hex(32)
     todo = links(len(channels))
     ring, to_first = todo[:len(channels)], todo[len(channels):]
     lifetime = spec.timeout * (1 + len(to_first)) + ANSWER_MARGIN * 2
-    ports: dict[int, int] = {}
-    asked = {i: (c, c.request(P.NET_LISTEN, token=token, bytes=spec.bytes, timeout=lifetime))
-             for i, c in enumerate(channels) if c is not None}
-    wait(lambda: all(f.done() for _, f in asked.values()), spec.timeout + ANSWER_MARGIN)
-    for i, (channel, future) in asked.items():
-        reply = future.result() if future.done() else None
-        if not future.done():
-            channel.forget(future)
-        if isinstance(reply, P.NetListening):
-            ports[i] = reply.port
+    within = spec.timeout + ANSWER_MARGIN
+    listening = ask_all({i: c for i, c in enumerate(channels) if c is not None},
+                        P.NET_LISTEN, within, wait, token=token, bytes=spec.bytes,
+                        timeout=lifetime)
+    ports = {i: r.port for i, r in listening.items() if isinstance(r, P.NetListening)}
 
     def send_all(batch: list[Link]) -> None:
-        futures = []
-        for link in batch:
+        asked: dict[int, tuple[Channel, dict[str, object]]] = {}
+        for n, link in enumerate(batch):
             sender = channels[link.src]
             if link.dst not in ports or sender is None:
                 link.error = "its receiver did not start"
                 continue
-            futures.append((link, sender, sender.request(
-                P.NET_SEND, address=addresses[link.dst], port=ports[link.dst], token=token,
-                bytes=spec.bytes, timeout=spec.timeout)))
-        wait(lambda: all(f.done() for _, _, f in futures), spec.timeout + ANSWER_MARGIN)
-        for link, sender, future in futures:
-            reply = future.result() if future.done() else None
-            if not future.done():
-                sender.forget(future)
+            asked[n] = (sender, {"address": addresses[link.dst], "port": ports[link.dst],
+                                 "token": token, "bytes": spec.bytes, "timeout": spec.timeout})
+        for n, reply in ask_each(asked, P.NET_SEND, within, wait).items():
             if isinstance(reply, P.NetSent):
-                link.seconds, link.error = reply.seconds, reply.error
+                batch[n].seconds, batch[n].error = reply.seconds, reply.error
             else:
-                link.error = reply.error if isinstance(reply, P.Failed) else "no answer"
+                batch[n].error = reply.error if isinstance(reply, P.Failed) else "no answer"
 
     try:
         send_all(ring)

@@ -14,13 +14,12 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agents import protocol as P
-from orchestrator import netcheck
+from orchestrator import healthcheck, netcheck
 from orchestrator.channel import Channel, ask
 from orchestrator.errors import (
     AuthenticationError,
@@ -209,23 +208,16 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
                 reports[i].error = (f"cannot reach {master_addr} on port(s) {shown}: "
                                     f"{answer.error}")
 
-        def gpus(i: int) -> int | None:
-            return (spec.health.gpus_per_node or reports[i].gpus or None) \
-                if spec.health.gpu_check else None
-
         def health(i: int) -> None:
-            if not spec.health.checks_nodes and not gpus(i):
+            gpus = healthcheck.gpus_expected(spec.health, reports[i].gpus)
+            if not spec.health.checks_nodes and gpus is None:
                 return
             plan = plan_attempt(spec, "preflight", node_indices=[i], spec_dir=spec_dir).nodes[0]
-            try:
+            try:  # a synced job's tree is not there yet: the home instead of its workdir
                 answer = sessions[i].ask(
                     P.NODE_CHECK, spec.health.node_check_timeout + AGENT_TIMEOUT,
-                    argv=list(spec.health.node_check),
-                    workdir="~" if spec.sync is not None else plan.workdir,
-                    env={k: plan.env[k] for k in spec.env if k in plan.env},
-                    timeout=spec.health.node_check_timeout,
-                    min_free_bytes=spec.health.min_free_bytes, gpu_check=gpus(i) is not None,
-                    gpus=gpus(i))
+                    **healthcheck.check_fields(spec, plan, gpus,
+                                               "~" if spec.sync is not None else None))
             except OrchestratorError as exc:
                 reports[i].error = reports[i].error or str(exc)
                 return
@@ -278,16 +270,9 @@ def _network(spec: JobSpec, sessions: dict[int, _Session], reports: list[NodeRep
     an unhealthy node's report says why. Returns the summary line."""
     assert spec.health.network_check is not None
     passed = [i for i in sorted(sessions) if reports[i].error is None]
-
-    def wait(done: Callable[[], bool], timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while not done() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return done()
-
-    unhealthy, summary = netcheck.run(
+    unhealthy, summary = netcheck.run(  # the reader thread completes the replies
         [sessions[i].channel for i in passed], [node_address(spec.nodes[i]) for i in passed],
-        [f"node {i} ({spec.nodes[i].host})" for i in passed], spec.health.network_check, wait)
+        [f"node {i} ({spec.nodes[i].host})" for i in passed], spec.health.network_check, None)
     for position, problem in unhealthy.items():
         report = reports[passed[position]]
         report.health.append(problem)

@@ -516,7 +516,6 @@ class Store:
         conds = " AND ".join(f"{k} = ?" for k in where)
         db.execute(f"UPDATE {table} SET {sets} WHERE {conds}", [*fields.values(), *where.values()])
 
-    # --- reads ---------------------------------------------------------------------------
     # --- hosts across jobs (orchestrator/reputation.py) -----------------------------------------
     def add_host_event(self, host: str, job_id: str, kind: str, detail: str,
                        at: float | None = None) -> None:
@@ -563,6 +562,7 @@ class Store:
                               "AND until > ?", (now, now, host, now))
             return done.rowcount > 0
 
+    # --- reads ---------------------------------------------------------------------------
     def get_job(self, job_id: str) -> JobRecord:
         check_job_id(job_id)
         # One read transaction, so a job, its nodes and its ranks are seen at one moment.
