@@ -296,15 +296,18 @@ class Agent:
                 st = os.stat(w.heartbeat_file)
             except OSError:
                 continue
-            if st.st_mtime <= w.heartbeat_seen:
+            # The change time, not the mtime: a worker can set its file's mtime to anything
+            # (utime), while the kernel sets the change time to the node's clock.
+            if st.st_ctime == w.heartbeat_seen:
                 continue
-            w.heartbeat_seen, touched = st.st_mtime, True
+            w.heartbeat_seen, touched = st.st_ctime, True
             if st.st_size and w.rank is not None:
                 record, problems = rankfiles.heartbeat(w.heartbeat_file)
                 for problem in problems:
                     self._rank_problem(w, problem)
                 if record is not None:
-                    ranks.setdefault(str(w.rank), {}).update(record, at=st.st_mtime)
+                    at = min(max(st.st_ctime, 0.0), time.time())
+                    ranks.setdefault(str(w.rank), {}).update(record, at=at)
         return touched, ranks
 
     def _waits(self, w: Worker) -> list[int] | None:

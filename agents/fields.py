@@ -10,6 +10,9 @@ MAX_COUNT = 1 << 62  # sequence numbers, attempts, sizes, steps
 MAX_ITEMS = 1 << 16  # entries of one list or mapping
 MAX_RANK = 1 << 24  # global ranks
 MAX_MESSAGE = 4 * 1024 * 1024  # one JSON line (a line count is bounded by it too)
+# Unix times a node may report (a heartbeat, an exit): 1970 to 2100. Readers turn them into
+# dates, and a worker sets its heartbeat file's mtime to anything it likes.
+MAX_TIME = 4_102_444_800.0
 
 
 def finite(value: Any) -> float | None:
@@ -77,6 +80,13 @@ class Fields:
         if number is None:
             raise self.bad(name, v)
         return number
+
+    def timestamp(self, name: str, optional: bool = False, value: Any = ...) -> Any:
+        """A Unix time between 1970 and 2100."""
+        v = self.number(name, optional, value)
+        if v is not None and not 0.0 <= v < MAX_TIME:
+            raise self.bad(name, v)
+        return v
 
     def array(self, name: str, optional: bool = False, limit: int = MAX_ITEMS) -> Any:
         v = self.raw.get(name)

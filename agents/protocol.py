@@ -291,7 +291,7 @@ def _progress(f: Fields) -> Progress:
         step = record.get("step")
         ranks[rank] = RankProgress(
             step if type(step) is int and abs(step) < MAX_COUNT else None, kept,
-            r.number("at", optional=True) if "at" in record else None, waits)
+            r.timestamp("at", optional=True) if "at" in record else None, waits)
     return Progress(f.integer("attempt"), f.flag("beat", True), ranks)
 
 
@@ -550,7 +550,7 @@ _SEQUENCED: dict[str, Callable[[Fields], Sequenced]] = {
                              f.integer("local_rank", 0, MAX_LOCAL),
                              f.integer("exit_code", 0, 255, optional=True), _signal(f),
                              f.text("error_file", MAX_TEXT, True),
-                             f.number("at", optional=True)),
+                             f.timestamp("at", optional=True)),
     STOPPED: lambda f: Stopped(_seq(f), f.integer("attempt")),
     DROPPED: lambda f: Dropped(_seq(f), f.integer("attempt"), _rank(f), _stream(f),
                                f.integer("lines", 0, MAX_COUNT)),

@@ -113,7 +113,7 @@ class Worker:
         self.error_file = spec["env"].get("TORCHELASTIC_ERROR_FILE")
         self.heartbeat_file = spec["env"]["ORCHESTRATOR_HEARTBEAT_FILE"]
         self.proc = proc
-        self.heartbeat_seen = 0.0  # mtime of its heartbeat file at the last look
+        self.heartbeat_seen = 0.0  # change time of its heartbeat file at the last look
         self.waits_seen = 0.0  # mtime of its sampler's file at the last look
         self.problems_said: set[str] = set()  # of its files, told in its log already
         self.pidfd = pidfd(proc.pid)  # taken before anyone can reap it

@@ -440,10 +440,15 @@ def _is_controller(pid: int, ident: str | None, job_id: str) -> bool:
     return b"orchestrator.controller" in argv and job_id.encode() in argv
 
 
-def _iso(ts: float | None) -> str | None:
+def _iso(ts: Any) -> str | None:
+    """A stored Unix time as ISO 8601 UTC; one no date can be (a record of an older version,
+    a clock gone wrong) as ``invalid time <value>``, never an error of the reader."""
     if ts is None:
         return None
-    return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+    try:
+        return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
+    except (TypeError, ValueError, OverflowError, OSError):
+        return f"invalid time {str(ts)[:40]}"
 
 
 def _is_spare(job: JobRecord, node: Any) -> bool:

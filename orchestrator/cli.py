@@ -188,7 +188,10 @@ def _age(iso: str | None, now: float) -> str:
         return "-"
     from datetime import datetime
 
-    seconds = max(0.0, now - datetime.fromisoformat(iso).timestamp())
+    try:
+        seconds = max(0.0, now - datetime.fromisoformat(iso).timestamp())
+    except ValueError:  # "invalid time ..." (orchestrator/api.py)
+        return iso
     return f"{seconds:.0f}s ago"
 
 

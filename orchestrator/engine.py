@@ -220,7 +220,8 @@ class Engine:
         if self.previous is not None:  # late lines of the attempt before: on disk first
             self.previous.sink.flush()
         self.store.checkpoint(self.job_id, attempt.number, state,
-                              {n.index: n.received for n in self.nodes})
+                              {n.index: n.received for n in self.nodes},
+                              len(attempt.warm_started))
         self._checkpointed = time.monotonic()
         # A checkpoint fsyncs every log written since the last one: with thousands of ranks
         # that is most of them, so checkpoints may take at most a fifth of the loop's time.

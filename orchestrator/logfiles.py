@@ -419,7 +419,7 @@ class LogSink:
         due = [(name, f) for name, f in self._files.items()
                if name in self._dirty or f._dropped or f._deletable or name not in self._sizes]
         # Within the descriptor budget: in groups, each closed again once written.
-        group = len(due) if self.max_open is None else max(1, self.max_open // 2)
+        group = max(1, len(due) if self.max_open is None else self.max_open // 2)
         for first in range(0, len(due), group):
             self._write(due[first:first + group])
             self._release()

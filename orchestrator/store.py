@@ -395,11 +395,12 @@ class Store:
                               job_id=job_id, attempt=attempt)
 
     def checkpoint(self, job_id: str, attempt: int, state: dict[str, Any],
-                   acked: dict[int, int]) -> None:
+                   acked: dict[int, int], warm_starts: int = 0) -> None:
         """Record, at one moment, an attempt's bookkeeping (log sizes, exits) and how far
-        each node's messages are kept."""
+        each node's messages are kept; and its warm starts so far, for readers."""
         with self._transaction() as db:
-            self._update(db, "attempts", {"checkpoint_json": json.dumps(state)},
+            self._update(db, "attempts", {"checkpoint_json": json.dumps(state),
+                                          "warm_starts": warm_starts},
                          job_id=job_id, attempt=attempt)
             self._update_rows(db, "nodes", "node_index",
                               {i: {"acked_seq": seq} for i, seq in acked.items()}, job_id=job_id)

@@ -35,3 +35,28 @@ def test_any_heartbeat_or_error_file_content_is_only_that_ranks_problem(home, tm
         assert notes == [f"[local:{rank}] [orchestrator] {s}" for s in said], lines
         assert lines[-1] == f"[local:{rank}] done {rank}"
     assert_no_job_processes(job_id)
+
+
+def test_a_heartbeat_file_dated_in_the_year_33658_breaks_no_reader(home, tmp_path):
+    """Its mtime is the worker's to set; the agent dates a heartbeat by the file's change time
+    (the kernel's) and keeps seeing new ones; status works while the job runs and after."""
+    import time
+
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "future-beat", "nodes": [{"host": "local"}], "nproc_per_node": 1,
+        "command": [PYTHON, str(WORKERS / "future_heartbeat.py"), "3"],
+        "workdir": str(tmp_path), "health": {"heartbeat_interval": 0.3}}))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        data = orchestrator.status(job_id)
+        if data["ranks"] and data["ranks"][0]["step"] == 1:
+            break
+        time.sleep(0.2)
+    assert data["ranks"][0]["step"] == 1, data["ranks"]
+    beat = data["ranks"][0]["last_heartbeat"]
+    assert beat.startswith(time.strftime("%Y-", time.gmtime())), beat
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert result["ranks"][0]["step"] == 5, result["ranks"]  # the second one was seen too
+    assert orchestrator.cancel(job_id)["state"] == "SUCCEEDED"
+    assert_no_job_processes(job_id)

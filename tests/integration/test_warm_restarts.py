@@ -204,6 +204,10 @@ def test_a_hot_spare_takes_a_lost_nodes_place_warm(home, tmp_path):
     wait_for(lambda: orchestrator.status(job_id)["attempt"] == 2, 60, what="attempt 2")
     wait_for(lambda: orchestrator.status(job_id)["nodes"][1]["spare"], 60,
              what="node 1 back as the spare")
+    # While attempt 2 runs, not only once it ended (what `status` showed was 0).
+    wait_for(lambda: orchestrator.status(job_id)["attempts"][1]["warm_starts"] == 4, 10,
+             what="4 warm starts shown while attempt 2 runs")
+    assert orchestrator.status(job_id)["attempts"][1]["outcome"] == "RUNNING"
     result = orchestrator.wait(job_id, timeout=120)
     assert result["state"] == "SUCCEEDED", result["failure"]
     assert result["attempts"][0]["failure"]["cause"] == "NODE_FAIL"
