@@ -171,6 +171,8 @@ class Agent:
                     seq = msg.get("seq")
                     if isinstance(seq, int):
                         self.outbox.ack(seq)
+                elif op == P.SPOOL:
+                    self.outbox.spool_while_attached(conn)
                 elif op != P.PING:
                     self.events.put(("command", msg))
         except OSError:

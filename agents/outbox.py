@@ -1,7 +1,8 @@
 """The outbox: every message of an agent goes out through here, on one sender thread.
 
 Sequenced messages (protocol.SEQUENCED) are numbered, kept until the controller acknowledges
-them and spooled to a file while no controller is attached; output travels in batches of
+them and spooled to a file while no controller is attached (or the one attached cannot write:
+``spool_while_attached``); output travels in batches of
 one rank's lines, behind control messages, within a window of unacknowledged bytes (a
 reader stops reading a worker's pipe while the controller is behind: the worker then blocks
 on write); past the spool's cap the lines not kept are counted and reported.
@@ -61,6 +62,9 @@ class Outbox:
         self._spool_offset = 0  # replayed up to here
         self._dropped: collections.Counter[tuple[Any, str, int]] = collections.Counter()
         self.detached_since: float | None = time.monotonic()
+        # The attached controller cannot write (its disk is full): spool as while detached,
+        # but stay attached (no controller_grace runs) until a controller attaches again.
+        self._holding = False
         self.hello: Any = None  # set by the agent: builds the hello message
         self.closed = False
 
@@ -144,6 +148,18 @@ class Outbox:
     def current(self) -> socket.socket | None:
         return self._conn
 
+    def spool_while_attached(self, conn: socket.socket) -> None:
+        """The controller on ``conn`` cannot write: sequenced messages go to the spool from
+        now on, within its cap, until the next attach replays them."""
+        with self._cond:
+            if self._conn is conn:
+                self._holding = True
+                self._cond.notify_all()
+
+    def _live(self) -> bool:
+        """Whether sequenced messages go to the controller now (else to the spool)."""
+        return self._conn is not None and not self._holding
+
     def _forget(self, seq: int) -> None:
         while self._unacked and self._unacked[0][0] <= seq:
             self._unacked_bytes -= len(self._unacked.popleft()[1])
@@ -176,7 +192,7 @@ class Outbox:
                         continue
                     return "send", self._conn, data
                 wait: float | None = None
-                if self._lines and (self._conn is None or self._unacked_bytes < P.WINDOW_BYTES):
+                if self._lines and (not self._live() or self._unacked_bytes < P.WINDOW_BYTES):
                     age = time.monotonic() - self._lines_since
                     if self._line_bytes >= P.BATCH_BYTES or age >= P.BATCH_DELAY:
                         data = self._take_batch()
@@ -206,7 +222,7 @@ class Outbox:
         attempt, rank, stream = key
         self._taken[rank] += len(batch)
         self._cond.notify_all()
-        if self._conn is None and self._spool_max is not None and \
+        if not self._live() and self._spool_max is not None and \
                 self._spool_bytes + size > self._spool_max:
             self._dropped[(rank, stream, attempt)] += len(batch)
             return None
@@ -221,7 +237,7 @@ class Outbox:
         self.seq += 1
         message["seq"] = self.seq
         data = P.encode(message)
-        if self._conn is not None and self._spool is None:
+        if self._live() and self._spool is None:
             self._unacked.append((self.seq, data))
             self._unacked_bytes += len(data)
             return data
@@ -257,6 +273,7 @@ class Outbox:
         """A controller proved the secret: hello, then everything it has not kept, in order."""
         with self._cond:
             old, self._conn = self._conn, conn
+            self._holding = False
             self.detached_since = None
             self._forget(ack)
             replay = list(self._unacked)

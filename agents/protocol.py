@@ -27,6 +27,9 @@ Controller -> agent (``op``)::
 
     attach    {secret, ack}         the first line; ``ack`` is the last seq this job has kept
     ack       {seq}                 everything up to seq is kept: the agent may forget it
+    spool     {}                    the controller cannot write (a full disk): keep every
+                                    sequenced message in the spool, as while detached,
+                                    until a controller attaches again
     ping      {}                    the controller's heartbeat
     start     {attempt, workdir, env, defaults, route_to, workers: [{rank, local_rank, argv,
                env}], stop_grace, flight_recorder}
@@ -89,6 +92,7 @@ CONNECT = "connect"
 HOLD = "hold"  # Slurm: be this node's holder step (agents/holder.py)
 ATTACH = "attach"
 ACK = "ack"
+SPOOL = "spool"
 PING = "ping"
 START = "start"
 WARM = "warm"  # keep standbys for what a start would run here (a hot spare node)

@@ -150,8 +150,9 @@ def _start_controller(store: Store, job_id: str, *, resume: bool) -> int:
 
 
 def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Start a new controller for a job whose controller is gone: it reattaches to the same
-    agents and the same attempt, and the job goes on (no restart is charged). Returns
+    """Start a new controller for a job whose controller is gone (or, when its controller
+    keeps failing, have its supervisor try again now): it reattaches to the same agents and
+    the same attempt, and the job goes on (no restart is charged). Returns
     ``{"job_id", "resumed": bool, "controller": {...}}``; ``resumed`` is False when the job
     already has a live controller. A job that ended raises JobEndedError."""
     store = Store(home)
@@ -160,6 +161,9 @@ def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
         if job.state.is_terminal():
             raise JobEndedError(job_id, job.state.value)
         view = _controller_view(job)
+        if job.failing and view["alive"] is not False:  # its supervisor waits: try again
+            store.update_job(job_id, resume_requested_at=time.time())
+            return {"job_id": job_id, "resumed": True, "controller": view}
         if view["alive"] is not False:
             return {"job_id": job_id, "resumed": False, "controller": view}
         _start_controller(store, job_id, resume=True)
@@ -332,8 +336,8 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
          home: str | os.PathLike[str] | None = None, poll: float = 0.2) -> Iterator[str]:
     """Yield log lines ``[host:rank] text`` of a job: the setup (``[host:setup]``) and
     every attempt, or one attempt. ``rank`` reads that rank's own file; ``node`` the lines of
-    that node's ranks. Where lines were cut (``logs.max_bytes_per_rank``) or not written
-    (``logs.min_free_bytes``), a line ``[orchestrator] N lines ...`` says so, in place.
+    that node's ranks. Where lines were cut (``logs.max_bytes_per_rank``), a line
+    ``[orchestrator] N lines ...`` says so, in place.
 
     ``follow`` keeps yielding new lines, moving on to new attempts, until the job ends.
     """
@@ -344,7 +348,7 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
         last = attempt if attempt is not None else max(job.attempt, first)
         streams = {n: _Stream(store, job, n, rank, node) for n in range(first, last + 1)}
         lines: Iterator[str] = (line for n in range(first, last + 1)
-                                for line in streams[n].read(job))
+                                for line in streams[n].read())
         if tail is not None:
             lines = iter(deque(lines, maxlen=max(0, tail)))
         yield from lines
@@ -357,7 +361,7 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
             if not job.state.is_terminal() and time.monotonic() >= next_liveness_check:
                 _ensure_controller(store, job_id)
                 next_liveness_check = time.monotonic() + 2.0
-            new = stream.read(job)
+            new = stream.read()
             yield from new
             if attempt is None and job.attempt > current:
                 current += 1
@@ -375,7 +379,7 @@ def log_tail(job_id: str, *, rank: int | None = None, attempt: int | None = None
              home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """The last ``lines`` lines of one attempt (default: the current one), read from the end
     of its log (the rank's own with ``rank``), at most ``max_bytes`` of it, so a poll costs
-    the same whatever the log's size; cut markers and not-written notes included:
+    the same whatever the log's size; cut markers included:
     ``{"attempt", "lines", "partial"}``; ``partial`` when the read stopped at ``max_bytes``
     before finding enough lines."""
     store = Store(home)
@@ -386,7 +390,7 @@ def log_tail(job_id: str, *, rank: int | None = None, attempt: int | None = None
     finally:
         store.close()
     found, partial = logread.tail_lines(stream.path, lines, max_bytes, stream.keep)
-    found = [stream.shown(line) for line in found] + stream.notes(job)
+    found = [stream.shown(line) for line in found]
     return {"attempt": number, "lines": found[-lines:] if lines > 0 else [],
             "partial": partial}
 
@@ -405,8 +409,15 @@ def _controller_view(job: JobRecord) -> dict[str, Any]:
         alive = None
     else:
         alive = _any_controller(job)
+    failing = None
+    if job.failing and not job.state.is_terminal():
+        f = job.failing
+        failing = {"since": _iso(f.get("since")), "error": f.get("error"),
+                   "deaths": f.get("deaths"), "traceback": f.get("traceback"),
+                   "until": _iso(f.get("until"))}
     return {"pid": job.controller_pid, "host": job.controller_host, "alive": alive,
-            "since": _iso(job.controller_since), "supervisor_pid": job.supervisor_pid}
+            "since": _iso(job.controller_since), "supervisor_pid": job.supervisor_pid,
+            "failing": failing}
 
 
 def _shown_state(job: JobRecord, controller: dict[str, Any]) -> str:
@@ -494,6 +505,8 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
         "free_restarts": job.free_restarts,
         "infra_restarts": job.infra_restarts,
         "controller": controller,
+        "paused": None if job.paused is None or job.state.is_terminal() else {
+            "since": _iso(job.paused.get("since")), "reason": job.paused.get("reason")},
         "controller_grace": json.loads(job.spec_json).get("health", {}).get("controller_grace"),
         "slurm": None if job.slurm is None else {
             "job_id": job.slurm.get("job_id"), "nodes": job.slurm.get("nodes") or [],
@@ -539,7 +552,6 @@ class _Stream:
                                       else "combined.log")
         self.follower = logread.Follower(self.path)
         self.labels = _node_labels(job, node) if node is not None else None
-        self._noted = 0
         self._host: str | None = None
 
     def keep(self, line: str) -> bool:
@@ -557,22 +569,8 @@ class _Stream:
             self._host = logfiles.labels(self.directory).get(str(self.rank))
         return f"[{self._host or '?'}:{self.rank}] {line}"
 
-    def read(self, job: JobRecord) -> list[str]:
-        out = [self.shown(line) for line in self.follower.read() if self.keep(line)]
-        return out + self.notes(job)
-
-    def notes(self, job: JobRecord) -> list[str]:
-        """While the attempt runs, what the disk had no room for (its files say it once they
-        close), each time the count grows."""
-        counts, floor = logread.not_written(self.directory)
-        if self.rank is not None:
-            count = counts.get(str(self.rank), 0)
-        else:
-            count = sum(v for k, v in counts.items() if self.labels is None or k in self.labels)
-        if count <= self._noted or not self.keep("[orchestrator] "):
-            return []
-        self._noted = count
-        return [self.shown(logfiles.not_written_note(count, floor))]
+    def read(self) -> list[str]:
+        return [self.shown(line) for line in self.follower.read() if self.keep(line)]
 
 
 def _node_labels(job: JobRecord, node: int) -> set[str]:

@@ -547,6 +547,20 @@ def _print_status(data: dict[str, Any]) -> None:
     if data["state"] not in EXIT_FOR_STATE:
         typer.echo(f"controller pid {c['pid']} on {c['host']} since {c['since']}: {alive}; "
                    f"agents keep the workers {_grace(data['controller_grace'])} without one")
+    if data.get("paused"):
+        p = data["paused"]
+        typer.echo(visible(f"paused since {p['since']}: cannot write {p['reason']}; the "
+                           "workers go on, their output waits on their nodes until there "
+                           "is room"), err=True)
+    if c.get("failing"):
+        f = c["failing"]
+        until = f"until {f['until']}" if f.get("until") else "for as long as the agents wait"
+        typer.echo(visible(
+            f"the controller keeps failing ({f['deaths']} deaths since {f['since']}; the "
+            f"last: {f['error']}; traceback in {f['traceback']}): the workers go on "
+            f"{until}, then the job ends CONTROLLER_FAILED; `orchestrator resume "
+            f"{data['job_id']}` tries again, `orchestrator cancel {data['job_id']}` stops "
+            "them"), err=True)
     if data.get("slurm"):
         s = data["slurm"]
         whose = "requested by the orchestrator" if s["owned"] else "your own allocation"

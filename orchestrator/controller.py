@@ -34,9 +34,10 @@ from collections.abc import Callable
 from typing import Any
 
 from agents import protocol as P
-from orchestrator import healthcheck, policy, reputation
+from orchestrator import healthcheck, pause, policy, reputation
 from orchestrator.attempt import Attempt, AttemptResult, Failure, start_message
 from orchestrator.engine import Engine, Stop
+from orchestrator.errors import StoreUnwritable
 from orchestrator.logfiles import LogSink
 from orchestrator.nodebook import Node
 from orchestrator.notify import END_WAIT, Notifier
@@ -82,6 +83,7 @@ class Controller:
         # between attempts): who runs the next one depends on it (a spare in a failed place).
         self.placed: Placed | None = None
         self._on_end = on_end
+        self.hand_over = False  # paused, and the home can be written again: a fresh one goes on
         self.notifier = Notifier(spec.notify, job_id, spec.name)
         self.engine.book.on_lost = self._node_lost
 
@@ -99,6 +101,12 @@ class Controller:
 
     # --- the job, start to end ----------------------------------------------------------------
     def run(self) -> JobState:
+        """Run the job to its end; its state. **Crash-only**: an exception of ours leaves
+        the workers exactly as a SIGKILL of this process would (the agents keep them, and
+        the supervisor starts a controller that resumes) and propagates. A home that cannot
+        be written pauses the job instead (orchestrator/pause.py); once it can, ``hand_over``
+        is set and a fresh controller carries on. Told to exit, the job stays with its
+        agents."""
         engine = self.engine
         engine.pool.start_pinger()
         try:
@@ -107,25 +115,70 @@ class Controller:
                 self._detach()
                 return engine.state
             final, fields = outcome
-        except BaseException as exc:  # a bug or an unexpected OS error: never leave RUNNING
-            log.exception("controller error")
-            failure = Failure(FailureCause.LAUNCH_FAILED, f"controller error: {_describe(exc)}")
-            final, fields = JobState.FAILED, {"failure": failure.to_dict()}
             engine.ending = True
-            self._guarded(lambda: self._end_attempt_with(failure))
+            engine.checkpoint(force=True)  # every line kept before the agents are let go
+        except BaseException as exc:
+            reason = pause.problem(exc, str(self.store.home))
+            if reason is None:
+                self._guarded(engine.pool.close)  # as a SIGKILL: the workers untouched
+                log.error("controller error: %s (the workers go on; the supervisor starts "
+                          "a new controller)", _describe(exc))
+                raise
+            self.hand_over = pause.hold(engine, self.notifier, reason,
+                                        self.spec.logs.min_free_bytes)
+            self._guarded(engine.close)
+            self.notifier.close(END_WAIT)
+            return engine.state
         # Agents are shut down before the terminal state is written: whoever sees the job
         # ended also sees every reachable node done.
-        engine.ending = True
         self._guarded(lambda: engine.shutdown(SHUTDOWN_WAIT))
         if self._on_end is not None:
             self._guarded(self._on_end)  # the job's end must still be recorded
-        engine.set_state(final, **fields)
+        self._record_end(final, fields)
         self._guarded(lambda: self.notifier.ended(final.value, fields.get("failure")))
         self._guarded(lambda: self.notifier.close(END_WAIT))
         self._guarded(engine.linger)
         self._guarded(engine.flush)
         engine.close()
         return engine.state
+
+    def _record_end(self, final: JobState, fields: dict[str, Any]) -> None:
+        """Write the end, once; while the home cannot be written (the agents are gone and
+        nothing else waits) it is tried again every second."""
+        said = False
+        while True:
+            try:
+                self.engine.set_state(final, **fields)
+                return
+            except StoreUnwritable as exc:
+                if not said:
+                    log.error("the job ended %s but %s: trying again every second",
+                              final.value, exc)
+                    said = True
+                time.sleep(1.0)
+
+    def abandon(self, final: JobState, fields: dict[str, Any]) -> None:
+        """End the job without running it, for a supervisor whose controllers keep failing:
+        every agent that answers is told to stop its workers and exit (none is started),
+        then the end is recorded."""
+        engine = self.engine
+        engine.ending = engine.lingering = True  # whatever attaches is shut down
+        for node in self.nodes:
+            engine.pool.connect(node, launch=False)
+        engine.wait(lambda: not any(n.connecting or n.channel is not None for n in self.nodes),
+                    self.spec.launch_timeout + SHUTDOWN_WAIT, interruptible=False)
+        if self._on_end is not None:
+            self._guarded(self._on_end)
+        job = self.store.get_job(self.job_id)
+        if job.attempts and job.attempts[-1].ended_at is None:  # it ends with the job
+            outcome = AttemptOutcome.CANCELLED if final == JobState.CANCELLED else \
+                AttemptOutcome.FAILED
+            self.store.end_attempt(self.job_id, job.attempts[-1].attempt, outcome.value,
+                                   fields.get("failure"), job.attempts[-1].warm_starts)
+        self._record_end(final, fields)
+        self._guarded(lambda: self.notifier.ended(final.value, fields.get("failure")))
+        self._guarded(lambda: self.notifier.close(END_WAIT))
+        engine.close()
 
     def _guarded(self, step: Callable[[], Any]) -> None:
         """A step of the end that must not keep the job from being recorded as ended (the

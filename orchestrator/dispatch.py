@@ -1,8 +1,10 @@
 """What the controller's loop does with each event of a turn (orchestrator/events.py): an
 agent's message to the node book (order, gaps) and then to the attempt, an attached channel
 to what the node must do (drain, start, stop, prepare), a closed or unavailable channel to the
-node's state, a finished preparation to the node or the job. A node's message that makes
-anything fail loses that node (``Engine.reject``), never the controller."""
+node's state, a finished preparation to the node or the job. A node's message out of
+protocol loses that node (``Engine.reject``); an error of ours while handling a good one is
+never blamed on the node: it is the controller's (crash-only: it is replaced, and the agent
+replays the message)."""
 
 from __future__ import annotations
 
@@ -31,13 +33,10 @@ def dispatch(engine: Engine, event: E.Event) -> None:
             node = engine.nodes[channel.node_index]
             if node.channel is not channel:
                 return  # a channel we already left
-            try:
-                _on_message(engine, node, message)
-            except OSError:
-                raise  # the controller's own trouble (descriptors, disk): not the node's
-            except Exception as exc:  # one node's message must never end the controller
-                log.exception("%s: handling its message failed", node.host)
-                engine.reject(node, f"{type(message).__name__.lower()}: {exc!r}")
+            # A message that passed the door is the node's word; if handling it fails, the
+            # error is ours (the store, the disk, a bug), never the node's: it propagates,
+            # the controller is replaced, and the agent replays the message to the next one.
+            _on_message(engine, node, message)
         case E.Rejected(channel, problem):
             if engine.nodes[channel.node_index].channel is channel:
                 engine.reject(engine.nodes[channel.node_index], problem)

@@ -5,11 +5,12 @@ and every turn runs the same checks, in this order: the events of the turn, hand
 (orchestrator/dispatch.py: node news to the node book, agents' messages to the attempt,
 connects, preparations); the node and rank writes of the turn, in one transaction each;
 readers' requests (cancel, stacks); the stop reasons (cancel, a signal, ``max_duration``);
-silent nodes; a hang; a checkpoint; the liveness ``status --watch`` shows. Nothing here
-raises for a node's fault: a node that says something out of protocol, or whose message
-makes anything fail, loses its channel and the attempt fails for it, naming the field; the
-controller lives. A wait returns early when a stop reason is set (unless it must not be
-interrupted) and the caller decides.
+silent nodes; a hang; the home's free space; a checkpoint; the liveness ``status --watch``
+shows. Nothing here raises for a node's fault: a node that says something out of protocol
+loses its channel and the attempt fails for it, naming the field. What raises is ours (a bug,
+a store or a disk that cannot be written): the controller is crash-only
+(orchestrator/controller.py). A wait returns early when a stop reason is set (unless it must
+not be interrupted) and the caller decides.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agents import protocol as P
-from orchestrator import hang
+from orchestrator import failpoints, hang
 from orchestrator.attempt import Attempt, Failure
 from orchestrator.channel import Channel, ask_all
 from orchestrator.dispatch import dispatch
@@ -44,6 +45,7 @@ CHECKPOINT_EVERY = 0.05  # seconds between checkpoints while messages arrive
 # milliseconds, not to be paid on every turn of the loop (20 a second).
 SCAN_EVERY = 0.2
 REQUESTS_EVERY = 0.25  # seconds between two looks at readers' requests (cancel, stacks)
+ROOM_EVERY = 1.0  # seconds between two looks at the home's free space (orchestrator/pause.py)
 
 
 class Stop(enum.Enum):
@@ -82,6 +84,7 @@ class Engine:
         self.on_attached: Callable[[Node, Channel], None] | None = None  # for benchmarks
         self._busy = False  # collecting stacks: the turns inside do not start another
         self._next_requests = self._scanned = self._liveness = self._checkpointed = 0.0
+        self._room_checked = 0.0
         self._checkpoint_every = CHECKPOINT_EVERY
 
     # --- the one wait ---------------------------------------------------------------------
@@ -102,6 +105,7 @@ class Engine:
 
     def turn(self, timeout: float) -> None:
         self.pool.main_tick = time.monotonic()
+        failpoints.hit("turn")
         for event in self.loop.poll(timeout):
             dispatch(self, event)
         self.flush()
@@ -157,6 +161,9 @@ class Engine:
                 else:
                     self.book.unreachable(node, why)
         self._check_hang(now)
+        if not self.ending and now - self._room_checked >= ROOM_EVERY:  # a pause, not a loss
+            self._room_checked = now
+            self.store.check_room(self.spec.logs.min_free_bytes)
         self.checkpoint()
         attempt = self.current
         if attempt is not None and not attempt.ended and now - self._liveness >= 1.0:

@@ -14,6 +14,8 @@
     │       (and, in orchestrator/transport/base.py: AgentGone, WrongVersion, ProtocolViolation)
     ├── LaunchError                   the job could not be started (e.g. preflight failed)
     └── StoreError                    $ORCHESTRATOR_HOME or its database cannot be used
+        └── StoreUnwritable           nothing can be written there now (a full disk, a
+                                      read-only or vanished home): the controller pauses
 
 Third-party exceptions (paramiko, socket, sqlite) are caught at the module that talks to
 them and re-raised as one of these with context and ``from exc``.
@@ -97,3 +99,13 @@ class LaunchError(OrchestratorError):
 
 class StoreError(OrchestratorError):
     """The state directory or database cannot be opened or written."""
+
+
+class StoreUnwritable(StoreError):
+    """Nothing can be written under $ORCHESTRATOR_HOME now: its disk is full, or it is
+    read-only or gone (an NFS server away). A pause, not a failure (orchestrator/pause.py):
+    ``path`` is what could not be written, ``reason`` why."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"cannot write {path}: {reason}")

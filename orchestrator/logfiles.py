@@ -10,14 +10,15 @@ the file after a marker that says how much was cut. While a log is cut, a small 
 says where the head ends, which segments hold which lines and, once closed, where the tail
 went: so a reader shows the marker with its count at the place lines were cut, follows lines
 into the segments while the attempt runs, and finds its place again after the close.
-Lines not written because the disk was below ``logs.min_free_bytes`` are counted per label
-in ``not-written.json`` while the attempt runs, and noted at the end of each file when it
-closes. ``labels`` says on which host each label ran.
+Below ``logs.min_free_bytes`` free on its filesystem a sink writes nothing more and raises
+ENOSPC: the controller pauses (orchestrator/pause.py) and the lines wait in the agents'
+spools. ``labels`` says on which host each label ran.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import shutil
@@ -28,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 STDERR_TAIL = 20  # lines of a failing rank's stderr kept for the failure message
-NOT_WRITTEN = "not-written.json"
 LABELS = "labels"
 
 
@@ -37,13 +37,6 @@ def cut_marker(lines: int, cut_bytes: int | None, cap: int | None) -> str:
     size = f" ({cut_bytes} bytes)" if cut_bytes is not None else ""
     return (f"[orchestrator] {lines} lines{size} cut here: this log keeps its first and last "
             f"part, {cap} bytes in all (logs.max_bytes_per_rank)")
-
-
-def not_written_note(lines: int, min_free: int | None) -> str:
-    """The line that says how many lines the disk had no room for (no newline)."""
-    floor = f"less than {min_free} bytes" if min_free is not None else "too little space"
-    return (f"[orchestrator] {lines} lines not written: {floor} free on this filesystem "
-            "(logs.min_free_bytes)")
 
 
 def sidecar(path: Path) -> Path:
@@ -262,8 +255,8 @@ class CappedLog:
             f.close()
         self._open.clear()
 
-    def close(self, note: str | None = None) -> None:
-        """Put the kept tail back after the marker; then ``note``, if any."""
+    def close(self) -> None:
+        """Put the kept tail back after the marker."""
         self._drain()
         for k in [k for k in self._open if k is not None]:
             self._open.pop(k).close()
@@ -278,8 +271,6 @@ class CappedLog:
                 f.seek(0)
                 tail.append([k, self.starts.get(k, 0), os.fstat(f.fileno()).st_size])
                 shutil.copyfileobj(f, main)
-        if note:
-            main.write(note.encode())
         main.close()
         if self.segments:  # where a reader that was in a segment finds its place again
             _write_json(sidecar(self.path), {
@@ -323,8 +314,9 @@ class LogSink:
     records in its checkpoint. Opening with ``sizes`` cuts every file back to its recorded
     size, so that what the agents replay after a checkpoint is written exactly once. Each
     rank's log is capped at ``cap`` bytes (CappedLog; ``combined.log`` at ``cap`` times the
-    ranks). When the filesystem has less than ``min_free`` bytes free, logging stops (the
-    state database shares that filesystem) and the lines not written are counted.
+    ranks). When the filesystem has less than ``min_free`` bytes free, ``write`` raises
+    ENOSPC instead of writing (the state database shares that filesystem): the controller
+    pauses rather than lose or half-write a line.
     """
 
     def __init__(self, directory: Path, sizes: dict[str, int] | None = None, *,
@@ -344,8 +336,6 @@ class LogSink:
         self.min_free = min_free
         state = state or {}
         self._states: dict[str, Any] = dict(state.get("files", {}))
-        self.not_written: dict[str, int] = dict(state.get("not_written", {}))
-        self._not_written_shown: dict[str, int] = {}
         self.labels = labels(directory)
         # Open log files at most (None: no bound): past it, those written longest ago are
         # closed after a checkpoint, and open again when written to (see release()).
@@ -359,7 +349,7 @@ class LogSink:
         self._sizes: dict[str, dict[str, int]] = {}  # file -> its last sizes()
         self.stderr: dict[str, deque[str]] = {}
         self._since_check = 0
-        self.full = self._low_on_space()
+        self._check_space()
 
     def _file(self, name: str) -> CappedLog:
         f = self._files.get(name)
@@ -373,12 +363,14 @@ class LogSink:
                                               fresh=self._fresh and state is None)
         return f
 
-    def _low_on_space(self) -> bool:
-        try:
-            st = os.statvfs(self.directory)
-        except OSError:
-            return False
-        return st.f_bavail * st.f_frsize < self.min_free
+    def _check_space(self) -> None:
+        """ENOSPC below ``min_free`` bytes free: nothing more is written here for now."""
+        if not self.min_free:
+            return
+        st = os.statvfs(self.directory)
+        if st.f_bavail * st.f_frsize < self.min_free:
+            raise OSError(errno.ENOSPC, f"less than {self.min_free} bytes free "
+                                        "(logs.min_free_bytes)", str(self.directory))
 
     def write(self, host: str, label: str, stream: str, lines: list[str]) -> None:
         if not lines:
@@ -391,9 +383,6 @@ class LogSink:
             self._labels_file.flush()
         if stream == "stderr":
             self.stderr.setdefault(label, deque(maxlen=STDERR_TAIL)).extend(lines[-STDERR_TAIL:])
-        if self.full:
-            self.not_written[label] = self.not_written.get(label, 0) + len(lines)
-            return
         body = ("\n".join(lines) + "\n").encode()
         name = f"rank-{label}.log"
         self._file(name).write(body)
@@ -407,14 +396,9 @@ class LogSink:
         self._since_check += len(body)
         if self._since_check > 4 * 1024 * 1024:  # statvfs is cheap, but not per line
             self._since_check = 0
-            self.full = self._low_on_space()
+            self._check_space()
 
     def flush(self) -> dict[str, int]:
-        # For readers: what the disk had no room for (rare changes only).
-        if self.not_written != self._not_written_shown:
-            _write_json(self.directory / NOT_WRITTEN,
-                        {"min_free": self.min_free, "lines": self.not_written})
-            self._not_written_shown = dict(self.not_written)
         sizes = dict(self._restored)
         due = [(name, f) for name, f in self._files.items()
                if name in self._dirty or f._dropped or f._deletable or name not in self._sizes]
@@ -472,20 +456,15 @@ class LogSink:
             if name not in self._states:
                 self._states[name] = f.state()
         self._dirty = set()
-        return {"files": dict(self._states), "not_written": self.not_written}
+        return {"files": dict(self._states)}
 
     def close(self) -> None:
-        for name, f in self._files.items():
-            label = name[len("rank-"):-len(".log")] if name.startswith("rank-") else None
-            count = sum(self.not_written.values()) if label is None else \
-                self.not_written.get(label, 0)
-            note = not_written_note(count, self.min_free) + "\n" if count else None
-            f.close(note)
+        for f in self._files.values():
+            f.close()
         self._files = {}
         if self._labels_file is not None:
             self._labels_file.close()
             self._labels_file = None
-        (self.directory / NOT_WRITTEN).unlink(missing_ok=True)  # noted in the files now
 
 
 def labels(directory: Path) -> dict[str, str]:

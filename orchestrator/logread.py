@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from orchestrator.logfiles import NOT_WRITTEN, cut_marker, read_json, sidecar
+from orchestrator.logfiles import cut_marker, read_json, sidecar
 
 
 class Follower:
@@ -100,12 +100,6 @@ def _lines(path: Path, offset: int, end: int | None) -> tuple[list[str], int]:
     if cut == 0:
         return [], offset
     return data[:cut - 1].decode("utf-8", "replace").split("\n"), offset + cut
-
-
-def not_written(directory: Path) -> tuple[dict[str, int], int | None]:
-    """Lines per label that a running attempt's disk had no room for, and the floor."""
-    data = read_json(directory / NOT_WRITTEN) or {}
-    return {str(k): int(v) for k, v in (data.get("lines") or {}).items()}, data.get("min_free")
 
 
 def tail_lines(path: Path, count: int, max_bytes: int,

@@ -99,6 +99,9 @@ class JobRecord:
     controller_ident: str | None = None  # orchestrator.pids.identity of controller_pid
     supervisor_ident: str | None = None
     slurm: dict[str, Any] | None = None  # the Slurm allocation (orchestrator.slurm.Allocation)
+    paused: dict[str, Any] | None = None  # {since, reason}: the home cannot be written
+    failing: dict[str, Any] | None = None  # the controller keeps failing (supervisor.py)
+    resume_requested_at: float | None = None  # `resume` asked a failing job to try again
     nodes: list[NodeRecord] = field(default_factory=list)
     ranks: list[RankRecord] = field(default_factory=list)
     attempts: list[AttemptRecord] = field(default_factory=list)

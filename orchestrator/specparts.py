@@ -375,7 +375,7 @@ class RestartPolicySpec(_Model):
 
 
 _NOTIFY_EVENTS = Literal["failed", "succeeded", "cancelled", "restarted", "hung", "node_lost",
-                         "quarantined"]
+                         "quarantined", "paused"]
 
 
 class NotifySpec(_Model):
@@ -384,9 +384,11 @@ class NotifySpec(_Model):
     url: str = Field(description="http:// or https:// URL; a secret (it often holds a "
                                  "token): never shown or logged")
     on: tuple[_NOTIFY_EVENTS, ...] = Field(
-        default=("failed", "succeeded", "restarted", "hung", "node_lost", "quarantined"),
+        default=("failed", "succeeded", "restarted", "hung", "node_lost", "quarantined",
+                 "paused"),
         description="the events sent: failed, succeeded, cancelled, restarted, hung, "
-                    "node_lost, quarantined")
+                    "node_lost, quarantined, paused (the controller cannot write: a full "
+                    "disk)")
     timeout: Annotated[float, Field(gt=0, le=60, allow_inf_nan=False)] = Field(
         default=5.0, description="seconds per try (a receiver is tried up to 4 times)")
 

@@ -92,6 +92,10 @@ class FailureCause(str, Enum):
     # Nodes failed their health check (health.node_check, min_free_bytes) and too few were
     # left for nnodes MIN: the job fails at once, naming them.
     NODE_UNHEALTHY = "NODE_UNHEALTHY"
+    # The controller kept failing on the same error (a bug of ours, or an environment it
+    # cannot run in): after the agents' controller_grace (or a cancel) the job ends, naming
+    # the error; no restart is charged (orchestrator/supervisor.py).
+    CONTROLLER_FAILED = "CONTROLLER_FAILED"
 
 
 _TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})

@@ -18,6 +18,7 @@ the checkpoint and has the agents replay the rest: every line exactly once.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import pids
-from orchestrator.errors import JobNotFoundError, StoreError
+from orchestrator.errors import JobNotFoundError, StoreError, StoreUnwritable
 from orchestrator.records import (
     AttemptRecord,
     JobRecord,
@@ -72,7 +73,10 @@ CREATE TABLE IF NOT EXISTS jobs (
     slurm_json TEXT,
     world_json TEXT,
     controller_ident TEXT,
-    supervisor_ident TEXT
+    supervisor_ident TEXT,
+    paused_json TEXT,
+    failing_json TEXT,
+    resume_requested_at REAL
 );
 CREATE TABLE IF NOT EXISTS nodes (
     job_id TEXT NOT NULL,
@@ -166,7 +170,8 @@ _ADDED_COLUMNS = {
              "infra_restarts": "INTEGER NOT NULL DEFAULT 0",
              "controller_pidns": "TEXT", "stacks_requested_at": "REAL",
              "stacks_json": "TEXT", "stacks_at": "REAL", "slurm_json": "TEXT",
-             "world_json": "TEXT", "controller_ident": "TEXT", "supervisor_ident": "TEXT"},
+             "world_json": "TEXT", "controller_ident": "TEXT", "supervisor_ident": "TEXT",
+             "paused_json": "TEXT", "failing_json": "TEXT", "resume_requested_at": "REAL"},
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
               "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL"},
@@ -189,6 +194,40 @@ def _can_batch() -> bool:
 
 
 _BATCH = _can_batch()
+
+
+# SQLite's primary result codes that mean "cannot write here now", not "a bug of ours".
+_SQLITE_UNWRITABLE = {13: "the disk is full", 10: "an I/O error", 8: "it is read-only",
+                      14: "it cannot be opened"}
+
+
+_ERRNO_UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.ESTALE}
+
+
+def unwritable(exc: BaseException) -> str | None:
+    """Why a write under the home failed when it is not our bug: SQLite or the filesystem
+    said the disk is full (or the quota), it is read-only, gone (a stale NFS handle) or
+    failing; None for anything else."""
+    if isinstance(exc, StoreUnwritable):
+        return exc.reason
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc) if exc.errno in _ERRNO_UNWRITABLE else None
+    code = getattr(exc, "sqlite_errorcode", None)  # Python 3.11+
+    if isinstance(code, int) and (code & 0xFF) in _SQLITE_UNWRITABLE:
+        return f"{_SQLITE_UNWRITABLE[code & 0xFF]} ({exc})"
+    text = str(exc).lower()
+    for words, why in (("disk is full", 13), ("i/o error", 10), ("readonly", 8),
+                       ("unable to open", 14)):
+        if isinstance(exc, sqlite3.OperationalError) and words in text:
+            return f"{_SQLITE_UNWRITABLE[why]} ({exc})"
+    return None
+
+
+def _json_or_none(text: str | None) -> Any:
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
 
 
 def default_home() -> Path:
@@ -243,6 +282,9 @@ class Store:
                 if path.exists() and path.stat().st_mode & 0o077:
                     os.chmod(path, 0o600)
         except (OSError, sqlite3.Error) as exc:
+            reason = unwritable(exc)
+            if reason is not None:
+                raise StoreUnwritable(str(self.home / "state.db"), reason) from exc
             raise StoreError(f"cannot use the state directory {self.home} "
                              f"($ORCHESTRATOR_HOME): {exc}") from exc
         finally:
@@ -260,13 +302,25 @@ class Store:
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
-        self._db.execute("BEGIN IMMEDIATE")
+        """One write transaction. A database that cannot be written now (a full disk, a
+        read-only or vanished home) raises StoreUnwritable, and nothing of it is kept."""
         try:
-            yield self._db
-        except BaseException:
-            self._db.execute("ROLLBACK")
-            raise
-        self._db.execute("COMMIT")
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+                self._db.execute("COMMIT")  # on a full disk, COMMIT itself may fail
+            except BaseException:
+                if self._db.in_transaction:
+                    try:
+                        self._db.execute("ROLLBACK")
+                    except sqlite3.Error:
+                        pass
+                raise
+        except sqlite3.Error as exc:
+            reason = unwritable(exc)
+            if reason is None:
+                raise
+            raise StoreUnwritable(str(self.home / "state.db"), reason) from exc
 
     # --- paths ---------------------------------------------------------------------------
     def job_dir(self, job_id: str) -> Path:
@@ -377,13 +431,74 @@ class Store:
 
     def claim_controller(self, job_id: str, pid: int, host: str, pidns: str | None) -> None:
         """Record the process that controls the job from now on, and where its pid means
-        something (host and PID namespace), and which process it is (pids.identity)."""
+        something (host and PID namespace), and which process it is (pids.identity). It
+        runs: the job is neither paused nor failing any more."""
         self.update_job(job_id, controller_pid=pid, controller_host=host,
                         controller_pidns=pidns, controller_since=time.time(),
-                        controller_ident=pids.identity(pid))
+                        controller_ident=pids.identity(pid), paused_json=None,
+                        failing_json=None)
 
     def claim_supervisor(self, job_id: str, pid: int) -> None:
         self.update_job(job_id, supervisor_pid=pid, supervisor_ident=pids.identity(pid))
+
+    # --- a home that cannot be written (orchestrator/pause.py) ----------------------------
+    RESERVE = ".reserve"
+    RESERVE_BYTES = 4 << 20
+
+    def check_room(self, floor: int) -> None:
+        """StoreUnwritable unless the home's filesystem has ``floor`` bytes free and the
+        home can be written."""
+        try:
+            st = os.statvfs(self.home)
+        except OSError as exc:
+            raise StoreUnwritable(str(self.home), exc.strerror or str(exc)) from exc
+        free = st.f_bavail * st.f_frsize
+        if free < floor:
+            raise StoreUnwritable(str(self.home), f"{free} bytes free, less than {floor} "
+                                                  "(logs.min_free_bytes)")
+        if not os.access(self.home, os.W_OK):
+            raise StoreUnwritable(str(self.home), "it is read-only")
+
+    def keep_reserve(self) -> bool:
+        """A few MiB the home keeps so that, its disk full, a paused controller can still
+        record why (freed by note_pause). Whether it is in place: made where there is room
+        for it, else not (and a paused controller waits until it can be)."""
+        path = self.home / self.RESERVE
+        try:
+            if path.stat().st_size >= self.RESERVE_BYTES:
+                return True
+        except OSError:
+            pass
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, self.RESERVE_BYTES)
+            finally:
+                os.close(fd)
+            return True
+        except OSError:
+            try:
+                path.unlink(missing_ok=True)
+            except OSError:
+                pass
+            return False
+
+    def note_pause(self, job_id: str, note: dict[str, Any] | None, *,
+                   strict: bool = False) -> None:
+        """Record (or clear, None) why the job's controller is paused. Its disk full, the
+        reserve is given up for it; ``strict``: StoreUnwritable if it cannot be written,
+        else it is only logged by the caller's other means."""
+        value = json.dumps(note) if note is not None else None
+        try:
+            self.update_job(job_id, paused_json=value)
+        except StoreUnwritable:
+            if strict:
+                raise
+            try:
+                (self.home / self.RESERVE).unlink(missing_ok=True)
+                self.update_job(job_id, paused_json=value)
+            except (OSError, StoreUnwritable):
+                pass
 
     def liveness(self, job_id: str, attempt: int, nodes: dict[int, float],
                  ranks: dict[int, float]) -> None:
@@ -676,4 +791,7 @@ class Store:
             controller_pidns=row["controller_pidns"],
             controller_ident=row["controller_ident"], supervisor_ident=row["supervisor_ident"],
             slurm=json.loads(row["slurm_json"]) if row["slurm_json"] else None,
+            paused=_json_or_none(row["paused_json"]),
+            failing=_json_or_none(row["failing_json"]),
+            resume_requested_at=row["resume_requested_at"],
         )

@@ -2,16 +2,27 @@
 
 ``submit`` starts ``python -m orchestrator.controller JOB_ID --supervise``: a small parent
 (``_supervise``) that forks the controller and starts it again, resuming, whenever it dies
-before the job has ended (a crash, the OOM killer, a stray kill; at most MAX_RESPAWNS in
-RESPAWN_WINDOW seconds). One controller per job, whoever started it (a lock on the job's
-directory). A job on Slurm gets its allocation here first (``salloc``, or the one the job was
-submitted in) and gives it back when it ends, also when the supervisor gives up.
+before the job has ended. The controller is **crash-only** (orchestrator/controller.py): an
+exception of ours, like a SIGKILL or the OOM killer, leaves the workers running on their
+agents, and a new controller takes over after a backoff (1, 2, 4 ... 30 s). One that keeps
+dying (the same error three times in a row, or six deaths in ten minutes) is *failing*: the
+workers go on for the agents' ``controller_grace`` while ``status`` names the error;
+``resume`` tries again, ``cancel`` ends the job at once, and otherwise the job ends FAILED
+with cause CONTROLLER_FAILED once the grace is over, no restart charged. A controller paused
+on a home it cannot write (orchestrator/pause.py) hands over to a fresh one at once when it
+can; one that could not even start waits for room here.
+
+One controller per job, whoever started it (a lock on the job's directory). A job on Slurm
+gets its allocation here first (``salloc``, or the one the job was submitted in) and gives
+it back when it ends, also when the supervisor gives up.
 """
 
 from __future__ import annotations
 
 import argparse
 import fcntl
+import functools
+import json
 import logging
 import os
 import secrets
@@ -20,11 +31,14 @@ import socket
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from orchestrator import reputation, slurm
+from orchestrator import failpoints, reputation, slurm
+from orchestrator.attempt import Failure
 from orchestrator.controller import Controller, raise_open_files_limit
-from orchestrator.errors import LaunchError, OrchestratorError, SpecError
+from orchestrator.errors import LaunchError, OrchestratorError, SpecError, StoreUnwritable
 from orchestrator.pids import pid_namespace
 from orchestrator.spec import JobSpec
 from orchestrator.state import FailureCause, JobState
@@ -35,8 +49,6 @@ from orchestrator.transport.slurm import SlurmConnector
 from orchestrator.world import UserWorld
 
 log = logging.getLogger("orchestrator.controller")
-
-ANOTHER_CONTROLLER = 75  # exit code: the job has a live controller already
 
 
 def _controller_main(job_id: str, resume: bool) -> int:
@@ -54,6 +66,24 @@ def _controller_main(job_id: str, resume: bool) -> int:
         log.info("job %s already ended (%s)", job_id, job.state.value)
         return 0
     store.claim_controller(job_id, os.getpid(), socket.gethostname(), pid_namespace())
+    store.keep_reserve()
+    failpoints.arm(store.job_dir(job_id))
+    controller = _controller(store, job_id, resume or job.state != JobState.PENDING)
+    if controller is None:
+        return 1  # the job ended (or waits for a resume): recorded already
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: controller.request_exit())
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    state = controller.run()
+    if controller.hand_over:
+        return HAND_OVER
+    return 0 if state == JobState.SUCCEEDED else 1
+
+
+def _controller(store: Store, job_id: str, resume: bool) -> Controller | None:
+    """The job's controller, with its connector (and its Slurm allocation, got first); None
+    when the allocation cannot be had (the job's end is recorded)."""
+    job = store.get_job(job_id)
     secret = job.secret
     if not secret:  # a job recorded before secrets existed
         secret = secrets.token_hex(16)
@@ -68,17 +98,12 @@ def _controller_main(job_id: str, resume: bool) -> int:
     if spec.slurm is not None:
         allocation = _slurm_allocation(store, job_id, spec)
         if allocation is None:
-            return 1  # the job ended (or waits for a resume): recorded already
+            return None
         spec = slurm.spec_with_nodes(spec, allocation)
         connect = SlurmConnector(allocation.job_id, world)
         on_end = lambda: _release(store, job_id, allocation)  # noqa: E731
-    controller = Controller(store, job_id, spec, job.spec_dir, connect, secret=secret,
-                            resume=resume or job.state != JobState.PENDING, on_end=on_end)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: controller.request_exit())
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    state = controller.run()
-    return 0 if state == JobState.SUCCEEDED else 1
+    return Controller(store, job_id, spec, job.spec_dir, connect, secret=secret,
+                      resume=resume, on_end=on_end)
 
 
 def _slurm_allocation(store: Store, job_id: str, spec: JobSpec) -> slurm.Allocation | None:
@@ -120,13 +145,42 @@ def _release(store: Store, job_id: str, allocation: slurm.Allocation) -> None:
         log.info("slurm allocation %s released", allocation.job_id)
 
 
-MAX_RESPAWNS = 5  # within RESPAWN_WINDOW seconds: a controller that keeps dying is a bug
-RESPAWN_WINDOW = 600.0
+# Exit codes of a controller, beside 0 (succeeded), 1 (failed or cancelled) and 2 (usage).
+ANOTHER_CONTROLLER = 75  # the job has a live controller already
+HAND_OVER = 76  # paused, and the home can be written again: start a fresh one at once
+CRASHED = 70  # an exception of ours: the workers go on (orchestrator/controller.py)
+UNWRITABLE = 77  # the home cannot be written: start one again once it can
+
+BACKOFF = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)  # seconds before each new start after deaths
+SAME_ERROR_LIMIT = 3  # the same error this many times in a row: the controller is failing
+MAX_DEATHS, DEATHS_WINDOW = 6, 600.0  # or this many deaths of any kind within the window
+GRACE_MARGIN = 5.0  # seconds after the agents' controller_grace before the job is ended
+ROOM_LOOK = 2.0  # seconds between two looks at a home that cannot be written
+
+
+class Deaths:
+    """A job's controller deaths: how long to wait before the next start, or that it keeps
+    failing (None). Pure: the supervisor says when and what (the error's signature)."""
+
+    def __init__(self) -> None:
+        self.seen: deque[tuple[float, str]] = deque()
+        self.same = 0
+
+    def add(self, at: float, signature: str) -> float | None:
+        self.same = self.same + 1 if self.seen and self.seen[-1][1] == signature else 1
+        self.seen.append((at, signature))
+        while self.seen and at - self.seen[0][0] > DEATHS_WINDOW:
+            self.seen.popleft()
+        if self.same >= SAME_ERROR_LIMIT or len(self.seen) >= MAX_DEATHS:
+            return None
+        return BACKOFF[min(len(self.seen), len(BACKOFF)) - 1]
 
 
 def _supervise(job_id: str, resume: bool) -> int:
     """Run the controller as a child and start it again, resuming, whenever it dies before
-    the job has ended (a crash, the OOM killer, a stray kill)."""
+    the job has ended: at once after a pause (HAND_OVER), once the home can be written
+    (UNWRITABLE), after a backoff after a death (a crash, the OOM killer, a stray kill).
+    A controller that keeps failing ends the job (``_failing``)."""
     store = Store()
     store.claim_supervisor(job_id, os.getpid())
     child: _Forked | None = None
@@ -141,66 +195,190 @@ def _supervise(job_id: str, resume: bool) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    deaths: deque[float] = deque()
+    deaths = Deaths()
     store.close()
     while True:
-        child = _Forked(job_id, resume)
+        child = _Forked(functools.partial(_run_controller, job_id, resume))
         code = child.wait()
-        store = Store()
-        state, _ = store.job_state(job_id)
-        if state.is_terminal() or told_to_exit or code == ANOTHER_CONTROLLER:
-            return 0
-        now = time.monotonic()
-        deaths.append(now)
-        while deaths and now - deaths[0] > RESPAWN_WINDOW:
-            deaths.popleft()
-        how = f"code {code}" if code >= 0 else f"signal {signal.Signals(-code).name}"
-        if len(deaths) > MAX_RESPAWNS:
-            log.error("controller died %d times in %gs (last: %s); giving up: run "
-                      "`orchestrator resume %s`", len(deaths), RESPAWN_WINDOW, how, job_id)
-            saved = store.get_job(job_id).slurm
-            if saved and not saved.get("released"):  # nobody will use it: give it back
-                _release(store, job_id, slurm.Allocation.from_dict(saved))
-            return 1
-        log.warning("controller exited with %s while the job was %s: resuming", how,
-                    state.value)
-        store.close()
-        time.sleep(1.0)
         resume = True
+        if code == HAND_OVER:
+            continue
+        if code == ANOTHER_CONTROLLER or told_to_exit:
+            return 0
+        report = child.report or {}
+        if code == UNWRITABLE:
+            if not _wait_for_room(job_id, str(report.get("reason")), lambda: told_to_exit):
+                return 0
+            continue
+        state = _job_state(job_id)
+        if state is None or state.is_terminal():
+            return 0
+        how = report.get("error") or (f"code {code}" if code >= 0 else
+                                      f"killed by {signal.Signals(-code).name}")
+        delay = deaths.add(time.monotonic(), report.get("signature") or how)
+        if delay is None:
+            if not _failing(job_id, how, report.get("signature") or how, len(deaths.seen)):
+                return 0
+            deaths = Deaths()  # `resume` asked to try again
+            continue
+        log.warning("controller died (%s) while the job was %s: a new one in %gs", how,
+                    state.value, delay)
+        time.sleep(delay)
+
+
+def _job_state(job_id: str) -> JobState | None:
+    try:
+        store = Store()
+        try:
+            return store.job_state(job_id)[0]
+        finally:
+            store.close()
+    except OrchestratorError as exc:
+        log.error("cannot read the job's state: %s", exc)
+        return None
+
+
+def _wait_for_room(job_id: str, reason: str, told_to_exit: Callable[[], bool]) -> bool:
+    """Until the home can be written again (True), or the supervisor is told to exit."""
+    log.error("the controller cannot write (%s): a new one starts once it can", reason)
+    floor = None
+    while not told_to_exit():
+        try:
+            store = Store()
+            try:
+                if floor is None:
+                    floor = JobSpec.model_validate_json(
+                        store.get_job(job_id).spec_json).logs.min_free_bytes
+                store.check_room(floor)
+                if store.keep_reserve():
+                    store.note_pause(job_id, None, strict=True)
+                    return True
+            except StoreUnwritable:
+                store.note_pause(job_id, {"since": time.time(), "reason": reason})
+            finally:
+                store.close()
+        except OrchestratorError:
+            pass
+        time.sleep(ROOM_LOOK)
+    return False
+
+
+def _failing(job_id: str, error: str, signature: str, deaths: int) -> bool:
+    """The controller keeps failing: the workers go on (their agents keep them for
+    ``controller_grace``); ``status`` says why. Returns True when ``resume`` asks to try
+    again; else ends the job: cancelled when a cancel comes, else FAILED with cause
+    CONTROLLER_FAILED once the agents' grace is over (they stopped the workers)."""
+    store = Store()
+    try:
+        job = store.get_job(job_id)
+        grace = JobSpec.model_validate_json(job.spec_json).health.controller_grace
+        since = time.time()
+        until = None if grace is None else since + grace + GRACE_MARGIN
+        where = str(store.job_dir(job_id) / "controller.log")
+        store.update_job(job_id, failing_json=json.dumps({
+            "since": since, "error": error, "signature": signature, "deaths": deaths,
+            "traceback": where, "until": until}))
+        log.error("the controller keeps failing (%d deaths; the last: %s; traceback in %s): "
+                  "the workers go on for controller_grace; `orchestrator resume %s` tries "
+                  "again, `orchestrator cancel %s` stops them", deaths, error, where, job_id,
+                  job_id)
+        while True:
+            time.sleep(1.0)
+            job = store.get_job(job_id)
+            if job.state.is_terminal():
+                return False
+            if job.cancel_requested:
+                _abandon(store, job_id, JobState.CANCELLED, {})
+                return False
+            if (job.resume_requested_at or 0) > since:
+                log.warning("`orchestrator resume` asked to try again")
+                return True
+            if until is not None and time.time() >= until:
+                failure = Failure(
+                    FailureCause.CONTROLLER_FAILED,
+                    f"the controller failed {deaths} times ({error}; traceback in {where}); "
+                    f"its agents stopped the workers after controller_grace ({grace:g}s)",
+                    failure_class="infrastructure", evidence=signature,
+                    decision="not restarted: an error of the orchestrator's own "
+                             "(no restart charged)")
+                _abandon(store, job_id, JobState.FAILED, {"failure": failure.to_dict()})
+                return False
+    finally:
+        store.close()
+
+
+def _abandon(store: Store, job_id: str, final: JobState, fields: dict[str, Any]) -> None:
+    """End the job without running it (Controller.abandon, in a child of its own); if even
+    that fails, record the end here: the agents stop the workers after their grace."""
+    child = _Forked(functools.partial(_run_abandon, job_id, final, fields))
+    if child.wait() == 0:
+        return
+    if not store.job_state(job_id)[0].is_terminal():
+        store.set_state(job_id, final, **fields)
+    saved = store.get_job(job_id).slurm
+    if saved and not saved.get("released"):  # nobody will use it: give it back
+        _release(store, job_id, slurm.Allocation.from_dict(saved))
+
+
+def _run_abandon(job_id: str, final: JobState, fields: dict[str, Any]) -> int:
+    store = Store(durable=True)
+    lock = open(store.job_dir(job_id) / "controller.lock", "a")  # noqa: SIM115 (held until exit)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if store.job_state(job_id)[0].is_terminal():
+        return 0
+    controller = _controller(store, job_id, resume=True)
+    if controller is not None:
+        controller.abandon(final, fields)
+    return 0
 
 
 class _Forked:
-    """The controller as a forked child of the supervisor, which has imported everything it
-    needs already: a fresh ``python -m`` would spend ~0.3 s importing it again, on the path
-    of every submit. The supervisor has no threads and no open database when it forks."""
+    """A child of the supervisor running ``run`` (the controller, or its abandon), which has
+    imported everything it needs already: a fresh ``python -m`` would spend ~0.3 s importing
+    it again, on the path of every submit. The supervisor has no threads and no open
+    database when it forks. An exception in the child is logged with its traceback and
+    reported to the parent on a pipe (``report``: error, signature) before it exits."""
 
-    def __init__(self, job_id: str, resume: bool):
+    def __init__(self, run: Callable[[], int]):
+        read_end, write_end = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:
-            code = 1
+            os.close(read_end)
+            code, report = 1, None
             try:
                 for sig in (signal.SIGTERM, signal.SIGINT):
                     signal.signal(sig, signal.SIG_DFL)  # the controller sets its own
                 for handler in logging.getLogger().handlers:
                     handler.setFormatter(logging.Formatter(
                         f"%(asctime)s {os.getpid()} %(levelname)s %(message)s"))
-                code = _run_controller(job_id, resume)
+                code = run()
             except SystemExit as exc:
                 code = exc.code if isinstance(exc.code, int) else 1
-            except BaseException:
+            except StoreUnwritable as exc:
+                log.error("%s", exc)
+                code, report = UNWRITABLE, {"reason": str(exc)}
+            except BaseException as exc:
                 log.exception("controller failed")
+                code, report = CRASHED, {"error": _one_line(exc), "signature": _signature(exc)}
             finally:
-                logging.shutdown()
-                for stream in (sys.stdout, sys.stderr):
-                    stream.flush()
-                os._exit(code)
+                try:
+                    if report is not None:
+                        os.write(write_end, json.dumps(report).encode()[:60000])
+                finally:
+                    logging.shutdown()
+                    for stream in (sys.stdout, sys.stderr):
+                        stream.flush()
+                    os._exit(code)
+        os.close(write_end)
+        self._report_fd = read_end
         self.returncode: int | None = None
+        self.report: dict[str, Any] | None = None
 
     def poll(self) -> int | None:
         if self.returncode is None:
             pid, status = os.waitpid(self.pid, os.WNOHANG)
             if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
+                self._ended(status)
         return self.returncode
 
     def wait(self) -> int:
@@ -209,12 +387,42 @@ class _Forked:
                 _, status = os.waitpid(self.pid, 0)
             except InterruptedError:
                 continue
-            self.returncode = os.waitstatus_to_exitcode(status)
+            self._ended(status)
+        assert self.returncode is not None
         return self.returncode
+
+    def _ended(self, status: int) -> None:
+        self.returncode = os.waitstatus_to_exitcode(status)
+        with os.fdopen(self._report_fd, "rb") as f:
+            data = f.read()
+        try:
+            self.report = json.loads(data) if data else None
+        except ValueError:
+            self.report = None
 
     def send_signal(self, signum: int) -> None:
         if self.returncode is None:
             os.kill(self.pid, signum)
+
+
+def _one_line(exc: BaseException) -> str:
+    from orchestrator.controller import _describe
+
+    return _describe(exc)[:500]
+
+
+def _signature(exc: BaseException) -> str:
+    """The error as two deaths of the same bug share it: its type and the innermost frame
+    of ours (``OSError at orchestrator/logfiles.py:212``)."""
+    import traceback
+
+    root = str(Path(__file__).resolve().parent.parent)
+    where = ""
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if frame.filename.startswith(root):
+            where = f" at {os.path.relpath(frame.filename, root)}:{frame.lineno}"
+    number = f"[{exc.errno}]" if isinstance(exc, OSError) and exc.errno else ""
+    return f"{type(exc).__name__}{number}{where}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +445,8 @@ def main(argv: list[str] | None = None) -> int:
 def _run_controller(job_id: str, resume: bool) -> int:
     try:
         return _controller_main(job_id, resume)
+    except StoreUnwritable:
+        raise  # a pause, not a usage error: the supervisor waits for room
     except OrchestratorError as exc:
         log.error("%s", exc)
         return 2

@@ -1,6 +1,6 @@
 """Descriptors are a budget: a job of 2,000 ranks runs under the common limit of 1,024 open
-files (every rank's log held open would take 2,000), and running out anyway ends the job
-once, with the limit named, not in a crash loop."""
+files (every rank's log held open would take 2,000), and running out anyway is said with
+the limit named (the supervisor ends a job whose controller keeps dying of it)."""
 
 from __future__ import annotations
 
@@ -45,6 +45,7 @@ from orchestrator import controller
 from orchestrator.spec import parse_jobspec
 from orchestrator.store import Store
 from orchestrator.transport.fake import FakeCluster
+from orchestrator.supervisor import _one_line
 controller.log_files_budget = lambda nodes: 10 ** 6  # as if there were no budget
 spec = parse_jobspec('''
 name: emfile
@@ -57,13 +58,18 @@ restart_backoff: {{initial: 0.1, max: 0.1}}
 store = Store(sys.argv[1] + "/home")
 store.create_job("emfile-000001", "emfile", spec.model_dump_json(), sys.argv[1], 3, ["a", "b"])
 cluster = FakeCluster(lines_per_s=2, run=True)
-state = controller.Controller(store, "emfile-000001", spec, sys.argv[1], cluster).run()
-job = store.get_job("emfile-000001")
-print(state.value, job.restarts, job.failure["message"])
+try:
+    controller.Controller(store, "emfile-000001", spec, sys.argv[1], cluster).run()
+except OSError as exc:  # crash-only: the workers go on, the supervisor decides
+    job = store.get_job("emfile-000001")
+    print(job.state.value, job.restarts, _one_line(exc))
 """
     run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True,
                          text=True, timeout=120, preexec_fn=limited(512, 512))
     assert run.returncode == 0, run.stderr[-3000:]
     state, restarts, message = run.stdout.strip().split(" ", 2)
-    assert state == "FAILED" and restarts == "0", run.stdout
+    # Not FAILED by the controller itself any more: it is crash-only, and a supervisor
+    # whose controllers keep failing so ends the job CONTROLLER_FAILED with this line
+    # (tests/integration/test_endurance.py), without charging a restart.
+    assert state in ("LAUNCHING", "RUNNING") and restarts == "0", run.stdout
     assert "too many open files" in message and "limit of 512 descriptors" in message

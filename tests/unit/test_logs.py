@@ -3,6 +3,8 @@ and the free-space guard."""
 
 from __future__ import annotations
 
+import pytest
+
 from orchestrator.attempt import LogSink
 
 
@@ -54,14 +56,15 @@ def test_reopening_at_a_checkpoint_writes_each_line_once(tmp_path):
     assert len(numbers) + cut == 1000 and numbers[-1] == 999
 
 
-def test_low_disk_stops_logging_and_counts_what_was_not_written(tmp_path):
-    sink = LogSink(tmp_path, min_free=10 ** 18)  # more than any disk has
-    sink.write("h", "0", "stdout", ["a", "b", "c"])
-    sink.write("h", "0", "stderr", ["boom"])
-    sink.close()
-    assert sink.stderr["0"][-1] == "boom"  # the failure message still has its tail
-    assert not (tmp_path / "rank-0.log").exists() or "4 lines not written" in \
-        (tmp_path / "rank-0.log").read_text()
+def test_below_min_free_a_sink_raises_enospc_and_writes_nothing(tmp_path):
+    """Lines are never dropped for want of space: the controller pauses instead (its
+    agents keep the lines) until there is room (orchestrator/pause.py)."""
+    import errno
+
+    with pytest.raises(OSError) as raised:
+        LogSink(tmp_path, min_free=10 ** 18)  # more than any disk has
+    assert raised.value.errno == errno.ENOSPC and "logs.min_free_bytes" in str(raised.value)
+    assert not list(tmp_path.glob("*.log"))
 
 
 def accounted(lines_read):

@@ -1,0 +1,116 @@
+"""A controller that cannot write pauses: it never stops a worker, and it loses no line.
+
+When a write under ``$ORCHESTRATOR_HOME`` fails because its disk is full (or the quota), or
+the home is read-only or gone (a stale NFS handle, an I/O error), or its filesystem has less
+than ``logs.min_free_bytes`` free, the controller **holds**:
+
+- every agent is told to ``spool`` (agents/outbox.py): its sequenced messages (output,
+  starts, exits) go to its spool, within ``spool_max_bytes``, as while no controller is
+  attached, while it stays attached, so that ``controller_grace`` never runs out;
+- the controller writes nothing, reads only the agents' live news (heartbeats keep them
+  attached), and looks once a second whether it can write again;
+- the pause is in the controller's log (once it can be written), a ``paused`` notification,
+  and ``status`` (``paused: {since, reason}``), written into the store with the help of a
+  small reserve file the home keeps for this (``.reserve``, freed for the note).
+
+When writes work again it hands the job over: it exits, and its supervisor starts a fresh
+controller at once (orchestrator/supervisor.py), which truncates the logs to the last
+checkpoint and has the agents replay everything they kept, in order. Nothing is ever written
+from memory that a failed write may have left half-done. A cancel during the pause stops the
+workers at once (every agent is told to shut down); the next controller records it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from agents import protocol as P
+from orchestrator import events as E
+from orchestrator.errors import StoreUnwritable
+from orchestrator.store import unwritable
+
+if TYPE_CHECKING:
+    from orchestrator.engine import Engine
+    from orchestrator.notify import Notifier
+
+log = logging.getLogger("orchestrator.controller")
+
+LOOK_EVERY = 1.0  # seconds between two looks at whether the home can be written again
+
+
+def problem(exc: BaseException, home: str) -> str | None:
+    """What could not be written and why, when ``exc`` (or what caused it) says the home
+    cannot be written now; None for anything else (a bug: the controller crashes)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        reason = unwritable(seen)
+        if reason is not None:
+            if isinstance(seen, StoreUnwritable):
+                return f"{seen.path}: {reason}"
+            where = getattr(seen, "filename", None) or home
+            return f"{where}: {reason}"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def hold(engine: Engine, notifier: Notifier, reason: str, floor: int) -> bool:
+    """Hold the job until the home can be written again (True: hand over to a fresh
+    controller) or the controller is told to exit (False)."""
+    store, job_id = engine.store, engine.job_id
+    since = time.time()
+    log.error("cannot write: %s; paused: the workers go on and their output waits in the "
+              "agents' spools (spool_max_bytes) until there is room again", reason)
+    for node in engine.nodes:
+        engine.pool.send(node, {"op": P.SPOOL})
+    notifier.event("paused", f"paused: cannot write {reason}; the workers go on, their "
+                   "output waits on their nodes", f"{since:.0f}", reason=reason, since=since)
+    store.note_pause(job_id, {"since": since, "reason": reason})
+    stopping = False
+    next_look = 0.0
+    while True:
+        engine.pool.main_tick = time.monotonic()  # the pinger keeps the agents attached
+        for event in engine.loop.poll(0.5):
+            _on_event(engine, event, stopping)
+        if time.monotonic() < next_look and not engine.exit_requested:
+            continue
+        next_look = time.monotonic() + LOOK_EVERY
+        try:
+            cancelled = store.job_state(job_id)[1]
+        except Exception:  # noqa: BLE001 (a home gone: reading fails too; look again)
+            cancelled = False
+        if cancelled and not stopping:
+            log.warning("cancel requested while paused: every agent stops its workers; the "
+                        "job is recorded CANCELLED once the home can be written")
+            stopping = True
+            for node in engine.nodes:
+                engine.pool.send(node, {"op": P.SHUTDOWN})
+        if engine.exit_requested and not cancelled:
+            return False
+        try:
+            store.check_room(floor)
+            if not store.keep_reserve():  # room for the note of the next pause first
+                continue
+            store.note_pause(job_id, None, strict=True)
+        except StoreUnwritable:
+            continue
+        log.warning("paused from %s to now (%s): the home can be written again; a fresh "
+                    "controller carries on", time.strftime("%H:%M:%S", time.localtime(since)),
+                    reason)
+        return True
+
+
+def _on_event(engine: Engine, event: E.Event, stopping: bool) -> None:
+    """While holding: channels that attach are told to spool too (or, after a cancel, to
+    shut down); channels that end are let go. Messages are left to the agents, which keep
+    every one not acknowledged and replay it to the next controller."""
+    match event:
+        case E.Attached(index, channel):
+            node = engine.nodes[index]
+            engine.pool.adopt(node, channel)
+            engine.pool.send(node, {"op": P.SHUTDOWN if stopping else P.SPOOL})
+        case E.Closed(channel):
+            node = engine.nodes[channel.node_index]
+            if node.channel is channel:
+                engine.pool.drop_channel(node)
