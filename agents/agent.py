@@ -100,6 +100,7 @@ class Agent:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda signum, _frame: self.events.put(("signal", signum)))
         threading.Thread(target=self.outbox.run, daemon=True).start()
+        threading.Thread(target=self._beat, daemon=True, name="heartbeat").start()
 
     def _bind(self) -> None:
         path = os.path.join(self.directory, "agent.sock")
@@ -228,7 +229,8 @@ class Agent:
                              "message": f"{op}: {exc!r}"})
 
     def _tick(self, now: float) -> bool:
-        """Heartbeat, progress, silence and grace checks. True: the agent gave up."""
+        """Progress and grace checks (heartbeats have a thread of their own: ``_beat``).
+        True: the agent gave up."""
         self._keep_listening()
         # Here, on the main thread: a child's PDEATHSIG fires when its parent thread ends.
         self.standbys.refill_due(now, all(w.heartbeat_seen for w in self.workers))
@@ -238,22 +240,31 @@ class Agent:
                 os.utime(cache.tree_root(self.workdir))
             except OSError:
                 pass
-        conn = self.outbox.current()
-        if conn is not None:
-            if now - self.last_heard > self.node_timeout:
-                self.outbox.detach(conn)  # silent controller: as if the channel dropped
-            else:
-                self.outbox.put({"type": P.HEARTBEAT, "attempt": self.attempt})
-                beat, ranks = self._worker_progress()
-                if beat or ranks:  # every rank of this node in one message
-                    self.outbox.put({"type": P.PROGRESS, "attempt": self.attempt,
-                                     "beat": beat, "ranks": ranks})
+        if self.outbox.current() is not None:
+            beat, ranks = self._worker_progress()
+            if beat or ranks:  # every rank of this node in one message
+                self.outbox.put({"type": P.PROGRESS, "attempt": self.attempt,
+                                 "beat": beat, "ranks": ranks})
         since = self.outbox.detached_since
         if (since is not None and self.controller_grace is not None
                 and now - since > self.controller_grace):
             self.finish(f"no controller for {self.controller_grace:g}s (controller_grace)")
             return True
         return False
+
+    def _beat(self) -> None:
+        """The node's heartbeat, on a thread of its own: a main loop busy starting workers,
+        reading their files or running a command never delays it (a busy node is not a
+        lost one). A controller silent for node_timeout is let go, as a dropped channel."""
+        while not self.outbox.closed:
+            time.sleep(min(self.heartbeat_interval, 0.5))
+            conn = self.outbox.current()
+            if conn is None:
+                continue
+            if time.monotonic() - self.last_heard > self.node_timeout:
+                self.outbox.detach(conn)
+            else:
+                self.outbox.put({"type": P.HEARTBEAT, "attempt": self.attempt})
 
     def finish(self, reason: str | None) -> None:
         """Stop the workers, record why (unless the controller asked), remove our state."""

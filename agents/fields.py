@@ -15,6 +15,15 @@ MAX_MESSAGE = 4 * 1024 * 1024  # one JSON line (a line count is bounded by it to
 MAX_TIME = 4_102_444_800.0
 
 
+def unicode(text: str) -> bool:
+    """Whether ``text`` is valid Unicode (JSON lets a lone surrogate through: "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def finite(value: Any) -> float | None:
     """A JSON number as a finite float; None for anything else (bools, text, NaN, infinities,
     integers beyond any float)."""
@@ -62,7 +71,7 @@ class Fields:
         v = self.raw.get(name) if value is ... else value
         if v is None and optional:
             return None
-        if not isinstance(v, str) or len(v) > limit:
+        if not isinstance(v, str) or len(v) > limit or not unicode(v):
             raise self.bad(name, v)
         return v
 
@@ -107,9 +116,13 @@ class Fields:
     def lines(self, name: str = "lines") -> tuple[str, ...]:
         v = self.array(name, limit=MAX_MESSAGE)
         try:
-            "".join(v)  # every line is text (checked at C speed: floods)
+            # Every line is text, and valid Unicode (a lone surrogate, which no real agent
+            # sends, would fail the log's write): checked at C speed, floods come here.
+            "".join(v).encode("utf-8")
         except TypeError:
             raise ProtocolError(self.kind, name, "lines must be text") from None
+        except UnicodeEncodeError:
+            raise ProtocolError(self.kind, name, "lines must be valid Unicode") from None
         return tuple(v)
 
     def rank_key(self, key: Any, name: str) -> int:

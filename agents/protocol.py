@@ -81,7 +81,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from agents.fields import MAX_COUNT, MAX_RANK, Fields, finite
+from agents.fields import MAX_COUNT, MAX_RANK, Fields, finite, unicode
 from agents.fields import MAX_MESSAGE as MAX_MESSAGE  # part of this module's surface
 from agents.fields import ProtocolError as ProtocolError
 
@@ -287,6 +287,8 @@ def _progress(f: Fields) -> Progress:
         # Metrics are the user's: what is not a finite number is left out, not an offence.
         kept = {str(k)[:128]: v for k, v in
                 ((k, finite(v)) for k, v in metrics.items()) if v is not None}
+        if not all(map(unicode, kept)):
+            raise r.bad("metrics", metrics)
         waits = record.get("waits")
         if waits is not None:
             if not (isinstance(waits, list) and len(waits) == 2):

@@ -84,6 +84,10 @@ def heartbeat(path: str) -> tuple[dict[str, Any] | None, list[str]]:
                             f"{MAX_METRICS} are kept")
             break
         number = finite(value)
+        if not _unicode(str(name)):  # a lone surrogate ("\\ud800"): no JSON line holds it
+            problems.append(f"heartbeat metric {_short(name)} has a name that is not valid "
+                            "Unicode: not kept")
+            continue
         if number is None:
             problems.append(f"heartbeat metric {_short(name)} = {_short(value)} is not a "
                             "finite number: not kept")
@@ -116,6 +120,14 @@ def error_file(path: str | None) -> str | None:
         return None
     data = read_small(path, MAX_ERROR_FILE)
     return None if data is None else data.decode("utf-8", "replace")
+
+
+def _unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _short(value: Any) -> str:

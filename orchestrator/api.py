@@ -517,6 +517,8 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
              "hostname": n.info.get("hostname"),
              "agent_pid": n.info.get("pid"), "error": n.info.get("error"),
              "sync": n.info.get("sync"), "last_heard": _iso(n.heard_at),
+             "longest_silence_s": None if n.longest_silence is None else
+             round(n.longest_silence, 1),
              "history": [{"at": _iso(e.at), "state": e.state.value, "message": e.message}
                          for e in n.history]}
             for n in job.nodes

@@ -100,6 +100,8 @@ class Attempt:
         self.ranks_of = {n.node_index: {w.rank for w in n.workers if w.rank is not None}
                          for n in plan.nodes}
         self._rank_writes: dict[int, dict[str, Any]] = {}  # rank -> fields, not yet written
+        self._samples: list[tuple[int, int | None, float, dict[str, float]]] = []  # not yet
+        self._stragglers_named = False  # the stragglers changed since the last write
         self._participants = [n.node_index for n in plan.nodes]
         self.expected = sum(len(n.workers) for n in plan.nodes)
         self.started: set[tuple[int, int]] = set()  # (node_index, local_rank)
@@ -225,13 +227,13 @@ class Attempt:
                     self.unsampled[rank] = sample
             if fields:
                 updates[rank] = fields
-        named = None
         if waits_changed:
             found = stragglers(self.waits)
             if found != self.stragglers:
-                self.stragglers = named = found
-        if updates or samples or named is not None:
-            self.store.record_progress(self.job_id, self.number, updates, samples, named)
+                self.stragglers, self._stragglers_named = found, True
+        for rank, fields in updates.items():  # written with the turn's other rank changes
+            self._rank_update(rank, **fields)
+        self._samples += samples
 
     def _progress_fields(self, rank: int, record: P.RankProgress) -> dict[str, Any]:
         step, at = record.step, record.at
@@ -259,11 +261,15 @@ class Attempt:
         self._rank_writes.setdefault(rank, {}).update(fields)
 
     def flush_ranks(self) -> None:
-        """Write the ranks' starts and exits seen since the last flush, in one transaction
-        (the controller calls it at the end of each turn of its loop)."""
-        if self._rank_writes:
+        """Write the ranks' starts, exits, steps and samples seen since the last flush, in
+        one transaction (the controller calls it at the end of each turn of its loop): a
+        job of many nodes reporting progress costs a write per turn, not per message."""
+        if self._rank_writes or self._samples or self._stragglers_named:
             writes, self._rank_writes = self._rank_writes, {}
-            self.store.update_ranks(self.job_id, self.number, writes)
+            samples, self._samples = self._samples, []
+            named, self._stragglers_named = self._stragglers_named, False
+            self.store.record_progress(self.job_id, self.number, writes, samples,
+                                       self.stragglers if named else None)
 
     def _on_exited(self, node_index: int, message: P.Exited) -> None:
         rank, code, sig = message.rank, message.exit_code, message.signal
@@ -277,7 +283,7 @@ class Attempt:
             self._rank_update(rank, state=state.value, exit_code=code, signal=sig)
             last = self.unsampled.pop(rank, None)
             if last is not None:
-                self.store.record_progress(self.job_id, self.number, {}, [last])
+                self._samples.append(last)
         if ok or stopping:
             return
         node_rank = self.node_ranks[node_index]

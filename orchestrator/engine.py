@@ -46,6 +46,9 @@ CHECKPOINT_EVERY = 0.05  # seconds between checkpoints while messages arrive
 SCAN_EVERY = 0.2
 REQUESTS_EVERY = 0.25  # seconds between two looks at readers' requests (cancel, stacks)
 ROOM_EVERY = 1.0  # seconds between two looks at the home's free space (orchestrator/pause.py)
+# Two turns further apart than this: the controller itself was stalled (SIGSTOP, swap, a
+# paused VM), and nobody's silence counts the time it was not looking. A turn waits POLL.
+STALLED = 2.0
 
 
 class Stop(enum.Enum):
@@ -84,7 +87,7 @@ class Engine:
         self.on_attached: Callable[[Node, Channel], None] | None = None  # for benchmarks
         self._busy = False  # collecting stacks: the turns inside do not start another
         self._next_requests = self._scanned = self._liveness = self._checkpointed = 0.0
-        self._room_checked = 0.0
+        self._room_checked = self._turned = 0.0
         self._checkpoint_every = CHECKPOINT_EVERY
 
     # --- the one wait ---------------------------------------------------------------------
@@ -104,8 +107,11 @@ class Engine:
             self.turn(POLL if left is None else min(POLL, left))
 
     def turn(self, timeout: float) -> None:
-        self.pool.main_tick = time.monotonic()
+        now = self.pool.main_tick = time.monotonic()
         failpoints.hit("turn")
+        if self._turned and now - self._turned > STALLED:
+            self._forgive(now - self._turned)
+        self._turned = now
         for event in self.loop.poll(timeout):
             dispatch(self, event)
         self.flush()
@@ -129,6 +135,14 @@ class Engine:
         self.store.set_state(self.job_id, new, **fields)
         self.state = new
         log.info("job %s -> %s", self.job_id, new.value)
+
+    def _forgive(self, stalled: float) -> None:
+        log.warning("the controller was stalled for %.1fs (stopped, swapped out, starved): "
+                    "no node's silence counts that time", stalled)
+        self.book.forgive(stalled)
+        for attempt in (self.current, self.previous):
+            if attempt is not None:
+                attempt.last_activity += stalled  # nor a hang's
 
     # --- the checks of every turn ----------------------------------------------------------
     def _checks(self) -> None:
@@ -171,7 +185,8 @@ class Engine:
             offset = time.time() - now
             self.store.liveness(self.job_id, attempt.number,
                                 {n.index: n.last_heard + offset for n in self.nodes
-                                 if n.last_heard}, dict(attempt.output_at))
+                                 if n.last_heard}, dict(attempt.output_at),
+                                {n.index: n.longest_silence for n in self.nodes})
 
     def _check_hang(self, now: float) -> None:
         hang_timeout, attempt = self.spec.health.hang_timeout, self.current

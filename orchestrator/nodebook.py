@@ -89,6 +89,7 @@ class Node:
     retry: bool = False  # the connector keeps trying until it succeeds
     launch: bool = False  # the connector may start an agent where none answers
     reconnect_delay: float = RECONNECT_FIRST
+    longest_silence: float = 0.0  # seconds, the longest this node went unheard while attached
 
     @property
     def host(self) -> str:
@@ -174,6 +175,7 @@ class NodeBook:
             node.info = NodeInfo.from_dict(record.info)
             node.received = node.acked = record.acked_seq
             node.heard = time.monotonic()
+            node.longest_silence = record.longest_silence or 0.0
 
     # --- losing a node ------------------------------------------------------------------------
     def unreachable(self, node: Node, why: str) -> None:
@@ -204,17 +206,31 @@ class NodeBook:
         """Nodes silent long enough to act on, and what to say: UNREACHABLE first (and we
         reconnect), then, after ``health.node_timeout``, LOST."""
         health = self.spec.health
-        silence = max(min(health.node_timeout / 2, 3 * health.heartbeat_interval),
-                      health.heartbeat_interval * 1.5)
+        # A busy node is not a broken channel: reconnecting costs a new relay (and, on an
+        # oversubscribed machine, minutes): only after half of node_timeout.
+        silence = max(health.node_timeout / 2, health.heartbeat_interval * 1.5)
         out = []
         for node in self.nodes:
             quiet = now - node.last_heard
+            if node.channel is not None and node.state in LIVE:
+                node.longest_silence = max(node.longest_silence, quiet)
             if node.channel is not None and node.state in LIVE and quiet > silence:
                 out.append((node, f"no message for {quiet:.1f}s"))
             elif node.state == NodeState.UNREACHABLE and quiet > health.node_timeout:
                 out.append((node, f"{node.host}: no heartbeat for {health.node_timeout:g}s "
                                   "(health.node_timeout)"))
         return out
+
+    def forgive(self, seconds: float) -> None:
+        """The controller was not looking for ``seconds`` (stopped, swapped out, a long
+        pause of its own): no node's silence counts that time."""
+        for node in self.nodes:
+            if node.heard:
+                node.heard += seconds
+            if node.channel is not None:
+                node.channel.heard += seconds
+            if node.unreachable_since is not None:
+                node.unreachable_since += seconds
 
     # --- messages in order --------------------------------------------------------------------
     def order(self, node: Node, seq: int | None) -> Order:

@@ -43,6 +43,7 @@ class NodeRecord:
     info: dict[str, Any]
     acked_seq: int = 0
     heard_at: float | None = None
+    longest_silence: float | None = None  # seconds unheard at most, while attached
     history: list[NodeEvent] = field(default_factory=list)
 
 

@@ -87,6 +87,7 @@ CREATE TABLE IF NOT EXISTS nodes (
     info_json TEXT,
     acked_seq INTEGER NOT NULL DEFAULT 0,
     heard_at REAL,
+    longest_silence REAL,
     PRIMARY KEY (job_id, node_index)
 );
 CREATE TABLE IF NOT EXISTS node_events (
@@ -172,7 +173,8 @@ _ADDED_COLUMNS = {
              "stacks_json": "TEXT", "stacks_at": "REAL", "slurm_json": "TEXT",
              "world_json": "TEXT", "controller_ident": "TEXT", "supervisor_ident": "TEXT",
              "paused_json": "TEXT", "failing_json": "TEXT", "resume_requested_at": "REAL"},
-    "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL"},
+    "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL",
+              "longest_silence": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
               "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL"},
     "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT",
@@ -501,11 +503,14 @@ class Store:
                 pass
 
     def liveness(self, job_id: str, attempt: int, nodes: dict[int, float],
-                 ranks: dict[int, float]) -> None:
-        """When each node was last heard and each rank last printed (wall clock)."""
+                 ranks: dict[int, float], silences: dict[int, float] | None = None) -> None:
+        """When each node was last heard (and the longest it went unheard) and each rank
+        last printed (wall clock)."""
+        silences = silences or {}
         with self._transaction() as db:
-            self._update_rows(db, "nodes", "node_index",
-                              {i: {"heard_at": t} for i, t in nodes.items()}, job_id=job_id)
+            self._update_rows(db, "nodes", "node_index", {
+                i: {"heard_at": t, **({"longest_silence": silences[i]} if i in silences
+                                      else {})} for i, t in nodes.items()}, job_id=job_id)
             self._update_rows(db, "ranks", "rank", {r: {"output_at": t} for r, t in ranks.items()},
                               job_id=job_id, attempt=attempt)
 
@@ -690,7 +695,8 @@ class Store:
             job = self._job(row)
             job.nodes = [
                 NodeRecord(r["node_index"], r["host"], r["node_rank"], NodeState(r["state"]),
-                           json.loads(r["info_json"] or "{}"), r["acked_seq"], r["heard_at"])
+                           json.loads(r["info_json"] or "{}"), r["acked_seq"], r["heard_at"],
+                           r["longest_silence"])
                 for r in self._db.execute(
                     "SELECT * FROM nodes WHERE job_id = ? ORDER BY node_index", (job_id,))
             ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -166,3 +167,51 @@ def test_a_full_disk_pauses_the_job_loses_no_line_and_stops_no_worker(tmp_path, 
             assert steps_in_log(job_id, rank) == list(range(600))
         assert "the home can be written again" in controller_log(job_id)
         assert_no_job_processes(job_id)
+
+
+def _no_alarm(result: dict) -> None:
+    """No node was ever taken for unreachable or lost, and nothing was restarted."""
+    alarms = [(n["node_index"], e["state"], e["message"]) for n in result["nodes"]
+              for e in n["history"] if e["state"] in ("UNREACHABLE", "LOST")]
+    assert not alarms, alarms
+    assert (result["attempt"], result["restarts"], result["free_restarts"]) == (1, 0, 0)
+
+
+def test_a_controller_stopped_for_20s_declares_nobody_lost_at_the_defaults(home, tmp_path):
+    """SIGSTOP, as a long swap or a paused VM: the time it was not looking is nobody's
+    silence (on main both nodes of this job were made UNREACHABLE, then LOST)."""
+    job_id = orchestrator.submit(spec(tmp_path, env={"STEPS": "700", "STEP_SLEEP": "0.05"}))
+    wait_for_output(job_id, "step 1 20", 1)
+    controller = orchestrator.status(job_id)["controller"]["pid"]
+    os.kill(controller, signal.SIGSTOP)
+    try:
+        time.sleep(20)
+    finally:
+        os.kill(controller, signal.SIGCONT)
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    _no_alarm(result)
+    assert "the controller was stalled for 2" in controller_log(job_id)
+    for rank in (0, 1):
+        assert steps_in_log(job_id, rank) == list(range(700))
+    assert_no_job_processes(job_id)
+
+
+def test_a_node_starved_for_8s_is_not_lost_at_the_defaults(home, tmp_path):
+    """Its agent gets no CPU for 8 s (SIGSTOP: a node whose every core is busy, at worst):
+    at the default node_timeout it is late, not lost (on main: LOST at 5 s, a restart)."""
+    job_id = orchestrator.submit(spec(tmp_path, env={"STEPS": "400", "STEP_SLEEP": "0.05"}))
+    wait_for_output(job_id, "step 1 20", 1)
+    agent = orchestrator.status(job_id)["nodes"][1]["agent_pid"]
+    os.kill(agent, signal.SIGSTOP)
+    try:
+        time.sleep(8)
+    finally:
+        os.kill(agent, signal.SIGCONT)
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    _no_alarm(result)
+    assert result["nodes"][1]["longest_silence_s"] >= 7, result["nodes"][1]
+    for rank in (0, 1):
+        assert steps_in_log(job_id, rank) == list(range(400))
+    assert_no_job_processes(job_id)

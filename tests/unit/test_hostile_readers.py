@@ -149,3 +149,23 @@ def test_the_door_refuses_a_time_no_date_can_be():
               "exit_code": 1, "signal": None, "error_file": None, "at": -5.0}
     assert "bad at" in P.check(exited)
     assert P.check({**exited, "at": time.time()}) is None
+
+
+def test_a_lone_surrogate_is_refused_at_the_door_and_kept_out_by_the_agent(tmp_path):
+    """JSON lets "\\ud800" through; no log, page or line to the controller can hold it: an
+    agent that sends one is out of protocol, and a worker's metric named so is not kept."""
+    from agents import rankfiles
+
+    output = {"type": "output", "seq": 3, "attempt": 1, "rank": 0, "stream": "stdout",
+              "lines": ["fine", "bad \ud800"]}
+    assert "valid Unicode" in P.check(output)
+    assert "bad message" in P.check({**VALID[-1], "message": "\udfff"})
+    progress = {"type": "progress", "attempt": 1, "beat": True,
+                "ranks": {"0": {"step": 3, "metrics": {"\ud800": 1.0}, "at": 5.0}}}
+    assert "bad metrics" in P.check(progress)
+    beat = tmp_path / "heartbeat"
+    beat.write_text('{"step": 3, "metrics": {"\\ud800": 1, "loss": 2}}')
+    record, problems = rankfiles.heartbeat(str(beat))
+    assert record == {"step": 3, "metrics": {"loss": 2.0}}
+    assert problems == ["heartbeat metric '\\ud800' has a name that is not valid Unicode: "
+                        "not kept"], problems

@@ -249,7 +249,7 @@ def test_minimal_spec_gets_the_defaults() -> None:
     assert (spec.stop_grace_period, spec.launch_timeout, spec.python) == (10.0, 60.0, "python3")
     assert spec.rendezvous.backend == "static" and spec.rendezvous.port == "auto"
     assert (spec.restart_backoff.initial, spec.restart_backoff.max) == (1.0, 30.0)
-    assert (spec.health.heartbeat_interval, spec.health.node_timeout) == (1.0, 5.0)
+    assert (spec.health.heartbeat_interval, spec.health.node_timeout) == (1.0, 30.0)
     assert spec.health.hang_timeout is None
     assert spec.ssh.host_key_policy == "reject" and spec.ssh.connect_timeout == 10.0
     assert spec.nodes[0].is_local and spec.nodes[0].hostname == "localhost"
