@@ -17,7 +17,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from orchestrator import logfiles, logread, pids, preflight, reputation, slurm, sync, timelost
+from orchestrator import (
+    logfiles,
+    logread,
+    pids,
+    preflight,
+    reputation,
+    retention,
+    slurm,
+    sync,
+    timelost,
+)
 from orchestrator.errors import JobEndedError, LaunchError
 from orchestrator.pids import pid_namespace
 from orchestrator.plan import LaunchPlan, plan_attempt
@@ -96,6 +106,7 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
     store = Store(home)
     try:
         _check_free_space(store, job_spec.logs.min_free_bytes)
+        retention.prune(store)  # what ended longer ago than this home keeps
         job_id = f"{job_spec.name}-{secrets.token_hex(3)}"
         # The agents' secret: a controller proves it to attach to them (also after a restart).
         store.create_job(job_id, job_spec.name, job_spec.model_dump_json(), directory,
@@ -278,6 +289,32 @@ def quarantine_policy(*, home: str | os.PathLike[str] | None = None,
     return dataclasses.asdict(rules)
 
 
+def retention_policy(*, home: str | os.PathLike[str] | None = None,
+                     keep: float | None | Any = ...) -> float | None:
+    """Seconds this home keeps ended jobs (None: for ever; default 30 days), after setting
+    it to ``keep`` when given. ``submit`` prunes with it."""
+    store = Store(home)
+    try:
+        return retention.policy(store) if keep is ... else retention.set_policy(store, keep)
+    finally:
+        store.close()
+
+
+def prune(*, older_than: float | None = None, dry_run: bool = False,
+          home: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """Remove the records, samples and logs of jobs that ended more than ``older_than``
+    seconds ago (default: this home's retention); ``dry_run`` removes nothing. The jobs:
+    ``[{job_id, name, state, ended_at}]``, oldest first. Running jobs are never removed."""
+    store = Store(home)
+    try:
+        found = {j.job_id: j for j in store.list_jobs()}
+        gone = retention.prune(store, older_than, dry_run=dry_run)
+    finally:
+        store.close()
+    return [{"job_id": j, "name": found[j].name, "state": found[j].state.value,
+             "ended_at": _iso(found[j].ended_at)} for j in gone]
+
+
 def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,
          home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Block until the job is in a terminal state (or ``timeout``); return its status.
@@ -357,17 +394,17 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
         current, stream = last, streams[last]
         next_liveness_check = time.monotonic() + 2.0
         while True:
-            job = store.get_job(job_id)
-            if not job.state.is_terminal() and time.monotonic() >= next_liveness_check:
+            state, latest = store.job_attempt(job_id)  # the cheap read, every poll
+            if not state.is_terminal() and time.monotonic() >= next_liveness_check:
                 _ensure_controller(store, job_id)
                 next_liveness_check = time.monotonic() + 2.0
             new = stream.read()
             yield from new
-            if attempt is None and job.attempt > current:
+            if attempt is None and latest > current:
                 current += 1
-                stream = _Stream(store, job, current, rank, node)
+                stream = _Stream(store, store.get_job(job_id), current, rank, node)
                 continue
-            if job.state.is_terminal() and not new:
+            if state.is_terminal() and not new:
                 return
             time.sleep(poll)
     finally:

@@ -240,15 +240,22 @@ class Attempt:
         fields: dict[str, Any] = {"metrics": dict(record.metrics), "heartbeat_at": at}
         if step is not None:
             fields["step"] = self.last_steps[rank] = step
-            first = self.first_steps.setdefault(rank, (step, float(at or 0)))
+            fields["step_at"] = at
+            if rank not in self.first_steps:  # kept with the rank: time lost is read there
+                self.first_steps[rank] = (step, float(at or 0))
+                fields["first_step"], fields["first_step_at"] = step, at
+            first = self.first_steps[rank]
             if at is not None and at > first[1] and step > first[0]:
                 fields["steps_per_s"] = (step - first[0]) / (at - first[1])
         return fields
 
     def _sample_every(self) -> float:
-        """Seconds between kept samples of one rank: fine at first, coarser for long runs, so
-        that a week-long job keeps its curve without growing the store without end."""
-        return 1.0 if time.monotonic() - self.launched_at < 600 else 15.0
+        """Seconds between kept samples of one rank: fine at first, coarser for long runs,
+        and for jobs of many ranks at most 100 samples a second (20 after the first ten
+        minutes); the store thins them further as they age (Store.compact_samples)."""
+        early = time.monotonic() - self.launched_at < 600
+        ranks = self.plan.world_size
+        return max(1.0, ranks / 100) if early else max(15.0, ranks / 20)
 
     def _on_started(self, node_index: int, message: P.Started) -> None:
         self.started.add((node_index, message.local_rank))

@@ -445,6 +445,31 @@ def nodes_policy(
                "hosts are never quarantined")
 
 
+@app.command()
+def prune(
+    older_than: str = typer.Option(None, "--older-than", help="Remove jobs that ended longer "
+                                   "ago than this (30d, 12h, 3600); default: the retention."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only list what would go."),
+    keep: str = typer.Option(None, "--retention", help="Set this home's retention first "
+                             "(30d, never): submit prunes with it."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Remove ended jobs' records and logs (running jobs are never removed)."""
+    if keep is not None:
+        days = None if keep == "never" else _seconds(keep, "--retention")
+        _call(lambda: api.retention_policy(keep=days))
+    seconds = None if older_than is None else _seconds(older_than, "--older-than")
+    gone = _call(lambda: api.prune(older_than=seconds, dry_run=dry_run))
+    if as_json:
+        _print_json(gone)
+        return
+    kept = _call(api.retention_policy)
+    typer.echo(f"retention: ended jobs are kept {_span(kept) if kept else 'for ever'}")
+    verb = "would remove" if dry_run else "removed"
+    typer.echo(f"{verb} {len(gone)} job(s)" + "".join(
+        f"\n  {j['job_id']}  {j['state']}  ended {j['ended_at']}" for j in gone))
+
+
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 

@@ -519,6 +519,10 @@ class Controller:
             sink = self._sink(plan.world_size, cp["logs"], cp.get("log_state"))
             engine.current = Attempt(plan, sink, engine.hosts, self.store, self.job_id, nprocs)
             engine.current.restore(cp)
+            engine.current.first_steps = {  # each rank's first step stays its first
+                r.rank: (r.first_step, r.first_step_at) for r in job.ranks
+                if r.attempt == open_attempt.attempt and r.first_step is not None
+                and r.first_step_at is not None}
         # Reattach to every agent that may be alive; launch nothing yet.
         for node in self.nodes:
             if node.state not in (NodeState.PENDING, NodeState.FAILED, NodeState.DONE):

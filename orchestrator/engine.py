@@ -49,6 +49,7 @@ ROOM_EVERY = 1.0  # seconds between two looks at the home's free space (orchestr
 # Two turns further apart than this: the controller itself was stalled (SIGSTOP, swap, a
 # paused VM), and nobody's silence counts the time it was not looking. A turn waits POLL.
 STALLED = 2.0
+COMPACT_EVERY = 300.0  # seconds between two thinnings of the job's aged samples
 
 
 class Stop(enum.Enum):
@@ -87,7 +88,8 @@ class Engine:
         self.on_attached: Callable[[Node, Channel], None] | None = None  # for benchmarks
         self._busy = False  # collecting stacks: the turns inside do not start another
         self._next_requests = self._scanned = self._liveness = self._checkpointed = 0.0
-        self._room_checked = self._turned = 0.0
+        self._room_checked = self._turned = self._compacted = 0.0
+        self._compacted_wall: float | None = None  # when this controller last thinned them
         self._checkpoint_every = CHECKPOINT_EVERY
 
     # --- the one wait ---------------------------------------------------------------------
@@ -178,6 +180,10 @@ class Engine:
         if not self.ending and now - self._room_checked >= ROOM_EVERY:  # a pause, not a loss
             self._room_checked = now
             self.store.check_room(self.spec.logs.min_free_bytes)
+        if self.current is not None and now - self._compacted >= COMPACT_EVERY:
+            wall = time.time()  # bounded in time: the job's samples thin out as they age
+            self.store.compact_samples(self.job_id, wall, self._compacted_wall)
+            self._compacted, self._compacted_wall = now, wall
         self.checkpoint()
         attempt = self.current
         if attempt is not None and not attempt.ended and now - self._liveness >= 1.0:

@@ -25,6 +25,9 @@ class RankRecord:
     heartbeat_at: float | None = None
     output_at: float | None = None
     wait_share: float | None = None  # of the last 30 s, spent waiting in collectives
+    first_step: int | None = None  # the first step this attempt saw of the rank, and when
+    first_step_at: float | None = None
+    step_at: float | None = None  # when it gave ``step``
 
 
 @dataclass

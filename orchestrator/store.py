@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -113,6 +114,9 @@ CREATE TABLE IF NOT EXISTS ranks (
     heartbeat_at REAL,
     output_at REAL,
     wait_share REAL,
+    first_step INTEGER,
+    first_step_at REAL,
+    step_at REAL,
     PRIMARY KEY (job_id, attempt, rank)
 );
 CREATE TABLE IF NOT EXISTS attempts (
@@ -162,7 +166,11 @@ CREATE TABLE IF NOT EXISTS samples (
     at REAL NOT NULL,
     metrics_json TEXT NOT NULL
 );
-CREATE INDEX IF NOT EXISTS samples_by_job ON samples (job_id, attempt, rank);
+-- The newest of a job (the dashboard's plot), of one rank, and those of an age (compaction).
+CREATE INDEX IF NOT EXISTS samples_by_time ON samples (job_id, at);
+CREATE INDEX IF NOT EXISTS samples_by_rank ON samples (job_id, rank, at);
+DROP INDEX IF EXISTS samples_by_job;
+CREATE INDEX IF NOT EXISTS jobs_by_end ON jobs (ended_at);
 """
 # Columns added since the first release, for databases created before them.
 _ADDED_COLUMNS = {
@@ -176,7 +184,8 @@ _ADDED_COLUMNS = {
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL",
               "longest_silence": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
-              "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL"},
+              "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL",
+              "first_step": "INTEGER", "first_step_at": "REAL", "step_at": "REAL"},
     "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT",
                  "warm_starts": "INTEGER"},
 }
@@ -197,6 +206,12 @@ def _can_batch() -> bool:
 
 _BATCH = _can_batch()
 
+
+# Metric samples as they age (Store.compact_samples): every one for the last hour; older,
+# one per rank per bucket of 1 min (1-2 h old), 2 min (2-4 h), ... 256 min (256 h and
+# more); at most MAX_SAMPLES a job. A 1,000-rank job keeps about 600 samples a rank a week.
+SAMPLE_BANDS = tuple((3600.0 * 2 ** k, 60.0 * 2 ** k) for k in range(9))
+MAX_SAMPLES = 1_000_000
 
 # SQLite's primary result codes that mean "cannot write here now", not "a bug of ours".
 _SQLITE_UNWRITABLE = {13: "the disk is full", 10: "an I/O error", 8: "it is read-only",
@@ -223,6 +238,27 @@ def unwritable(exc: BaseException) -> str | None:
         if isinstance(exc, sqlite3.OperationalError) and words in text:
             return f"{_SQLITE_UNWRITABLE[why]} ({exc})"
     return None
+
+
+_TERMINAL = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+REDACTED = "***"
+REDACTED_URL = "https://redacted.invalid/"
+
+
+def _without_secrets(spec_json: str) -> str:
+    """An ended job's spec, its env values and webhook URLs replaced (still a valid spec)."""
+    try:
+        spec = json.loads(spec_json)
+    except ValueError:
+        return "{}"
+    if not isinstance(spec, dict):
+        return "{}"
+    if isinstance(spec.get("env"), dict):
+        spec["env"] = {k: REDACTED for k in spec["env"]}
+    for target in spec.get("notify") or ():
+        if isinstance(target, dict) and "url" in target:
+            target["url"] = REDACTED_URL
+    return json.dumps(spec)
 
 
 def _json_or_none(text: str | None) -> Any:
@@ -277,6 +313,9 @@ class Store:
             # commit must be on disk (FULL). Readers need no such care.
             self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
             self._db.execute("PRAGMA busy_timeout=30000")
+            # What is deleted or overwritten is zeroed on disk: an ended job's secrets are
+            # wiped (set_state), not left in free pages.
+            self._db.execute("PRAGMA secure_delete=ON")
             self._db.executescript(_SCHEMA)
             self._migrate()
             for name in ("state.db", "state.db-wal", "state.db-shm"):  # made by older versions
@@ -359,15 +398,42 @@ class Store:
 
     # --- writes (the job's controller) ---------------------------------------------------
     def set_state(self, job_id: str, new: JobState, **fields: Any) -> None:
-        """Change a job's state after checking the transition table; extra columns too."""
+        """Change a job's state after checking the transition table; extra columns too. A
+        job that ends keeps no secret: its agent secret, the submitter's environment, its
+        env values and webhook URLs are wiped in the same transaction."""
         with self._transaction() as db:
-            row = db.execute("SELECT state FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+            row = db.execute("SELECT state, spec_json FROM jobs WHERE job_id = ?",
+                             (job_id,)).fetchone()
             if row is None:
                 raise JobNotFoundError(job_id)
             check_transition(JobState(row["state"]), new)
             if new.is_terminal():
                 fields.setdefault("ended_at", time.time())
+                fields.update(secret=None, world_json=None,
+                              spec_json=_without_secrets(row["spec_json"]))
             self._update(db, "jobs", {"state": new.value, **fields}, job_id=job_id)
+        if new.is_terminal():  # the old page versions, with the secrets, leave the WAL too
+            try:
+                self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error:
+                pass  # a reader holds it: the next checkpoint overwrites them
+
+    # --- retention ------------------------------------------------------------------------
+    def prune(self, ended_before: float, *, dry_run: bool = False) -> list[str]:
+        """Jobs that ended before ``ended_before`` (unix time): their records, samples and
+        logs removed (unless ``dry_run``), and host events as old. Their ids, oldest first."""
+        ended = [r["job_id"] for r in self._db.execute(
+            "SELECT job_id FROM jobs WHERE ended_at IS NOT NULL AND ended_at < ? AND state IN"
+            " (?, ?, ?) ORDER BY ended_at", (ended_before, *(s.value for s in _TERMINAL)))]
+        if dry_run:
+            return ended
+        with self._transaction() as db:
+            for table in ("samples", "ranks", "attempts", "node_events", "nodes", "jobs"):
+                db.executemany(f"DELETE FROM {table} WHERE job_id = ?", [(j,) for j in ended])
+            db.execute("DELETE FROM host_events WHERE at < ?", (ended_before,))
+        for job_id in ended:
+            shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+        return ended
 
     def update_job(self, job_id: str, **fields: Any) -> None:
         if "state" in fields:
@@ -580,11 +646,35 @@ class Store:
         where, args = "job_id = ?", list[Any]([job_id])
         if rank is not None:
             where, args = where + " AND rank = ?", [*args, rank]
+        # By time, newest first, on an index: a poll costs the same on a job's 7th day.
         rows = self._db.execute(
             f"SELECT * FROM (SELECT rowid, attempt, rank, step, at, metrics_json FROM samples"
-            f" WHERE {where} ORDER BY rowid DESC LIMIT ?) ORDER BY rowid", (*args, limit))
-        return [(r["attempt"], r["rank"], r["step"], r["at"], json.loads(r["metrics_json"]))
-                for r in rows]
+            f" WHERE {where} ORDER BY at DESC LIMIT ?) ORDER BY at, rowid", (*args, limit))
+        return [(r["attempt"], r["rank"], r["step"], r["at"], _json_or_none(r["metrics_json"])
+                 or {}) for r in rows]
+
+    def compact_samples(self, job_id: str, now: float, since: float | None = None) -> int:
+        """Thin a job's samples as they age (SAMPLE_BANDS: every one for an hour, then one
+        per rank per bucket whose width doubles with the age) and keep at most MAX_SAMPLES
+        (the oldest go). ``since``: when this was last done, so that only the samples that
+        aged into a band since are looked at (None: every band whole, once). Rows removed."""
+        removed = 0
+        with self._transaction() as db:
+            for age, width in SAMPLE_BANDS:
+                upper = now - age
+                lower = 0.0 if since is None else upper - (now - since) - 2 * width
+                removed += db.execute(
+                    "DELETE FROM samples WHERE job_id = ? AND at >= ? AND at < ? AND rowid NOT"
+                    " IN (SELECT MIN(rowid) FROM samples WHERE job_id = ? AND at >= ? AND"
+                    " at < ? GROUP BY attempt, rank, CAST(at / ? AS INTEGER))",
+                    (job_id, lower, upper, job_id, lower, upper, width)).rowcount
+            count = db.execute("SELECT COUNT(*) FROM samples WHERE job_id = ?",
+                               (job_id,)).fetchone()[0]
+            if count > MAX_SAMPLES:
+                removed += db.execute(
+                    "DELETE FROM samples WHERE rowid IN (SELECT rowid FROM samples WHERE"
+                    " job_id = ? ORDER BY at LIMIT ?)", (job_id, count - MAX_SAMPLES)).rowcount
+        return removed
 
     def end_attempt(self, job_id: str, attempt: int, outcome: str,
                     failure: dict[str, Any] | None, warm_starts: int = 0) -> None:
@@ -707,8 +797,9 @@ class Store:
             job.ranks = [
                 RankRecord(r["attempt"], r["rank"], r["node_index"], r["local_rank"], r["pid"],
                            r["state"], r["exit_code"], r["signal"], r["step"],
-                           json.loads(r["metrics_json"] or "{}"), r["steps_per_s"],
-                           r["heartbeat_at"], r["output_at"], r["wait_share"])
+                           _json_or_none(r["metrics_json"]) or {}, r["steps_per_s"],
+                           r["heartbeat_at"], r["output_at"], r["wait_share"],
+                           r["first_step"], r["first_step_at"], r["step_at"])
                 for r in self._db.execute(
                     "SELECT * FROM ranks WHERE job_id = ? ORDER BY attempt, rank", (job_id,))
             ]
@@ -721,12 +812,18 @@ class Store:
                 for r in self._db.execute(
                     "SELECT * FROM attempts WHERE job_id = ? ORDER BY attempt", (job_id,))
             ]
-            # Steps only increase within an attempt: its first and last are its min and max.
-            job.steps = [
-                StepSpan(r[0], r[1], r[2], r[3], r[4], r[5]) for r in self._db.execute(
+            # Each rank's first and last step of each attempt, kept with the rank as they
+            # come (no scan of the samples, which age and thin out).
+            job.steps = [StepSpan(r.attempt, r.rank, r.first_step, r.first_step_at, r.step,
+                                  r.step_at) for r in job.ranks
+                         if r.first_step is not None and r.first_step_at is not None
+                         and r.step is not None and r.step_at is not None]
+            if any(r.step is not None and r.first_step is None for r in job.ranks):
+                # Recorded by an older version: from its samples, as it did (steps only
+                # increase within an attempt: its first and last are its min and max).
+                job.steps = [StepSpan(*r) for r in self._db.execute(
                     "SELECT attempt, rank, MIN(step), MIN(at), MAX(step), MAX(at) FROM samples"
-                    " WHERE job_id = ? AND step IS NOT NULL GROUP BY attempt, rank", (job_id,))
-            ]
+                    " WHERE job_id = ? AND step IS NOT NULL GROUP BY attempt, rank", (job_id,))]
         finally:
             self._db.execute("COMMIT")
         return job
@@ -771,6 +868,14 @@ class Store:
         asked, answered = row["stacks_requested_at"], row["stacks_at"]
         return bool(row["cancel_requested"]), bool(asked and (answered is None or
                                                               answered < asked))
+
+    def job_attempt(self, job_id: str) -> tuple[JobState, int]:
+        """The state and the current attempt: what a follower of the logs polls."""
+        row = self._db.execute("SELECT state, attempt FROM jobs WHERE job_id = ?",
+                               (job_id,)).fetchone()
+        if row is None:
+            raise JobNotFoundError(job_id)
+        return JobState(row["state"]), int(row["attempt"])
 
     def job_state(self, job_id: str) -> tuple[JobState, bool]:
         """The state and the cancel flag: the cheap read a polling loop needs."""

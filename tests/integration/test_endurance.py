@@ -215,3 +215,21 @@ def test_a_node_starved_for_8s_is_not_lost_at_the_defaults(home, tmp_path):
     for rank in (0, 1):
         assert steps_in_log(job_id, rank) == list(range(400))
     assert_no_job_processes(job_id)
+
+
+def test_an_ended_job_leaves_no_secret_in_the_store_files(home, tmp_path, monkeypatch):
+    """Its env values, webhook URL, agent secret and the submitter's environment are wiped
+    when it ends: not in state.db, its WAL or free pages (read as raw bytes)."""
+    monkeypatch.setenv("SUBMITTER_TOKEN", "sekrit-of-the-shell-4242")
+    job_id = orchestrator.submit(spec(tmp_path, env={
+        "STEPS": "3", "STEP_SLEEP": "0.01", "WANDB_API_KEY": "sekrit-of-the-spec-4242"},
+        notify=[{"url": "https://hooks.invalid/T0/sekrit-of-the-hook-4242",
+                 "on": ["cancelled"]}]))
+    secret = Store().get_job(job_id).secret
+    assert secret and orchestrator.wait(job_id, timeout=60)["state"] == "SUCCEEDED"
+    for name in ("state.db", "state.db-wal"):
+        path = home / name
+        data = path.read_bytes() if path.exists() else b""
+        for needle in (b"sekrit-of-the", secret.encode()):
+            assert needle not in data, (name, needle)
+    assert_no_job_processes(job_id)
