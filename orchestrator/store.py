@@ -31,7 +31,7 @@ from contextlib import closing, contextmanager
 from pathlib import Path
 from typing import Any
 
-from orchestrator import pids
+from orchestrator import homefs, pids
 from orchestrator.errors import JobNotFoundError, StoreError, StoreUnwritable
 from orchestrator.records import (
     AttemptRecord,
@@ -308,7 +308,12 @@ class Store:
             self._db = sqlite3.connect(self.home / "state.db", timeout=30,
                                        isolation_level=None, check_same_thread=False)
             self._db.row_factory = sqlite3.Row
-            self._db.execute("PRAGMA journal_mode=WAL")
+            # WAL where the home is local; the rollback journal on a network filesystem,
+            # where WAL is not safe (orchestrator/homefs.py).
+            self.journal, self.journal_why = homefs.journal_mode(self.home)
+            got = self._db.execute(f"PRAGMA journal_mode={self.journal}").fetchone()[0]
+            if got != self.journal:  # another process has it open in the other mode
+                self.journal = got
             # A controller's checkpoints are acknowledged to agents, which then forget: each
             # commit must be on disk (FULL). Readers need no such care.
             self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")

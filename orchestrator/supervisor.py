@@ -67,6 +67,8 @@ def _controller_main(job_id: str, resume: bool) -> int:
         return 0
     store.claim_controller(job_id, os.getpid(), socket.gethostname(), pid_namespace())
     store.keep_reserve()
+    log.info("state store %s: %s journal (%s)", store.home / "state.db", store.journal,
+             store.journal_why)
     failpoints.arm(store.job_dir(job_id))
     controller = _controller(store, job_id, resume or job.state != JobState.PENDING)
     if controller is None:

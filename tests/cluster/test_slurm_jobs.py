@@ -487,3 +487,23 @@ def test_a_node_killed_twice_is_quarantined_and_slurm_allocates_around_it(sl, tm
     log = (Path(os.environ["ORCHESTRATOR_HOME"]) / "jobs" / job_id / "controller.log").read_text()
     assert f"slurm: asking for nodes other than the quarantined {victim}" in log, log
     assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+
+
+def test_an_exception_of_the_controller_costs_nothing_on_slurm(sl, tmp_path, monkeypatch):
+    from tests.integration.test_endurance import STEPS, check_an_exception_costs_nothing
+
+    monkeypatch.setenv("ORCHESTRATOR_FAILPOINTS", "turn@2x1")
+    check_an_exception_costs_nothing(slurm_spec(tmp_path, STEPS, nodes=2, nproc_per_node=1,
+                                                env={"STEPS": "150", "STEP_SLEEP": "0.05"}),
+                                     2, 150)
+
+
+def test_a_full_disk_pauses_a_job_on_slurm(sl, tmp_path, monkeypatch):
+    from tests.integration.test_endurance import STEPS, check_a_full_disk_pauses, small_disk
+
+    with small_disk(tmp_path / "smallhome", "48m") as home:
+        monkeypatch.setenv("ORCHESTRATOR_HOME", str(home))
+        check_a_full_disk_pauses(slurm_spec(tmp_path, STEPS, nodes=2, nproc_per_node=1,
+                                            logs={"min_free_bytes": 1 << 20},
+                                            env={"STEPS": "600", "STEP_SLEEP": "0.05"}),
+                                 home, 2, 600)

@@ -44,25 +44,103 @@ def controller_log(job_id: str) -> str:
     return (Store().job_dir(job_id) / "controller.log").read_text()
 
 
-def test_an_exception_of_the_controller_stops_no_worker_and_costs_nothing(home, tmp_path,
-                                                                          monkeypatch):
-    """Crash-only: the controller raises once (a failpoint in its loop); its supervisor
-    starts another, which resumes the same attempt: no restart, every line once."""
-    monkeypatch.setenv("ORCHESTRATOR_FAILPOINTS", "turn@2x1")
-    job_id = orchestrator.submit(spec(tmp_path, env={"STEPS": "100", "STEP_SLEEP": "0.05"}))
-    first = orchestrator.status(job_id)["controller"]["pid"]
-    workers = set(wait_for(lambda: job_processes(job_id), 30, what="workers"))
-    result = orchestrator.wait(job_id, timeout=90)
-    assert result["state"] == "SUCCEEDED", result["failure"]
+def rank_pids(job_id: str) -> dict[int, int]:
+    return {r["rank"]: r["pid"] for r in orchestrator.status(job_id)["ranks"]}
+
+
+def _no_alarm(result: dict) -> None:
+    """No node was ever taken for unreachable or lost, and nothing was restarted."""
+    alarms = [(n["node_index"], e["state"], e["message"]) for n in result["nodes"]
+              for e in n["history"] if e["state"] in ("UNREACHABLE", "LOST")]
+    assert not alarms, alarms
     assert (result["attempt"], result["restarts"], result["free_restarts"]) == (1, 0, 0)
+
+
+# --- the scenarios, run here on local nodes, and over SSH and on Slurm (tests/cluster) ------
+
+def check_an_exception_costs_nothing(job_spec: Path, ranks: int, steps: int) -> None:
+    """With ORCHESTRATOR_FAILPOINTS=turn@2x1 in the environment: the controller raises once;
+    its supervisor starts another, which resumes the same attempt: the same workers (pids)
+    run to the end, no restart of any kind, every line once."""
+    job_id = orchestrator.submit(job_spec)
+    first = orchestrator.status(job_id)["controller"]["pid"]
+    wait_for(lambda: len(rank_pids(job_id)) == ranks and all(rank_pids(job_id).values()), 60,
+             what="every worker started")
+    workers = rank_pids(job_id)
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    _no_alarm(result)
     assert result["controller"]["pid"] != first
+    assert {r["rank"]: r["pid"] for r in result["ranks"]} == workers, "a worker was replaced"
     log = controller_log(job_id)
     assert "InjectedFault: failpoint turn" in log and "a new one in 1s" in log, log[-3000:]
-    assert "stop" not in [e["message"] for n in result["nodes"] for e in n["history"]]
-    for rank in (0, 1):
-        assert steps_in_log(job_id, rank) == list(range(100))
-    assert workers  # the same workers ran to the end: none was stopped or started again
+    for rank in range(ranks):
+        assert steps_in_log(job_id, rank) == list(range(steps))
     assert_no_job_processes(job_id)
+
+
+def check_a_full_disk_pauses(job_spec: Path, home: Path, ranks: int, steps: int) -> None:
+    """$ORCHESTRATOR_HOME (a small tmpfs) filled for 8 s while the ranks print: the
+    controller pauses (the agents keep the lines), status says which path is full and since
+    when; then every line is in the logs, once, in order; no worker stopped, no restart."""
+    job_id = orchestrator.submit(job_spec)
+    try:
+        wait_for_output(job_id, f"step {ranks - 1} 40", 1)
+        workers = rank_pids(job_id)
+        filler = fill(home)
+        paused = wait_for(lambda: orchestrator.status(job_id)["paused"], 15,
+                          what="the job shown paused")
+        assert str(home) in paused["reason"] and paused["since"], paused
+        time.sleep(8)
+        assert rank_pids(job_id) == workers and all(map(job_processes_alive, workers.values()))
+        filler.unlink()
+        wait_for(lambda: not orchestrator.status(job_id)["paused"], 30, what="the pause over")
+        result = orchestrator.wait(job_id, timeout=120)
+    finally:
+        with contextlib.suppress(Exception):
+            if orchestrator.status(job_id)["state"] not in ("SUCCEEDED", "FAILED",
+                                                            "CANCELLED"):
+                orchestrator.cancel(job_id, wait_seconds=30)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    _no_alarm(result)
+    assert {r["rank"]: r["pid"] for r in result["ranks"]} == workers
+    for rank in range(ranks):
+        assert steps_in_log(job_id, rank) == list(range(steps))
+    assert "the home can be written again" in controller_log(job_id)
+    assert_no_job_processes(job_id)
+
+
+def check_a_stalled_controller_declares_nobody_lost(job_spec: Path, ranks: int,
+                                                    steps: int) -> None:
+    """SIGSTOP for 20 s, as a long swap or a paused VM, at the default liveness settings:
+    the time it was not looking is nobody's silence (on main both nodes of this job were
+    made UNREACHABLE, then LOST)."""
+    job_id = orchestrator.submit(job_spec)
+    wait_for_output(job_id, f"step {ranks - 1} 20", 1)
+    controller = orchestrator.status(job_id)["controller"]["pid"]
+    os.kill(controller, signal.SIGSTOP)
+    try:
+        time.sleep(20)
+    finally:
+        os.kill(controller, signal.SIGCONT)
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    _no_alarm(result)
+    assert "the controller was stalled for 2" in controller_log(job_id)
+    for rank in range(ranks):
+        assert steps_in_log(job_id, rank) == list(range(steps))
+    assert_no_job_processes(job_id)
+
+
+def job_processes_alive(pid: int) -> bool:
+    return Path(f"/proc/{pid}").exists()
+
+
+def test_an_exception_of_the_controller_stops_no_worker_and_costs_nothing(home, tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv("ORCHESTRATOR_FAILPOINTS", "turn@2x1")
+    check_an_exception_costs_nothing(
+        spec(tmp_path, env={"STEPS": "100", "STEP_SLEEP": "0.05"}), 2, 100)
 
 
 def test_a_controller_failing_on_the_same_error_ends_the_job_after_the_grace(home, tmp_path,
@@ -135,66 +213,16 @@ def fill(directory: Path) -> Path:
 
 
 def test_a_full_disk_pauses_the_job_loses_no_line_and_stops_no_worker(tmp_path, monkeypatch):
-    """$ORCHESTRATOR_HOME on a 48 MiB tmpfs, filled for 8 s while two ranks print 20 lines
-    a second: the controller pauses (the agents keep the lines), status says which path is
-    full and since when, and once there is room again every line is in the logs, once, in
-    order; no worker stopped, no restart of any kind."""
     with small_disk(tmp_path / "home", "48m") as home:
         monkeypatch.setenv("ORCHESTRATOR_HOME", str(home))
-        job_id = orchestrator.submit(spec(tmp_path, logs={"min_free_bytes": 1 << 20},
-                                          env={"STEPS": "600", "STEP_SLEEP": "0.05"}))
-        try:
-            wait_for_output(job_id, "step 1 40", 1)
-            workers = set(job_processes(job_id))
-            filler = fill(home)
-            paused = wait_for(lambda: orchestrator.status(job_id)["paused"], 15,
-                              what="the job shown paused")
-            assert str(home) in paused["reason"] and paused["since"], paused
-            time.sleep(8)
-            assert set(job_processes(job_id)) >= workers, "a worker was stopped"
-            filler.unlink()
-            wait_for(lambda: not orchestrator.status(job_id)["paused"], 30,
-                     what="the pause over")
-            result = orchestrator.wait(job_id, timeout=120)
-        finally:
-            with contextlib.suppress(Exception):
-                if orchestrator.status(job_id)["state"] not in ("SUCCEEDED", "FAILED",
-                                                                "CANCELLED"):
-                    orchestrator.cancel(job_id, wait_seconds=30)
-        assert result["state"] == "SUCCEEDED", result["failure"]
-        assert (result["attempt"], result["restarts"], result["free_restarts"]) == (1, 0, 0)
-        for rank in (0, 1):
-            assert steps_in_log(job_id, rank) == list(range(600))
-        assert "the home can be written again" in controller_log(job_id)
-        assert_no_job_processes(job_id)
-
-
-def _no_alarm(result: dict) -> None:
-    """No node was ever taken for unreachable or lost, and nothing was restarted."""
-    alarms = [(n["node_index"], e["state"], e["message"]) for n in result["nodes"]
-              for e in n["history"] if e["state"] in ("UNREACHABLE", "LOST")]
-    assert not alarms, alarms
-    assert (result["attempt"], result["restarts"], result["free_restarts"]) == (1, 0, 0)
+        check_a_full_disk_pauses(spec(tmp_path, logs={"min_free_bytes": 1 << 20},
+                                      env={"STEPS": "600", "STEP_SLEEP": "0.05"}),
+                                 home, 2, 600)
 
 
 def test_a_controller_stopped_for_20s_declares_nobody_lost_at_the_defaults(home, tmp_path):
-    """SIGSTOP, as a long swap or a paused VM: the time it was not looking is nobody's
-    silence (on main both nodes of this job were made UNREACHABLE, then LOST)."""
-    job_id = orchestrator.submit(spec(tmp_path, env={"STEPS": "700", "STEP_SLEEP": "0.05"}))
-    wait_for_output(job_id, "step 1 20", 1)
-    controller = orchestrator.status(job_id)["controller"]["pid"]
-    os.kill(controller, signal.SIGSTOP)
-    try:
-        time.sleep(20)
-    finally:
-        os.kill(controller, signal.SIGCONT)
-    result = orchestrator.wait(job_id, timeout=120)
-    assert result["state"] == "SUCCEEDED", result["failure"]
-    _no_alarm(result)
-    assert "the controller was stalled for 2" in controller_log(job_id)
-    for rank in (0, 1):
-        assert steps_in_log(job_id, rank) == list(range(700))
-    assert_no_job_processes(job_id)
+    check_a_stalled_controller_declares_nobody_lost(
+        spec(tmp_path, env={"STEPS": "700", "STEP_SLEEP": "0.05"}), 2, 700)
 
 
 def test_a_node_starved_for_8s_is_not_lost_at_the_defaults(home, tmp_path):
