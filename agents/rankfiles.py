@@ -15,7 +15,7 @@ import os
 import stat
 from typing import Any
 
-from agents.fields import MAX_COUNT, finite
+from agents.fields import MAX_COUNT, finite, unicode
 
 MAX_HEARTBEAT = 16 * 1024  # bytes read of a heartbeat file
 MAX_WAITS = 4 * 1024
@@ -84,7 +84,7 @@ def heartbeat(path: str) -> tuple[dict[str, Any] | None, list[str]]:
                             f"{MAX_METRICS} are kept")
             break
         number = finite(value)
-        if not _unicode(str(name)):  # a lone surrogate ("\\ud800"): no JSON line holds it
+        if not unicode(str(name)):  # a lone surrogate ("\\ud800"): no JSON line holds it
             problems.append(f"heartbeat metric {_short(name)} has a name that is not valid "
                             "Unicode: not kept")
             continue
@@ -120,14 +120,6 @@ def error_file(path: str | None) -> str | None:
         return None
     data = read_small(path, MAX_ERROR_FILE)
     return None if data is None else data.decode("utf-8", "replace")
-
-
-def _unicode(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 def _short(value: Any) -> str:

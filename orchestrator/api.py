@@ -28,7 +28,7 @@ from orchestrator import (
     sync,
     timelost,
 )
-from orchestrator.errors import JobEndedError, LaunchError
+from orchestrator.errors import JobEndedError, LaunchError, OrchestratorError, StoreUnwritable
 from orchestrator.pids import pid_namespace
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
@@ -106,7 +106,10 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
     store = Store(home)
     try:
         _check_free_space(store, job_spec.logs.min_free_bytes)
-        retention.prune(store)  # what ended longer ago than this home keeps
+        try:
+            retention.prune(store)  # what ended longer ago than this home keeps
+        except OrchestratorError as exc:  # never a reason not to submit
+            print(f"warning: pruning old jobs failed: {exc}", file=sys.stderr)
         job_id = f"{job_spec.name}-{secrets.token_hex(3)}"
         # The agents' secret: a controller proves it to attach to them (also after a restart).
         store.create_job(job_id, job_spec.name, job_spec.model_dump_json(), directory,
@@ -351,10 +354,16 @@ def cancel(job_id: str, *, wait_seconds: float = 60.0,
         job = store.get_job(check_job_id(job_id))
         if job.state.is_terminal():
             return _status_dict(job)
-        store.request_cancel(job_id)
         pid = job.controller_pid
-        if not (pid and _is_controller(pid, job.controller_ident, job_id)
-                and pids.send(pid, job.controller_ident, signal.SIGTERM)):
+        live = bool(pid and _is_controller(pid, job.controller_ident, job_id))
+        try:
+            store.request_cancel(job_id)
+            sig = signal.SIGTERM  # it reads the request: cancel (without it: detach)
+        except StoreUnwritable:
+            if not live:
+                raise
+            sig = signal.SIGUSR1  # the home is full: "cancel" said without the store
+        if not (live and pid and pids.send(pid, job.controller_ident, sig)):
             # Only a controller stops workers: start one, it sees the request at once.
             _ensure_controller(store, job_id)
         deadline = time.monotonic() + wait_seconds

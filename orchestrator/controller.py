@@ -118,14 +118,15 @@ class Controller:
             engine.ending = True
             engine.checkpoint(force=True)  # every line kept before the agents are let go
         except BaseException as exc:
-            reason = pause.problem(exc, str(self.store.home))
+            floor = self.spec.logs.min_free_bytes
+            reason = None if not isinstance(exc, Exception) else \
+                pause.problem(exc, self.store, self.job_id, floor)
             if reason is None:
                 self._guarded(engine.pool.close)  # as a SIGKILL: the workers untouched
                 log.error("controller error: %s (the workers go on; the supervisor starts "
                           "a new controller)", _describe(exc))
                 raise
-            self.hand_over = pause.hold(engine, self.notifier, reason,
-                                        self.spec.logs.min_free_bytes)
+            self.hand_over = pause.hold(engine, self.notifier, reason, floor)
             self._guarded(engine.close)
             self.notifier.close(END_WAIT)
             return engine.state
@@ -169,12 +170,7 @@ class Controller:
                     self.spec.launch_timeout + SHUTDOWN_WAIT, interruptible=False)
         if self._on_end is not None:
             self._guarded(self._on_end)
-        job = self.store.get_job(self.job_id)
-        if job.attempts and job.attempts[-1].ended_at is None:  # it ends with the job
-            outcome = AttemptOutcome.CANCELLED if final == JobState.CANCELLED else \
-                AttemptOutcome.FAILED
-            self.store.end_attempt(self.job_id, job.attempts[-1].attempt, outcome.value,
-                                   fields.get("failure"), job.attempts[-1].warm_starts)
+        self.store.end_open_attempt(self.job_id, final, fields.get("failure"))
         self._record_end(final, fields)
         self._guarded(lambda: self.notifier.ended(final.value, fields.get("failure")))
         self._guarded(lambda: self.notifier.close(END_WAIT))

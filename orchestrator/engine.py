@@ -112,7 +112,7 @@ class Engine:
         now = self.pool.main_tick = time.monotonic()
         failpoints.hit("turn")
         if self._turned and now - self._turned > STALLED:
-            self._forgive(now - self._turned)
+            self._forgive(now - self._turned, now)
         self._turned = now
         for event in self.loop.poll(timeout):
             dispatch(self, event)
@@ -138,13 +138,13 @@ class Engine:
         self.state = new
         log.info("job %s -> %s", self.job_id, new.value)
 
-    def _forgive(self, stalled: float) -> None:
+    def _forgive(self, stalled: float, now: float) -> None:
         log.warning("the controller was stalled for %.1fs (stopped, swapped out, starved): "
                     "no node's silence counts that time", stalled)
-        self.book.forgive(stalled)
+        self.book.forgive(stalled, now)
         for attempt in (self.current, self.previous):
-            if attempt is not None:
-                attempt.last_activity += stalled  # nor a hang's
+            if attempt is not None:  # nor a hang's
+                attempt.last_activity = min(attempt.last_activity + stalled, now)
 
     # --- the checks of every turn ----------------------------------------------------------
     def _checks(self) -> None:
@@ -291,7 +291,10 @@ class Engine:
     # --- the end --------------------------------------------------------------------------
     def shutdown(self, wait: float) -> None:
         """Tell every attached agent to stop its workers and exit, and wait until it has."""
-        self.checkpoint(force=True)
+        try:
+            self.checkpoint(force=True)
+        except Exception:  # the agents are told all the same: none may keep its workers
+            log.exception("the last checkpoint before shutting the agents down failed")
         attached = [n for n in self.nodes if n.channel is not None]
         for node in attached:
             self.pool.send(node, {"op": P.SHUTDOWN})

@@ -221,16 +221,17 @@ class NodeBook:
                                   "(health.node_timeout)"))
         return out
 
-    def forgive(self, seconds: float) -> None:
+    def forgive(self, seconds: float, now: float) -> None:
         """The controller was not looking for ``seconds`` (stopped, swapped out, a long
-        pause of its own): no node's silence counts that time."""
+        pause of its own): no node's silence counts that time (and none is heard later
+        than ``now``: what it read since it woke is news of now already)."""
         for node in self.nodes:
             if node.heard:
-                node.heard += seconds
+                node.heard = min(node.heard + seconds, now)
             if node.channel is not None:
-                node.channel.heard += seconds
+                node.channel.heard = min(node.channel.heard + seconds, now)
             if node.unreachable_since is not None:
-                node.unreachable_since += seconds
+                node.unreachable_since = min(node.unreachable_since + seconds, now)
 
     # --- messages in order --------------------------------------------------------------------
     def order(self, node: Node, seq: int | None) -> Order:

@@ -23,13 +23,14 @@ workers at once (every agent is told to shut down); the next controller records 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import TYPE_CHECKING
 
 from agents import protocol as P
 from orchestrator import events as E
 from orchestrator.errors import StoreUnwritable
-from orchestrator.store import unwritable
+from orchestrator.store import Store, unwritable
 
 if TYPE_CHECKING:
     from orchestrator.engine import Engine
@@ -40,24 +41,34 @@ log = logging.getLogger("orchestrator.controller")
 LOOK_EVERY = 1.0  # seconds between two looks at whether the home can be written again
 
 
-def problem(exc: BaseException, home: str) -> str | None:
-    """What could not be written and why, when ``exc`` (or what caused it) says the home
-    cannot be written now; None for anything else (a bug: the controller crashes)."""
+def problem(exc: BaseException, store: Store, job_id: str, floor: int) -> str | None:
+    """What could not be written under the home and why, when ``exc`` (or what caused it)
+    says so and the home indeed cannot be written now; None for anything else (a bug, a
+    full disk elsewhere: the controller crashes, and is replaced)."""
+    home = os.path.realpath(store.home)
     seen: BaseException | None = exc
-    while seen is not None:
+    found = None
+    while seen is not None and found is None:
         reason = unwritable(seen)
-        if reason is not None:
-            if isinstance(seen, StoreUnwritable):
-                return f"{seen.path}: {reason}"
-            where = getattr(seen, "filename", None) or home
-            return f"{where}: {reason}"
+        where = getattr(seen, "path", None) or getattr(seen, "filename", None)
+        if reason is not None and isinstance(where, str) and \
+                os.path.realpath(where).startswith(home):
+            found = f"{where}: {reason}"
         seen = seen.__cause__ or seen.__context__
+    if found is None:
+        return None
+    try:  # gone already (or never the home's own trouble): then it is no pause
+        store.check_room(floor)
+        store.note_pause(job_id, None, strict=True)
+    except StoreUnwritable:
+        return found
     return None
 
 
 def hold(engine: Engine, notifier: Notifier, reason: str, floor: int) -> bool:
     """Hold the job until the home can be written again (True: hand over to a fresh
-    controller) or the controller is told to exit (False)."""
+    controller) or the controller is told to exit (False). A cancel comes through the
+    store, or, when not even its flag can be written, as SIGUSR1 (``cancel_requested``)."""
     store, job_id = engine.store, engine.job_id
     since = time.time()
     log.error("cannot write: %s; paused: the workers go on and their output waits in the "
@@ -77,9 +88,9 @@ def hold(engine: Engine, notifier: Notifier, reason: str, floor: int) -> bool:
             continue
         next_look = time.monotonic() + LOOK_EVERY
         try:
-            cancelled = store.job_state(job_id)[1]
+            cancelled = store.job_state(job_id)[1] or engine.cancel_requested
         except Exception:  # noqa: BLE001 (a home gone: reading fails too; look again)
-            cancelled = False
+            cancelled = engine.cancel_requested
         if cancelled and not stopping:
             log.warning("cancel requested while paused: every agent stops its workers; the "
                         "job is recorded CANCELLED once the home can be written")
@@ -89,10 +100,10 @@ def hold(engine: Engine, notifier: Notifier, reason: str, floor: int) -> bool:
         if engine.exit_requested and not cancelled:
             return False
         try:
-            store.check_room(floor)
-            if not store.keep_reserve():  # room for the note of the next pause first
+            if not store.room_again(job_id, floor):
                 continue
-            store.note_pause(job_id, None, strict=True)
+            if stopping:  # the next controller must know: it records the cancel
+                store.request_cancel(job_id)
         except StoreUnwritable:
             continue
         log.warning("paused from %s to now (%s): the home can be written again; a fresh "

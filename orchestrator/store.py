@@ -98,6 +98,7 @@ CREATE TABLE IF NOT EXISTS node_events (
     state TEXT NOT NULL,
     message TEXT
 );
+CREATE INDEX IF NOT EXISTS node_events_by_job ON node_events (job_id, at);
 CREATE TABLE IF NOT EXISTS ranks (
     job_id TEXT NOT NULL,
     attempt INTEGER NOT NULL,
@@ -321,6 +322,8 @@ class Store:
             # What is deleted or overwritten is zeroed on disk: an ended job's secrets are
             # wiped (set_state), not left in free pages.
             self._db.execute("PRAGMA secure_delete=ON")
+            # Sorting and grouping (compact_samples) in memory: a full /tmp is not ours.
+            self._db.execute("PRAGMA temp_store=MEMORY")
             self._db.executescript(_SCHEMA)
             self._migrate()
             for name in ("state.db", "state.db-wal", "state.db-shm"):  # made by older versions
@@ -399,7 +402,8 @@ class Store:
         self.job_dir(job_id).mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def request_cancel(self, job_id: str) -> None:
-        self._db.execute("UPDATE jobs SET cancel_requested = 1 WHERE job_id = ?", (job_id,))
+        with self._transaction() as db:
+            db.execute("UPDATE jobs SET cancel_requested = 1 WHERE job_id = ?", (job_id,))
 
     # --- writes (the job's controller) ---------------------------------------------------
     def set_state(self, job_id: str, new: JobState, **fields: Any) -> None:
@@ -418,26 +422,38 @@ class Store:
                               spec_json=_without_secrets(row["spec_json"]))
             self._update(db, "jobs", {"state": new.value, **fields}, job_id=job_id)
         if new.is_terminal():  # the old page versions, with the secrets, leave the WAL too
+            self._db.execute("PRAGMA busy_timeout=200")  # never wait on readers for it
             try:
                 self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             except sqlite3.Error:
                 pass  # a reader holds it: the next checkpoint overwrites them
+            finally:
+                self._db.execute("PRAGMA busy_timeout=30000")
 
     # --- retention ------------------------------------------------------------------------
     def prune(self, ended_before: float, *, dry_run: bool = False) -> list[str]:
         """Jobs that ended before ``ended_before`` (unix time): their records, samples and
         logs removed (unless ``dry_run``), and host events as old. Their ids, oldest first."""
+        terminal = tuple(s.value for s in _TERMINAL)
         ended = [r["job_id"] for r in self._db.execute(
             "SELECT job_id FROM jobs WHERE ended_at IS NOT NULL AND ended_at < ? AND state IN"
-            " (?, ?, ?) ORDER BY ended_at", (ended_before, *(s.value for s in _TERMINAL)))]
+            " (?, ?, ?) ORDER BY ended_at", (ended_before, *terminal))]
         if dry_run:
             return ended
-        with self._transaction() as db:
-            for table in ("samples", "ranks", "attempts", "node_events", "nodes", "jobs"):
-                db.executemany(f"DELETE FROM {table} WHERE job_id = ?", [(j,) for j in ended])
-            db.execute("DELETE FROM host_events WHERE at < ?", (ended_before,))
-        for job_id in ended:
+        for job_id in ended:  # a transaction each: running controllers never wait long
+            with self._transaction() as db:
+                for table in ("samples", "ranks", "attempts", "node_events", "nodes", "jobs"):
+                    db.execute(f"DELETE FROM {table} WHERE job_id = ?", (job_id,))
             shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+        with self._transaction() as db:
+            db.execute("DELETE FROM host_events WHERE at < ?", (ended_before,))
+            # Jobs that ended under an older version still hold their secrets: not any more.
+            for row in db.execute("SELECT job_id, spec_json FROM jobs WHERE state IN (?, ?, ?)"
+                                  " AND (secret IS NOT NULL OR world_json IS NOT NULL)",
+                                  terminal).fetchall():
+                self._update(db, "jobs", {"secret": None, "world_json": None,
+                                          "spec_json": _without_secrets(row["spec_json"])},
+                             job_id=row["job_id"])
         return ended
 
     def update_job(self, job_id: str, **fields: Any) -> None:
@@ -555,6 +571,16 @@ class Store:
             except OSError:
                 pass
             return False
+
+    def room_again(self, job_id: str, floor: int) -> bool:
+        """Whether a paused job's home has room again: ``floor`` bytes free, its reserve
+        back (for the note of the next pause), and its pause note cleared (a real write).
+        False, or StoreUnwritable, while not."""
+        self.check_room(floor)
+        if not self.keep_reserve():
+            return False
+        self.note_pause(job_id, None, strict=True)
+        return True
 
     def note_pause(self, job_id: str, note: dict[str, Any] | None, *,
                    strict: bool = False) -> None:
@@ -692,6 +718,16 @@ class Store:
                 job_id=job_id, attempt=attempt,
             )
 
+    def end_open_attempt(self, job_id: str, final: JobState,
+                         failure: dict[str, Any] | None) -> None:
+        """End the job's last attempt, if it is still open, as the job ends ``final``
+        without its controller (a controller that kept failing)."""
+        job = self.get_job(job_id)
+        if job.attempts and job.attempts[-1].ended_at is None:
+            outcome = "CANCELLED" if final == JobState.CANCELLED else "FAILED"
+            self.end_attempt(job_id, job.attempts[-1].attempt, outcome, failure,
+                             job.attempts[-1].warm_starts)
+
     @staticmethod
     def _update_rows(db: sqlite3.Connection, table: str, key: str,
                      rows: dict[int, dict[str, Any]], **where: Any) -> None:
@@ -823,12 +859,16 @@ class Store:
                                   r.step_at) for r in job.ranks
                          if r.first_step is not None and r.first_step_at is not None
                          and r.step is not None and r.step_at is not None]
-            if any(r.step is not None and r.first_step is None for r in job.ranks):
-                # Recorded by an older version: from its samples, as it did (steps only
-                # increase within an attempt: its first and last are its min and max).
-                job.steps = [StepSpan(*r) for r in self._db.execute(
-                    "SELECT attempt, rank, MIN(step), MIN(at), MAX(step), MAX(at) FROM samples"
-                    " WHERE job_id = ? AND step IS NOT NULL GROUP BY attempt, rank", (job_id,))]
+            older = {r.attempt for r in job.ranks if r.step is not None and r.first_step is None}
+            for attempt in sorted(older):
+                # Ranks recorded by an older version: from the attempt's samples, as it did
+                # (steps only increase within an attempt: its first and last are its min
+                # and max).
+                job.steps = [sp for sp in job.steps if sp.attempt != attempt] + [
+                    StepSpan(*r) for r in self._db.execute(
+                        "SELECT attempt, rank, MIN(step), MIN(at), MAX(step), MAX(at) FROM "
+                        "samples WHERE job_id = ? AND attempt = ? AND step IS NOT NULL "
+                        "GROUP BY attempt, rank", (job_id, attempt))]
         finally:
             self._db.execute("COMMIT")
         return job
@@ -849,8 +889,8 @@ class Store:
     def request_stacks(self, job_id: str) -> float:
         """Ask the job's controller for every rank's stack (a request, like cancel)."""
         at = time.time()
-        self._db.execute("UPDATE jobs SET stacks_requested_at = ? WHERE job_id = ?",
-                         (at, job_id))
+        with self._transaction() as db:
+            db.execute("UPDATE jobs SET stacks_requested_at = ? WHERE job_id = ?", (at, job_id))
         return at
 
     def stacks(self, job_id: str) -> tuple[float | None, float | None, dict[str, Any] | None]:

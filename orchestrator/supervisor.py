@@ -38,7 +38,13 @@ from typing import Any
 from orchestrator import failpoints, reputation, slurm
 from orchestrator.attempt import Failure
 from orchestrator.controller import Controller, raise_open_files_limit
-from orchestrator.errors import LaunchError, OrchestratorError, SpecError, StoreUnwritable
+from orchestrator.errors import (
+    JobNotFoundError,
+    LaunchError,
+    OrchestratorError,
+    SpecError,
+    StoreUnwritable,
+)
 from orchestrator.pids import pid_namespace
 from orchestrator.spec import JobSpec
 from orchestrator.state import FailureCause, JobState
@@ -70,11 +76,19 @@ def _controller_main(job_id: str, resume: bool) -> int:
     log.info("state store %s: %s journal (%s)", store.home / "state.db", store.journal,
              store.journal_why)
     failpoints.arm(store.job_dir(job_id))
-    controller = _controller(store, job_id, resume or job.state != JobState.PENDING)
+    try:
+        controller = _controller(store, job_id, resume or job.state != JobState.PENDING)
+    except StoreUnwritable:
+        raise  # a pause, not a usage error: the supervisor waits for room
+    except OrchestratorError as exc:  # a spec or a world it cannot use: said, not retried
+        log.error("%s", exc)
+        return 2
     if controller is None:
         return 1  # the job ended (or waits for a resume): recorded already
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: controller.request_exit())
+    # `cancel` when not even its request can be written (a full home): stop the workers.
+    signal.signal(signal.SIGUSR1, lambda *_: controller.request_cancel())
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     state = controller.run()
     if controller.hand_over:
@@ -82,9 +96,11 @@ def _controller_main(job_id: str, resume: bool) -> int:
     return 0 if state == JobState.SUCCEEDED else 1
 
 
-def _controller(store: Store, job_id: str, resume: bool) -> Controller | None:
+def _controller(store: Store, job_id: str, resume: bool,
+                acquire: bool = True) -> Controller | None:
     """The job's controller, with its connector (and its Slurm allocation, got first); None
-    when the allocation cannot be had (the job's end is recorded)."""
+    when the allocation cannot be had (the job's end is recorded then), or, without
+    ``acquire`` (ending a job), when it has none granted and kept."""
     job = store.get_job(job_id)
     secret = job.secret
     if not secret:  # a job recorded before secrets existed
@@ -98,7 +114,12 @@ def _controller(store: Store, job_id: str, resume: bool) -> Controller | None:
     connect: ConnectionFactory = Connector(world)
     on_end = None
     if spec.slurm is not None:
-        allocation = _slurm_allocation(store, job_id, spec)
+        if acquire:
+            allocation = _slurm_allocation(store, job_id, spec)
+        else:  # only the one it has: never a new salloc just to end a job
+            saved = job.slurm or {}
+            granted = saved.get("nodes") and not saved.get("released")
+            allocation = slurm.Allocation.from_dict(saved) if granted else None
         if allocation is None:
             return None
         spec = slurm.spec_with_nodes(spec, allocation)
@@ -162,20 +183,45 @@ ROOM_LOOK = 2.0  # seconds between two looks at a home that cannot be written
 
 class Deaths:
     """A job's controller deaths: how long to wait before the next start, or that it keeps
-    failing (None). Pure: the supervisor says when and what (the error's signature)."""
+    failing (None). Pure: the supervisor says when, what (the error's signature), and how
+    long the controller had lived (one that ran longer than DEATHS_WINDOW starts the count
+    of the same error again: three OOM kills a week apart are not a failing controller)."""
 
     def __init__(self) -> None:
         self.seen: deque[tuple[float, str]] = deque()
         self.same = 0
 
-    def add(self, at: float, signature: str) -> float | None:
-        self.same = self.same + 1 if self.seen and self.seen[-1][1] == signature else 1
+    def add(self, at: float, signature: str, lived: float = 0.0) -> float | None:
+        repeated = self.seen and self.seen[-1][1] == signature and lived <= DEATHS_WINDOW
+        self.same = self.same + 1 if repeated else 1
         self.seen.append((at, signature))
         while self.seen and at - self.seen[0][0] > DEATHS_WINDOW:
             self.seen.popleft()
         if self.same >= SAME_ERROR_LIMIT or len(self.seen) >= MAX_DEATHS:
             return None
         return BACKOFF[min(len(self.seen), len(BACKOFF)) - 1]
+
+
+class _Told:
+    """Whether the supervisor was told to exit (SIGTERM, SIGINT: ``set`` from the signal
+    handler, a plain flag), and sleeps it cuts short: a supervisor told to exit starts no
+    controller and ends no job any more."""
+
+    def __init__(self) -> None:
+        self.told = False
+
+    def set(self) -> None:
+        self.told = True
+
+    def __bool__(self) -> bool:
+        return self.told
+
+    def sleep(self, seconds: float) -> bool:
+        """Sleep; False when told to exit meanwhile (looked at every 0.2 s)."""
+        deadline = time.monotonic() + seconds
+        while not self.told and (left := deadline - time.monotonic()) > 0:
+            time.sleep(min(0.2, left))
+        return not self.told
 
 
 def _supervise(job_id: str, resume: bool) -> int:
@@ -186,11 +232,10 @@ def _supervise(job_id: str, resume: bool) -> int:
     store = Store()
     store.claim_supervisor(job_id, os.getpid())
     child: _Forked | None = None
-    told_to_exit = False
+    told = _Told()
 
     def forward(signum: int, _frame: Any) -> None:  # the controller decides: cancel, or exit
-        nonlocal told_to_exit
-        told_to_exit = True
+        told.set()
         if child is not None and child.poll() is None:
             child.send_signal(signum)
 
@@ -199,77 +244,82 @@ def _supervise(job_id: str, resume: bool) -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     deaths = Deaths()
     store.close()
-    while True:
+    while not told:
         child = _Forked(functools.partial(_run_controller, job_id, resume))
         code = child.wait()
         resume = True
+        if told or code == ANOTHER_CONTROLLER:
+            return 0
         if code == HAND_OVER:
             continue
-        if code == ANOTHER_CONTROLLER or told_to_exit:
-            return 0
         report = child.report or {}
-        if code == UNWRITABLE:
-            if not _wait_for_room(job_id, str(report.get("reason")), lambda: told_to_exit):
-                return 0
-            continue
-        state = _job_state(job_id)
+        if code == UNWRITABLE and _wait_for_room(job_id, str(report.get("reason")), told):
+            continue  # a home that was full: not a death (one that had room was: below)
+        state = _job_state(job_id, told)
         if state is None or state.is_terminal():
             return 0
         how = report.get("error") or (f"code {code}" if code >= 0 else
                                       f"killed by {signal.Signals(-code).name}")
-        delay = deaths.add(time.monotonic(), report.get("signature") or how)
+        signature = report.get("signature") or how
+        delay = deaths.add(time.monotonic(), signature, child.lived)
         if delay is None:
-            if not _failing(job_id, how, report.get("signature") or how, len(deaths.seen)):
+            if not _failing(job_id, how, signature, len(deaths.seen), told):
                 return 0
             deaths = Deaths()  # `resume` asked to try again
             continue
         log.warning("controller died (%s) while the job was %s: a new one in %gs", how,
                     state.value, delay)
-        time.sleep(delay)
+        told.sleep(delay)
+    return 0
 
 
-def _job_state(job_id: str) -> JobState | None:
-    try:
-        store = Store()
+def _job_state(job_id: str, told: _Told) -> JobState | None:
+    """The job's state; while the home cannot be read (an NFS server away), looked at again
+    (None only when told to exit meanwhile)."""
+    while True:
         try:
-            return store.job_state(job_id)[0]
-        finally:
-            store.close()
-    except OrchestratorError as exc:
-        log.error("cannot read the job's state: %s", exc)
-        return None
+            store = Store()
+            try:
+                return store.job_state(job_id)[0]
+            finally:
+                store.close()
+        except OrchestratorError as exc:
+            log.error("cannot read the job's state (%s): looking again", exc)
+        if not told.sleep(ROOM_LOOK):
+            return None
 
 
-def _wait_for_room(job_id: str, reason: str, told_to_exit: Callable[[], bool]) -> bool:
-    """Until the home can be written again (True), or the supervisor is told to exit."""
+def _wait_for_room(job_id: str, reason: str, told: _Told) -> bool:
+    """After a controller that could not write at its start: until the home can be written
+    again (True), or the supervisor is told to exit (False). False at once when the home
+    had room at the first look: then that was a death like any other."""
     log.error("the controller cannot write (%s): a new one starts once it can", reason)
-    floor = None
-    while not told_to_exit():
+    floor, waited = None, False
+    while told.sleep(ROOM_LOOK):
         try:
             store = Store()
             try:
                 if floor is None:
                     floor = JobSpec.model_validate_json(
                         store.get_job(job_id).spec_json).logs.min_free_bytes
-                store.check_room(floor)
-                if store.keep_reserve():
-                    store.note_pause(job_id, None, strict=True)
-                    return True
+                if store.room_again(job_id, floor):
+                    return waited
             except StoreUnwritable:
                 store.note_pause(job_id, {"since": time.time(), "reason": reason})
             finally:
                 store.close()
         except OrchestratorError:
             pass
-        time.sleep(ROOM_LOOK)
+        waited = True
     return False
 
 
-def _failing(job_id: str, error: str, signature: str, deaths: int) -> bool:
+def _failing(job_id: str, error: str, signature: str, deaths: int, told: _Told) -> bool:
     """The controller keeps failing: the workers go on (their agents keep them for
     ``controller_grace``); ``status`` says why. Returns True when ``resume`` asks to try
     again; else ends the job: cancelled when a cancel comes, else FAILED with cause
-    CONTROLLER_FAILED once the agents' grace is over (they stopped the workers)."""
+    CONTROLLER_FAILED once the agents' grace is over (they stopped the workers). Told to
+    exit, it leaves the job as it is (False)."""
     store = Store()
     try:
         job = store.get_job(job_id)
@@ -284,9 +334,11 @@ def _failing(job_id: str, error: str, signature: str, deaths: int) -> bool:
                   "the workers go on for controller_grace; `orchestrator resume %s` tries "
                   "again, `orchestrator cancel %s` stops them", deaths, error, where, job_id,
                   job_id)
-        while True:
-            time.sleep(1.0)
-            job = store.get_job(job_id)
+        while told.sleep(1.0):
+            try:
+                job = store.get_job(job_id)
+            except OrchestratorError:
+                continue  # the home away for a moment: look again
             if job.state.is_terminal():
                 return False
             if job.cancel_requested:
@@ -305,6 +357,7 @@ def _failing(job_id: str, error: str, signature: str, deaths: int) -> bool:
                              "(no restart charged)")
                 _abandon(store, job_id, JobState.FAILED, {"failure": failure.to_dict()})
                 return False
+        return False
     finally:
         store.close()
 
@@ -316,6 +369,7 @@ def _abandon(store: Store, job_id: str, final: JobState, fields: dict[str, Any])
     if child.wait() == 0:
         return
     if not store.job_state(job_id)[0].is_terminal():
+        store.end_open_attempt(job_id, final, fields.get("failure"))
         store.set_state(job_id, final, **fields)
     saved = store.get_job(job_id).slurm
     if saved and not saved.get("released"):  # nobody will use it: give it back
@@ -328,9 +382,10 @@ def _run_abandon(job_id: str, final: JobState, fields: dict[str, Any]) -> int:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if store.job_state(job_id)[0].is_terminal():
         return 0
-    controller = _controller(store, job_id, resume=True)
-    if controller is not None:
-        controller.abandon(final, fields)
+    controller = _controller(store, job_id, resume=True, acquire=False)
+    if controller is None:
+        return 1  # no way to its nodes (an allocation never granted): recorded by the caller
+    controller.abandon(final, fields)
     return 0
 
 
@@ -373,6 +428,8 @@ class _Forked:
                     os._exit(code)
         os.close(write_end)
         self._report_fd = read_end
+        self._started = time.monotonic()
+        self.lived = 0.0  # seconds it ran
         self.returncode: int | None = None
         self.report: dict[str, Any] | None = None
 
@@ -389,11 +446,15 @@ class _Forked:
                 _, status = os.waitpid(self.pid, 0)
             except InterruptedError:
                 continue
+            except ChildProcessError:  # reaped by poll() in a signal handler meanwhile
+                continue
             self._ended(status)
-        assert self.returncode is not None
         return self.returncode
 
     def _ended(self, status: int) -> None:
+        if self.returncode is not None:
+            return
+        self.lived = time.monotonic() - self._started
         self.returncode = os.waitstatus_to_exitcode(status)
         with os.fdopen(self._report_fd, "rb") as f:
             data = f.read()
@@ -418,11 +479,13 @@ def _signature(exc: BaseException) -> str:
     of ours (``OSError at orchestrator/logfiles.py:212``)."""
     import traceback
 
-    root = str(Path(__file__).resolve().parent.parent)
+    package = Path(__file__).resolve().parent
+    ours = (str(package) + os.sep, str(package.parent / "agents") + os.sep)
     where = ""
     for frame in traceback.extract_tb(exc.__traceback__):
-        if frame.filename.startswith(root):
-            where = f" at {os.path.relpath(frame.filename, root)}:{frame.lineno}"
+        if frame.filename.startswith(ours):
+            where = (f" at {os.path.relpath(frame.filename, package.parent)}:"
+                     f"{frame.lineno}")
     number = f"[{exc.errno}]" if isinstance(exc, OSError) and exc.errno else ""
     return f"{type(exc).__name__}{number}{where}"
 
@@ -449,7 +512,7 @@ def _run_controller(job_id: str, resume: bool) -> int:
         return _controller_main(job_id, resume)
     except StoreUnwritable:
         raise  # a pause, not a usage error: the supervisor waits for room
-    except OrchestratorError as exc:
+    except JobNotFoundError as exc:  # before it could start: nothing to retry
         log.error("%s", exc)
         return 2
 

@@ -261,3 +261,31 @@ def test_an_ended_job_leaves_no_secret_in_the_store_files(home, tmp_path, monkey
         for needle in (b"sekrit-of-the", secret.encode()):
             assert needle not in data, (name, needle)
     assert_no_job_processes(job_id)
+
+
+def test_a_cancel_stops_the_workers_of_a_job_paused_on_a_full_disk(tmp_path, monkeypatch):
+    """The disk is so full that `cancel` cannot even record its request: it tells the
+    controller by signal, the workers stop at once, and once there is room the job is
+    recorded CANCELLED (not restarted: the next controller knows of the cancel)."""
+    with small_disk(tmp_path / "home", "48m") as home:
+        monkeypatch.setenv("ORCHESTRATOR_HOME", str(home))
+        job_id = orchestrator.submit(spec(tmp_path, logs={"min_free_bytes": 1 << 20},
+                                          env={"STEPS": "2000", "STEP_SLEEP": "0.05"}))
+        fillers = []
+        try:
+            wait_for_output(job_id, "step 1 20", 1)
+            fillers.append(fill(home))
+            wait_for(lambda: orchestrator.status(job_id)["paused"], 15,
+                     what="the job shown paused")
+            fillers.append(fill(home / "jobs"))  # what the pause's note freed, too
+            assert job_processes(job_id)
+            shown = orchestrator.cancel(job_id, wait_seconds=1)
+            assert shown["state"] != "CANCELLED"  # not recorded yet: nowhere to write it
+            assert_no_job_processes(job_id, within=15)
+        finally:
+            for filler in fillers:
+                filler.unlink()
+        result = wait_for(lambda: (s := orchestrator.status(job_id))["state"] == "CANCELLED"
+                          and s, 60, what="the job recorded CANCELLED")
+        assert (result["attempt"], result["restarts"], result["free_restarts"]) == (1, 0, 0)
+        assert "cancel requested while paused" in controller_log(job_id)

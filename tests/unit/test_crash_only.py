@@ -46,19 +46,33 @@ def test_an_error_of_ours_handling_a_nodes_message_stops_no_worker_and_blames_no
     assert not [m for _, m in log if m["op"] in ("stop", "shutdown")], "a worker was stopped"
 
 
-def test_what_is_a_pause_and_what_is_a_crash():
-    full = sqlite3.OperationalError("database or disk is full")
-    assert "disk is full" in pause.problem(full, "/h")
-    assert pause.problem(OSError(errno.ENOSPC, "No space left on device", "/h/jobs/x.log"),
-                         "/h") == "/h/jobs/x.log: No space left on device"
-    assert pause.problem(StoreUnwritable("/h/state.db", "it is read-only"), "/h") == \
-        "/h/state.db: it is read-only"
+def test_what_is_a_pause_and_what_is_a_crash(tmp_path, monkeypatch):
+    store = Store(tmp_path / "home")
+    store.create_job("pause-000001", "p", "{}", str(tmp_path), 0, ["a"])
+    home = str(tmp_path / "home")
+
+    def full(floor):
+        raise StoreUnwritable(home, "0 bytes free")
+
+    monkeypatch.setattr(store, "check_room", full)  # the home is full now
+    log_file = f"{home}/jobs/pause-000001/logs/attempt-1/rank-0.log"
+    assert pause.problem(OSError(errno.ENOSPC, "No space left on device", log_file),
+                         store, "pause-000001", 1) == f"{log_file}: No space left on device"
+    assert "disk is full" in pause.problem(
+        StoreUnwritable(f"{home}/state.db", "the disk is full"), store, "pause-000001", 1)
     wrapped = RuntimeError("while checkpointing")
-    wrapped.__cause__ = OSError(errno.EROFS, "Read-only file system")
-    assert "Read-only" in pause.problem(wrapped, "/h")
-    for ours in (sqlite3.OperationalError("database is locked"), KeyError("x"),
+    wrapped.__cause__ = OSError(errno.EROFS, "Read-only file system", home)
+    assert "Read-only" in pause.problem(wrapped, store, "pause-000001", 1)
+    # A full disk elsewhere (/tmp), or an error of ours, is no pause: a crash.
+    for ours in (OSError(errno.ENOSPC, "No space left on device", "/tmp/x"),
+                 sqlite3.OperationalError("database is locked"), KeyError("x"),
                  OSError(errno.EMFILE, "Too many open files"), ValueError("bug")):
-        assert pause.problem(ours, "/h") is None and unwritable(ours) is None
+        assert pause.problem(ours, store, "pause-000001", 1) is None, ours
+    monkeypatch.undo()  # the home has room again: what said it was full is gone, no pause
+    assert pause.problem(OSError(errno.ENOSPC, "No space left on device", log_file),
+                         store, "pause-000001", 1) is None
+    full_sqlite = sqlite3.OperationalError("database or disk is full")
+    assert unwritable(full_sqlite) and unwritable(KeyError("x")) is None
 
 
 def test_a_full_store_raises_unwritable_and_keeps_nothing(tmp_path, monkeypatch):
@@ -92,3 +106,12 @@ def test_deaths_back_off_and_a_repeated_error_is_failing():
     deaths = Deaths()
     for t in range(0, 5000, 1000):  # deaths far apart never add up
         assert deaths.add(t, f"E{t}") == BACKOFF[0]
+
+
+def test_the_same_error_weeks_apart_is_not_a_failing_controller():
+    deaths = Deaths()
+    week = 7 * 86400.0
+    for k in range(5):  # an OOM kill a week, each after the controller ran all week
+        assert deaths.add(k * week, "killed by SIGKILL", lived=week) == BACKOFF[0]
+    assert deaths.add(5 * week, "killed by SIGKILL", lived=5.0) == BACKOFF[0]
+    assert deaths.add(5 * week + 10, "killed by SIGKILL", lived=5.0) is None  # 3 in a row
