@@ -532,11 +532,6 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
             "wait_share": None if r.wait_share is None else round(r.wait_share, 3),
             "straggler": r.rank in slow,
         })
-    # Under synchronous collectives the job goes at its slowest rank's pace.
-    rates: dict[int, list[float]] = {}
-    for r in job.ranks:
-        if r.steps_per_s is not None:
-            rates.setdefault(r.attempt, []).append(r.steps_per_s)
     return {
         "job_id": job.job_id,
         "name": job.name,
@@ -578,7 +573,8 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
              "outcome": a.outcome or AttemptOutcome.RUNNING.value,
              "master_addr": a.master_addr,
              "master_port": a.master_port, "world_size": a.world_size, "failure": a.failure,
-             "steps_per_s": min(rates[a.attempt]) if a.attempt in rates else None,
+             # Under synchronous collectives the job goes at its slowest rank's pace.
+             "steps_per_s": job.rates.get(a.attempt),
              "stragglers": a.stragglers, "warm_starts": a.warm_starts}
             for a in job.attempts
         ],
@@ -599,7 +595,7 @@ class _Stream:
         self.path = self.directory / (f"rank-{rank}.log" if rank is not None and attempt
                                       else "combined.log")
         self.follower = logread.Follower(self.path)
-        self.labels = _node_labels(job, node) if node is not None else None
+        self.labels = _node_labels(store, job, node) if node is not None else None
         self._host: str | None = None
 
     def keep(self, line: str) -> bool:
@@ -621,11 +617,11 @@ class _Stream:
         return [self.shown(line) for line in self.follower.read() if self.keep(line)]
 
 
-def _node_labels(job: JobRecord, node: int) -> set[str]:
+def _node_labels(store: Store, job: JobRecord, node: int) -> set[str]:
     """The labels of the lines of the node with node rank ``node``: its ranks, and its own
     (torchrun's, or a per-node launcher's)."""
     index = {n.node_rank: n.node_index for n in job.nodes if n.node_rank is not None}
     node_index = index.get(node, -1)
-    labels = {str(r.rank) for r in job.ranks if r.node_index == node_index}
+    labels = {str(rank) for rank in store.ranks_of_node(job.job_id, node_index)}
     labels.add(f"node{node}")
     return labels

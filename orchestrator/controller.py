@@ -490,7 +490,8 @@ class Controller:
         ended = [a for a in job.attempts if a.ended_at is not None]
         if ended and ended[-1].failure:
             self.previous_failure = Failure.from_dict(ended[-1].failure)
-            where = (ended[-1].checkpoint or {}).get("participants")
+            where = (self.store.checkpoint_of(self.job_id, ended[-1].attempt) or {}).get(
+                "participants")
             if where:
                 self.placed = Placed([int(i) for i in where], self.previous_failure)
         engine.state = job.state
@@ -503,8 +504,9 @@ class Controller:
             engine.set_state(JobState.LAUNCHING, started_at=time.time())
         open_attempt = job.attempts[-1] if job.attempts and job.attempts[-1].ended_at is None \
             else None
-        if open_attempt is not None and open_attempt.checkpoint:
-            cp = open_attempt.checkpoint
+        cp = self.store.checkpoint_of(self.job_id, open_attempt.attempt) \
+            if open_attempt is not None else None
+        if open_attempt is not None and cp:
             nprocs = {int(k): v for k, v in cp.get("nprocs", {}).items()}
             plan = plan_attempt(self.spec, self.job_id, attempt=open_attempt.attempt,
                                 restart_count=open_attempt.attempt - 1,

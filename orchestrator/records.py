@@ -51,6 +51,20 @@ class NodeRecord:
 
 
 @dataclass(frozen=True)
+class AttemptSteps:
+    """What the ranks' steps say of one attempt (orchestrator/timelost.py): how many ranks
+    gave a step, the latest first step's time, the lowest first step, the highest last
+    step, and the slowest rank's steps per second (None: no rank stepped twice)."""
+
+    attempt: int
+    ranks: int
+    first_at_max: float
+    first_step_min: int
+    last_step_max: int
+    rate_min: float | None
+
+
+@dataclass(frozen=True)
 class StepSpan:
     """One rank's steps in one attempt, as its samples have them (orchestrator/timelost.py)."""
 
@@ -72,7 +86,6 @@ class AttemptRecord:
     master_port: int | None
     world_size: int | None
     failure: dict[str, Any] | None
-    checkpoint: dict[str, Any] | None = None
     stragglers: list[int] = field(default_factory=list)
     warm_starts: int = 0  # workers a standby became (agents/standby.py)
 
@@ -109,4 +122,20 @@ class JobRecord:
     nodes: list[NodeRecord] = field(default_factory=list)
     ranks: list[RankRecord] = field(default_factory=list)
     attempts: list[AttemptRecord] = field(default_factory=list)
-    steps: list[StepSpan] = field(default_factory=list)
+    steps: list[AttemptSteps] = field(default_factory=list)  # by attempt
+    rates: dict[int, float] = field(default_factory=dict)  # attempt -> its slowest steps/s
+
+
+def per_attempt(spans: list[StepSpan]) -> list[AttemptSteps]:
+    """Ranks' spans summed up by attempt (the store keeps them so: AttemptSteps)."""
+    by_attempt: dict[int, list[StepSpan]] = {}
+    for s in spans:
+        by_attempt.setdefault(s.attempt, []).append(s)
+    out = []
+    for attempt, its in sorted(by_attempt.items()):
+        rates = [(s.last_step - s.first_step) / (s.last_at - s.first_at) for s in its
+                 if s.last_step > s.first_step and s.last_at > s.first_at]
+        out.append(AttemptSteps(attempt, len(its), max(s.first_at for s in its),
+                                min(s.first_step for s in its),
+                                max(s.last_step for s in its), min(rates) if rates else None))
+    return out

@@ -35,11 +35,13 @@ from orchestrator import homefs, pids
 from orchestrator.errors import JobNotFoundError, StoreError, StoreUnwritable
 from orchestrator.records import (
     AttemptRecord,
+    AttemptSteps,
     JobRecord,
     NodeEvent,
     NodeRecord,
     RankRecord,
     StepSpan,
+    per_attempt,
 )
 from orchestrator.state import JobState, NodeState, check_node_transition, check_transition
 
@@ -319,6 +321,8 @@ class Store:
             # commit must be on disk (FULL). Readers need no such care.
             self._db.execute(f"PRAGMA synchronous={'FULL' if durable else 'NORMAL'}")
             self._db.execute("PRAGMA busy_timeout=30000")
+            # The WAL is cut back to 4 MiB after a checkpoint, not kept at its high water.
+            self._db.execute("PRAGMA journal_size_limit=4194304")
             # What is deleted or overwritten is zeroed on disk: an ended job's secrets are
             # wiped (set_state), not left in free pages.
             self._db.execute("PRAGMA secure_delete=ON")
@@ -835,6 +839,8 @@ class Store:
                     "SELECT * FROM node_events WHERE job_id = ? ORDER BY at", (job_id,)):
                 job.nodes[r["node_index"]].history.append(
                     NodeEvent(r["at"], NodeState(r["state"]), r["message"]))
+            # The current attempt's ranks (what status shows); older attempts only as sums
+            # (time lost, rates): a status costs about the same at attempt 100 as at 1.
             job.ranks = [
                 RankRecord(r["attempt"], r["rank"], r["node_index"], r["local_rank"], r["pid"],
                            r["state"], r["exit_code"], r["signal"], r["step"],
@@ -842,36 +848,59 @@ class Store:
                            r["heartbeat_at"], r["output_at"], r["wait_share"],
                            r["first_step"], r["first_step_at"], r["step_at"])
                 for r in self._db.execute(
-                    "SELECT * FROM ranks WHERE job_id = ? ORDER BY attempt, rank", (job_id,))
+                    "SELECT * FROM ranks WHERE job_id = ? AND attempt = ? ORDER BY rank",
+                    (job_id, job.attempt))
             ]
             job.attempts = [
                 AttemptRecord(r["attempt"], r["started_at"], r["ended_at"], r["outcome"],
                               r["master_addr"], r["master_port"], r["world_size"],
-                              json.loads(r["failure_json"]) if r["failure_json"] else None,
-                              json.loads(r["checkpoint_json"]) if r["checkpoint_json"] else None,
-                              json.loads(r["stragglers_json"] or "[]"), r["warm_starts"] or 0)
+                              _json_or_none(r["failure_json"]),
+                              _json_or_none(r["stragglers_json"]) or [], r["warm_starts"] or 0)
                 for r in self._db.execute(
-                    "SELECT * FROM attempts WHERE job_id = ? ORDER BY attempt", (job_id,))
+                    "SELECT attempt, started_at, ended_at, outcome, master_addr, master_port,"
+                    " world_size, failure_json, stragglers_json, warm_starts FROM attempts"
+                    " WHERE job_id = ? ORDER BY attempt", (job_id,))
             ]
-            # Each rank's first and last step of each attempt, kept with the rank as they
-            # come (no scan of the samples, which age and thin out).
-            job.steps = [StepSpan(r.attempt, r.rank, r.first_step, r.first_step_at, r.step,
-                                  r.step_at) for r in job.ranks
-                         if r.first_step is not None and r.first_step_at is not None
-                         and r.step is not None and r.step_at is not None]
-            older = {r.attempt for r in job.ranks if r.step is not None and r.first_step is None}
-            for attempt in sorted(older):
-                # Ranks recorded by an older version: from the attempt's samples, as it did
-                # (steps only increase within an attempt: its first and last are its min
-                # and max).
-                job.steps = [sp for sp in job.steps if sp.attempt != attempt] + [
-                    StepSpan(*r) for r in self._db.execute(
-                        "SELECT attempt, rank, MIN(step), MIN(at), MAX(step), MAX(at) FROM "
-                        "samples WHERE job_id = ? AND attempt = ? AND step IS NOT NULL "
-                        "GROUP BY attempt, rank", (job_id, attempt))]
+            job.steps = self._attempt_steps(job_id)
+            job.rates = {r[0]: r[1] for r in self._db.execute(
+                "SELECT attempt, MIN(steps_per_s) FROM ranks WHERE job_id = ? AND steps_per_s"
+                " IS NOT NULL GROUP BY attempt", (job_id,))}
         finally:
             self._db.execute("COMMIT")
         return job
+
+    def _attempt_steps(self, job_id: str) -> list[AttemptSteps]:
+        """Each attempt's steps, summed up from its ranks' first and last step."""
+        steps = {r[0]: AttemptSteps(*r) for r in self._db.execute(
+            "SELECT attempt, COUNT(*), MAX(first_step_at), MIN(first_step), MAX(step),"
+            " MIN(CASE WHEN step > first_step AND step_at > first_step_at"
+            " THEN (step - first_step) * 1.0 / (step_at - first_step_at) END) FROM ranks"
+            " WHERE job_id = ? AND first_step IS NOT NULL AND first_step_at IS NOT NULL"
+            " AND step IS NOT NULL AND step_at IS NOT NULL GROUP BY attempt", (job_id,))}
+        older = [r[0] for r in self._db.execute(
+            "SELECT DISTINCT attempt FROM ranks WHERE job_id = ? AND step IS NOT NULL AND"
+            " first_step IS NULL", (job_id,))]
+        for attempt in older:
+            # Recorded by an older version: from the attempt's samples, as it did (steps
+            # only increase within an attempt: its first and last are its min and max).
+            spans = [StepSpan(*r) for r in self._db.execute(
+                "SELECT attempt, rank, MIN(step), MIN(at), MAX(step), MAX(at) FROM samples"
+                " WHERE job_id = ? AND attempt = ? AND step IS NOT NULL GROUP BY attempt, rank",
+                (job_id, attempt))]
+            steps.update((s.attempt, s) for s in per_attempt(spans))
+        return [steps[a] for a in sorted(steps)]
+
+    def checkpoint_of(self, job_id: str, attempt: int) -> dict[str, Any] | None:
+        """The last checkpoint of an attempt (read by a controller that resumes it)."""
+        row = self._db.execute("SELECT checkpoint_json FROM attempts WHERE job_id = ? AND"
+                               " attempt = ?", (job_id, attempt)).fetchone()
+        return _json_or_none(row["checkpoint_json"]) if row is not None else None
+
+    def ranks_of_node(self, job_id: str, node_index: int) -> set[int]:
+        """The ranks that ran on a node, in any attempt (``logs --node``)."""
+        return {r[0] for r in self._db.execute(
+            "SELECT DISTINCT rank FROM ranks WHERE job_id = ? AND node_index = ?",
+            (job_id, node_index))}
 
     def world(self, job_id: str) -> dict[str, Any] | None:
         """The submitter's world kept with the job (None for jobs of older versions). Read

@@ -1,5 +1,6 @@
 """Time lost to failures, per incident and per job, from the attempts' timeline and the steps
-the ranks gave ``heartbeat(step=...)`` (the store's samples).
+the ranks gave ``heartbeat(step=...)`` (each rank's first and last of each attempt, summed
+up by attempt: AttemptSteps).
 
 For each attempt that failed and was followed by another:
 
@@ -24,7 +25,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from orchestrator.records import AttemptRecord, StepSpan
+from orchestrator.records import AttemptRecord, AttemptSteps, StepSpan, per_attempt
 
 
 @dataclass(frozen=True)
@@ -43,17 +44,20 @@ class Incident:
         return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
-def _pace(spans: list[StepSpan]) -> float | None:
+def _steps(steps: list[StepSpan] | list[AttemptSteps]) -> dict[int, AttemptSteps]:
+    summed = [s for s in steps if isinstance(s, AttemptSteps)] or \
+        per_attempt([s for s in steps if isinstance(s, StepSpan)])
+    return {s.attempt: s for s in summed}
+
+
+def _pace(steps: AttemptSteps | None) -> float | None:
     """Seconds per step of an attempt: its slowest rank's (synchronous training goes at it)."""
-    rates = [(s.last_step - s.first_step) / (s.last_at - s.first_at) for s in spans
-             if s.last_step > s.first_step and s.last_at > s.first_at]
-    return 1.0 / min(rates) if rates else None
+    return 1.0 / steps.rate_min if steps is not None and steps.rate_min else None
 
 
-def incidents(attempts: list[AttemptRecord], spans: list[StepSpan]) -> list[Incident]:
-    by_attempt: dict[int, list[StepSpan]] = {}
-    for s in spans:
-        by_attempt.setdefault(s.attempt, []).append(s)
+def incidents(attempts: list[AttemptRecord],
+              steps: list[StepSpan] | list[AttemptSteps]) -> list[Incident]:
+    by_attempt = _steps(steps)
     out = []
     for failed, following in zip(attempts, attempts[1:], strict=False):  # each with the next
         failure = failed.failure or {}
@@ -61,14 +65,13 @@ def incidents(attempts: list[AttemptRecord], spans: list[StepSpan]) -> list[Inci
         if failed.outcome != "FAILED" or fault is None:
             continue
         detected = failure.get("detected_at")
-        before, after = by_attempt.get(failed.attempt, []), by_attempt.get(following.attempt, [])
+        before, after = by_attempt.get(failed.attempt), by_attempt.get(following.attempt)
         recovered = redone = lost = gpu = None
         ranks = following.world_size or 0
-        if after and ranks and len(after) >= ranks:
-            recovered = max(s.first_at for s in after) - fault
+        if after and ranks and after.ranks >= ranks:
+            recovered = after.first_at_max - fault
         if before and after:
-            redone = max(0, max(s.last_step for s in before) + 1 - min(s.first_step
-                                                                      for s in after))
+            redone = max(0, before.last_step_max + 1 - after.first_step_min)
         pace = _pace(before)
         if recovered is not None:
             lost = recovered + (redone or 0) * (pace or 0.0)
@@ -80,18 +83,18 @@ def incidents(attempts: list[AttemptRecord], spans: list[StepSpan]) -> list[Inci
     return out
 
 
-def summary(attempts: list[AttemptRecord], spans: list[StepSpan], ended_at: float | None
-            ) -> dict[str, Any]:
+def summary(attempts: list[AttemptRecord], steps: list[StepSpan] | list[AttemptSteps],
+            ended_at: float | None) -> dict[str, Any]:
     """What ``status --json`` shows as ``time_lost``."""
-    found = incidents(attempts, spans)
+    found = incidents(attempts, steps)
     lost = [i.lost_s for i in found if i.lost_s is not None]
     gpu = [i.gpu_s for i in found if i.gpu_s is not None]
     goodput = None
-    paces = [p for a in sorted({s.attempt for s in spans})
-             if (p := _pace([s for s in spans if s.attempt == a])) is not None]
-    first = [s for s in spans if attempts and s.attempt == attempts[0].attempt]
-    if first and paces:
-        advanced = max(s.last_step for s in spans) + 1 - min(s.first_step for s in first)
+    by_attempt = _steps(steps)
+    paces = [p for a in sorted(by_attempt) if (p := _pace(by_attempt[a])) is not None]
+    first = by_attempt.get(attempts[0].attempt) if attempts else None
+    if first is not None and paces:
+        advanced = max(s.last_step_max for s in by_attempt.values()) + 1 - first.first_step_min
         wall = (ended_at or time.time()) - attempts[0].started_at
         if wall > 0:
             goodput = min(1.0, advanced * statistics.median(paces) / wall)
