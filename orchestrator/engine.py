@@ -109,11 +109,8 @@ class Engine:
             self.turn(POLL if left is None else min(POLL, left))
 
     def turn(self, timeout: float) -> None:
-        now = self.pool.main_tick = time.monotonic()
+        self.pool.main_tick = self._awake()
         failpoints.hit("turn")
-        if self._turned and now - self._turned > STALLED:
-            self._forgive(now - self._turned, now)
-        self._turned = now
         for event in self.loop.poll(timeout):
             dispatch(self, event)
         self.flush()
@@ -138,6 +135,16 @@ class Engine:
         self.state = new
         log.info("job %s -> %s", self.job_id, new.value)
 
+    def _awake(self) -> float:
+        """Now; and, when the controller was not running for more than STALLED seconds
+        since it last looked (at a turn's start, or before judging silence: a SIGSTOP can
+        land anywhere in a turn), that time is nobody's silence."""
+        now = time.monotonic()
+        if self._turned and now - self._turned > STALLED:
+            self._forgive(now - self._turned, now)
+        self._turned = now
+        return now
+
     def _forgive(self, stalled: float, now: float) -> None:
         log.warning("the controller was stalled for %.1fs (stopped, swapped out, starved): "
                     "no node's silence counts that time", stalled)
@@ -148,7 +155,7 @@ class Engine:
 
     # --- the checks of every turn ----------------------------------------------------------
     def _checks(self) -> None:
-        now = time.monotonic()
+        now = self._awake()
         if now >= self._next_requests or self.exit_requested:
             self._next_requests = now + REQUESTS_EVERY
             cancel, stacks_wanted = self.store.requests(self.job_id)
