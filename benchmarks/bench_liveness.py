@@ -76,9 +76,9 @@ def main() -> int:
     finally:
         for hog in hogs:
             hog.kill()
-    alarms = [{"node": n["node_index"], "at": e["at"], "state": e["state"],
-               "message": e["message"]} for n in s["nodes"] for e in n["history"]
-              if e["state"] in ("UNREACHABLE", "LOST")]
+    alarms = [{"node": n["node_index"], "state": state, "times": n["entered"][state]}
+              for n in s["nodes"] for state in ("UNREACHABLE", "LOST")
+              if n["entered"].get(state)]
     silences = sorted(worst.values())
     result = {
         "nodes": args.nodes, "nproc": args.nproc, "hogs": args.hogs, "cpus": os.cpu_count(),

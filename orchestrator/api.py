@@ -561,7 +561,8 @@ def _status_dict(job: JobRecord) -> dict[str, Any]:
              "longest_silence_s": None if n.longest_silence is None else
              round(n.longest_silence, 1),
              "history": [{"at": _iso(e.at), "state": e.state.value, "message": e.message}
-                         for e in n.history]}
+                         for e in n.history],
+             "entered": dict(n.entered)}
             for n in job.nodes
         ],
         "ranks": ranks,

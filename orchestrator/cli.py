@@ -611,7 +611,7 @@ def _print_status(data: dict[str, Any]) -> None:
         node_rank = "-" if n["node_rank"] is None else str(n["node_rank"])
         state = n["state"] + (f" ({n['error']})" if n.get("error") else "") + \
             (" (spare)" if n.get("spare") else "")
-        gaps = sum(e["state"] == "UNREACHABLE" for e in n.get("history", []))
+        gaps = (n.get("entered") or {}).get("UNREACHABLE", 0)
         if gaps:
             state += f" [unreachable {gaps}x]"
         nodes.add_row(*map(_cell, (node_rank, n["host"], state, ranks)))

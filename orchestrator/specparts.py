@@ -247,7 +247,7 @@ class HealthSpec(_Model):
     heartbeat_interval: Seconds = Field(
         default=1.0, description="how often an agent is heard (it beats twice as often, at "
                                  "most every 0.5 s) and the controller pings it")
-    # Measured (README, "Liveness"): healthy nodes on a machine 64x oversubscribed were
+    # Measured (README, "Endurance"): healthy nodes on a machine 64x oversubscribed were
     # never unheard for more than 0.7 s; at 512x, for minutes. Torch elastic allows 15 s,
     # Slurm 300 s; a false LOST costs a whole restart, a true one is still found within it.
     node_timeout: Seconds = Field(

@@ -28,6 +28,7 @@ import sqlite3
 import time
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -135,6 +136,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     checkpoint_json TEXT,
     stragglers_json TEXT,
     warm_starts INTEGER,
+    steps_json TEXT,
     PRIMARY KEY (job_id, attempt)
 );
 -- Across jobs: what happened to each host (infrastructure failures it was part of), and the
@@ -190,7 +192,7 @@ _ADDED_COLUMNS = {
               "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL",
               "first_step": "INTEGER", "first_step_at": "REAL", "step_at": "REAL"},
     "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT",
-                 "warm_starts": "INTEGER"},
+                 "warm_starts": "INTEGER", "steps_json": "TEXT"},
 }
 
 
@@ -211,10 +213,12 @@ _BATCH = _can_batch()
 
 
 # Metric samples as they age (Store.compact_samples): every one for the last hour; older,
-# one per rank per bucket of 1 min (1-2 h old), 2 min (2-4 h), ... 256 min (256 h and
-# more); at most MAX_SAMPLES a job. A 1,000-rank job keeps about 600 samples a rank a week.
-SAMPLE_BANDS = tuple((3600.0 * 2 ** k, 60.0 * 2 ** k) for k in range(9))
+# one per rank per bucket of 2 min (1-2 h old), 4 min (2-4 h), ... 512 min (256 h and
+# more): 30 a band; at most MAX_SAMPLES a job. A 1,000-rank job keeps about 300 samples a
+# rank after a week.
+SAMPLE_BANDS = tuple((3600.0 * 2 ** k, 120.0 * 2 ** k) for k in range(9))
 MAX_SAMPLES = 1_000_000
+HISTORY = 10  # node changes a status shows per node (NodeRecord.entered counts them all)
 
 # SQLite's primary result codes that mean "cannot write here now", not "a bug of ours".
 _SQLITE_UNWRITABLE = {13: "the disk is full", 10: "an I/O error", 8: "it is read-only",
@@ -713,12 +717,19 @@ class Store:
 
     def end_attempt(self, job_id: str, attempt: int, outcome: str,
                     failure: dict[str, Any] | None, warm_starts: int = 0) -> None:
+        """An attempt's end; what its ranks' steps say of it is summed up now, once, so
+        that readers never go through an ended attempt's ranks again."""
         with self._transaction() as db:
+            steps = self._steps_of(db, job_id, attempt)
+            rate = db.execute("SELECT MIN(steps_per_s) FROM ranks WHERE job_id = ? AND"
+                              " attempt = ?", (job_id, attempt)).fetchone()[0]
             self._update(
                 db, "attempts",
                 {"ended_at": time.time(), "outcome": outcome,
                  "failure_json": json.dumps(failure) if failure else None,
-                 "warm_starts": warm_starts},
+                 "warm_starts": warm_starts,
+                 "steps_json": json.dumps({"steps": steps and asdict(steps),
+                                           "steps_per_s": rate})},
                 job_id=job_id, attempt=attempt,
             )
 
@@ -835,10 +846,19 @@ class Store:
                 for r in self._db.execute(
                     "SELECT * FROM nodes WHERE job_id = ? ORDER BY node_index", (job_id,))
             ]
+            # The last HISTORY changes of each node, and how often it entered each state:
+            # a restart a day for a week must not make every status read them all.
             for r in self._db.execute(
-                    "SELECT * FROM node_events WHERE job_id = ? ORDER BY at", (job_id,)):
+                    "SELECT * FROM (SELECT rowid AS id, node_index, at, state, message,"
+                    " ROW_NUMBER() OVER (PARTITION BY node_index ORDER BY at DESC, rowid DESC)"
+                    " AS n FROM node_events WHERE job_id = ?) WHERE n <= ? ORDER BY at, id",
+                    (job_id, HISTORY)):
                 job.nodes[r["node_index"]].history.append(
                     NodeEvent(r["at"], NodeState(r["state"]), r["message"]))
+            for r in self._db.execute(
+                    "SELECT node_index, state, COUNT(*) FROM node_events WHERE job_id = ?"
+                    " GROUP BY node_index, state", (job_id,)):
+                job.nodes[r[0]].entered[r[1]] = r[2]
             # The current attempt's ranks (what status shows); older attempts only as sums
             # (time lost, rates): a status costs about the same at attempt 100 as at 1.
             job.ranks = [
@@ -861,34 +881,54 @@ class Store:
                     " world_size, failure_json, stragglers_json, warm_starts FROM attempts"
                     " WHERE job_id = ? ORDER BY attempt", (job_id,))
             ]
-            job.steps = self._attempt_steps(job_id)
-            job.rates = {r[0]: r[1] for r in self._db.execute(
-                "SELECT attempt, MIN(steps_per_s) FROM ranks WHERE job_id = ? AND steps_per_s"
-                " IS NOT NULL GROUP BY attempt", (job_id,))}
+            self._attempt_steps(job)
         finally:
             self._db.execute("COMMIT")
         return job
 
-    def _attempt_steps(self, job_id: str) -> list[AttemptSteps]:
-        """Each attempt's steps, summed up from its ranks' first and last step."""
-        steps = {r[0]: AttemptSteps(*r) for r in self._db.execute(
-            "SELECT attempt, COUNT(*), MAX(first_step_at), MIN(first_step), MAX(step),"
+    def _attempt_steps(self, job: JobRecord) -> None:
+        """Each attempt's steps and pace (``job.steps``, ``job.rates``): summed up when it
+        ended, or now from its ranks (the running one, or one an older version ended)."""
+        summed = {r["attempt"]: _json_or_none(r["steps_json"]) for r in self._db.execute(
+            "SELECT attempt, steps_json FROM attempts WHERE job_id = ?", (job.job_id,))}
+        for attempt in sorted(summed):
+            kept = summed[attempt]
+            if isinstance(kept, dict):
+                steps = AttemptSteps(**kept["steps"]) if kept.get("steps") else None
+                rate = kept.get("steps_per_s")
+            else:
+                steps = self._steps_of(self._db, job.job_id, attempt)
+                rate = self._db.execute("SELECT MIN(steps_per_s) FROM ranks WHERE job_id = ?"
+                                        " AND attempt = ?", (job.job_id, attempt)).fetchone()[0]
+            if steps is not None:
+                job.steps.append(steps)
+            if rate is not None:
+                job.rates[attempt] = rate
+
+    @staticmethod
+    def _steps_of(db: sqlite3.Connection, job_id: str, attempt: int) -> AttemptSteps | None:
+        """An attempt's steps, summed up from its ranks' first and last step."""
+        row = db.execute(
+            "SELECT COUNT(*), MAX(first_step_at), MIN(first_step), MAX(step),"
             " MIN(CASE WHEN step > first_step AND step_at > first_step_at"
             " THEN (step - first_step) * 1.0 / (step_at - first_step_at) END) FROM ranks"
-            " WHERE job_id = ? AND first_step IS NOT NULL AND first_step_at IS NOT NULL"
-            " AND step IS NOT NULL AND step_at IS NOT NULL GROUP BY attempt", (job_id,))}
-        older = [r[0] for r in self._db.execute(
-            "SELECT DISTINCT attempt FROM ranks WHERE job_id = ? AND step IS NOT NULL AND"
-            " first_step IS NULL", (job_id,))]
-        for attempt in older:
-            # Recorded by an older version: from the attempt's samples, as it did (steps
-            # only increase within an attempt: its first and last are its min and max).
-            spans = [StepSpan(*r) for r in self._db.execute(
-                "SELECT attempt, rank, MIN(step), MIN(at), MAX(step), MAX(at) FROM samples"
-                " WHERE job_id = ? AND attempt = ? AND step IS NOT NULL GROUP BY attempt, rank",
-                (job_id, attempt))]
-            steps.update((s.attempt, s) for s in per_attempt(spans))
-        return [steps[a] for a in sorted(steps)]
+            " WHERE job_id = ? AND attempt = ? AND first_step IS NOT NULL AND first_step_at"
+            " IS NOT NULL AND step IS NOT NULL AND step_at IS NOT NULL",
+            (job_id, attempt)).fetchone()
+        if row[0]:
+            return AttemptSteps(attempt, *row)
+        older = db.execute("SELECT 1 FROM ranks WHERE job_id = ? AND attempt = ? AND step IS"
+                           " NOT NULL AND first_step IS NULL LIMIT 1", (job_id, attempt))
+        if older.fetchone() is None:
+            return None
+        # Recorded by an older version: from the attempt's samples, as it did (steps only
+        # increase within an attempt: its first and last are its min and max).
+        spans = [StepSpan(*r) for r in db.execute(
+            "SELECT attempt, rank, MIN(step), MIN(at), MAX(step), MAX(at) FROM samples"
+            " WHERE job_id = ? AND attempt = ? AND step IS NOT NULL GROUP BY attempt, rank",
+            (job_id, attempt))]
+        found = per_attempt(spans)
+        return found[0] if found else None
 
     def checkpoint_of(self, job_id: str, attempt: int) -> dict[str, Any] | None:
         """The last checkpoint of an attempt (read by a controller that resumes it)."""

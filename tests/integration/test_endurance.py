@@ -50,9 +50,9 @@ def rank_pids(job_id: str) -> dict[int, int]:
 
 def _no_alarm(result: dict) -> None:
     """No node was ever taken for unreachable or lost, and nothing was restarted."""
-    alarms = [(n["node_index"], e["state"], e["message"]) for n in result["nodes"]
-              for e in n["history"] if e["state"] in ("UNREACHABLE", "LOST")]
-    assert not alarms, alarms
+    alarms = [(n["node_index"], state, n["entered"][state]) for n in result["nodes"]
+              for state in ("UNREACHABLE", "LOST") if n["entered"].get(state)]
+    assert not alarms, (alarms, [n["history"] for n in result["nodes"]])
     assert (result["attempt"], result["restarts"], result["free_restarts"]) == (1, 0, 0)
 
 
@@ -213,11 +213,19 @@ def fill(directory: Path) -> Path:
 
 
 def test_a_full_disk_pauses_the_job_loses_no_line_and_stops_no_worker(tmp_path, monkeypatch):
+    """...and the `paused` notification names the path and when (a local webhook)."""
+    from tests.integration.test_notify import Receiver
+
+    receiver = Receiver()
     with small_disk(tmp_path / "home", "48m") as home:
         monkeypatch.setenv("ORCHESTRATOR_HOME", str(home))
         check_a_full_disk_pauses(spec(tmp_path, logs={"min_free_bytes": 1 << 20},
+                                      notify=[{"url": receiver.url, "on": ["paused"]}],
                                       env={"STEPS": "600", "STEP_SLEEP": "0.05"}),
                                  home, 2, 600)
+    paused = [b for b in receiver.bodies if b["event"] == "paused"]
+    assert len(paused) == 1 and str(home) in paused[0]["reason"], receiver.bodies
+    assert "paused: cannot write" in paused[0]["text"] and paused[0]["since"] > 0
 
 
 def test_a_controller_stopped_for_20s_declares_nobody_lost_at_the_defaults(home, tmp_path):

@@ -5,6 +5,7 @@ go after the retention, and an ended job keeps no secret."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -50,8 +51,8 @@ def test_samples_thin_out_as_they_age(store):
                                         strict=True):
         band = [a for a in kept if age <= a < older]
         # One per rank per bucket (a bucket at each edge of the band may hold two).
-        assert len(band) <= 2 * (max(0.0, min(older, 3 * DAY) - age) / width + 2), \
-            (age, len(band))
+        span = max(0.0, min(older, 3 * DAY) - age)
+        assert len(band) <= 2 * (math.ceil(span / width) + 2), (age, len(band))
 
 
 def test_thinning_a_bit_at_a_time_comes_to_the_same_as_at_once(tmp_path, store):
