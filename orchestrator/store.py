@@ -213,10 +213,11 @@ _BATCH = _can_batch()
 
 
 # Metric samples as they age (Store.compact_samples): every one for the last hour; older,
-# one per rank per bucket of 2 min (1-2 h old), 4 min (2-4 h), ... 512 min (256 h and
-# more): 30 a band; at most MAX_SAMPLES a job. A 1,000-rank job keeps about 300 samples a
-# rank after a week.
-SAMPLE_BANDS = tuple((3600.0 * 2 ** k, 120.0 * 2 ** k) for k in range(9))
+# one per rank per bucket of 2 min (1-2 h old), 4 min (2-4 h), ... 32 min (16-32 h): 30 to
+# each doubling of the age; past 32 h, 15 (128 min for 32-64 h, ... 1024 min past 256 h);
+# at most MAX_SAMPLES a job. A 1,000-rank job keeps about 260 samples a rank after a week.
+SAMPLE_BANDS = tuple((3600.0 * 2 ** k, (120.0 if k < 5 else 240.0) * 2 ** k)
+                     for k in range(9))
 MAX_SAMPLES = 1_000_000
 HISTORY = 10  # node changes a status shows per node (NodeRecord.entered counts them all)
 
@@ -315,6 +316,10 @@ class Store:
             self._db = sqlite3.connect(self.home / "state.db", timeout=30,
                                        isolation_level=None, check_same_thread=False)
             self._db.row_factory = sqlite3.Row
+            # Pages the thinning of samples frees go back to the filesystem (a new database
+            # only, and set before its journal mode: one made by an older version keeps its
+            # free pages for new rows instead).
+            self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             # WAL where the home is local; the rollback journal on a network filesystem,
             # where WAL is not safe (orchestrator/homefs.py).
             self.journal, self.journal_why = homefs.journal_mode(self.home)
@@ -713,6 +718,8 @@ class Store:
                 removed += db.execute(
                     "DELETE FROM samples WHERE rowid IN (SELECT rowid FROM samples WHERE"
                     " job_id = ? ORDER BY at LIMIT ?)", (job_id, count - MAX_SAMPLES)).rowcount
+        if removed:
+            self._db.execute("PRAGMA incremental_vacuum")
         return removed
 
     def end_attempt(self, job_id: str, attempt: int, outcome: str,
