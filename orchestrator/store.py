@@ -318,8 +318,10 @@ class Store:
             self._db.row_factory = sqlite3.Row
             # Pages the thinning of samples frees go back to the filesystem (a new database
             # only, and set before its journal mode: one made by an older version keeps its
-            # free pages for new rows instead).
-            self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            # free pages for new rows instead). Only when new: on an existing database the
+            # pragma writes its header, and a reader must work on a full disk.
+            if self._db.execute("PRAGMA page_count").fetchone()[0] == 0:
+                self._db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             # WAL where the home is local; the rollback journal on a network filesystem,
             # where WAL is not safe (orchestrator/homefs.py).
             self.journal, self.journal_why = homefs.journal_mode(self.home)

@@ -120,3 +120,19 @@ def test_an_ended_job_keeps_no_secret(tmp_path):
     assert kept["env"] == {"WANDB_API_KEY": "***", "LR": "***"}
     assert kept["notify"][0]["url"] == store_module.REDACTED_URL
     assert "sekrit" not in job.spec_json
+
+
+def test_opening_an_existing_store_writes_nothing(tmp_path):
+    """A reader (status, the dashboard) opens the store on a full disk too: opening one
+    that exists may not write (the auto_vacuum pragma, for one, writes the header)."""
+    first = Store(tmp_path / "home")
+    first.create_job("quiet-000001", "quiet", "{}", str(tmp_path), 0, ["a"])
+    first.close()  # the last connection checkpoints the WAL into state.db and removes it
+    db = tmp_path / "home" / "state.db"
+    before = db.read_bytes()
+    reader = Store(tmp_path / "home")
+    wal = tmp_path / "home" / "state.db-wal"
+    assert not wal.exists() or wal.stat().st_size == 0
+    assert reader._db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2  # incremental
+    reader.close()
+    assert db.read_bytes() == before
