@@ -117,12 +117,7 @@ def check_a_stalled_controller_declares_nobody_lost(job_spec: Path, ranks: int,
     made UNREACHABLE, then LOST)."""
     job_id = orchestrator.submit(job_spec)
     wait_for_output(job_id, f"step {ranks - 1} 20", 1)
-    controller = orchestrator.status(job_id)["controller"]["pid"]
-    os.kill(controller, signal.SIGSTOP)
-    try:
-        time.sleep(20)
-    finally:
-        os.kill(controller, signal.SIGCONT)
+    stopped_for(orchestrator.status(job_id)["controller"]["pid"], 20)
     result = orchestrator.wait(job_id, timeout=120)
     assert result["state"] == "SUCCEEDED", result["failure"]
     _no_alarm(result)
@@ -130,6 +125,15 @@ def check_a_stalled_controller_declares_nobody_lost(job_spec: Path, ranks: int,
     for rank in range(ranks):
         assert steps_in_log(job_id, rank) == list(range(steps))
     assert_no_job_processes(job_id)
+
+
+def stopped_for(pid: int, seconds: float) -> None:
+    """No CPU for ``pid`` for ``seconds`` (SIGSTOP, then SIGCONT whatever happens)."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(pid, signal.SIGCONT)
 
 
 def job_processes_alive(pid: int) -> bool:
@@ -238,12 +242,7 @@ def test_a_node_starved_for_8s_is_not_lost_at_the_defaults(home, tmp_path):
     at the default node_timeout it is late, not lost (on main: LOST at 5 s, a restart)."""
     job_id = orchestrator.submit(spec(tmp_path, env={"STEPS": "400", "STEP_SLEEP": "0.05"}))
     wait_for_output(job_id, "step 1 20", 1)
-    agent = orchestrator.status(job_id)["nodes"][1]["agent_pid"]
-    os.kill(agent, signal.SIGSTOP)
-    try:
-        time.sleep(8)
-    finally:
-        os.kill(agent, signal.SIGCONT)
+    stopped_for(orchestrator.status(job_id)["nodes"][1]["agent_pid"], 8)
     result = orchestrator.wait(job_id, timeout=120)
     assert result["state"] == "SUCCEEDED", result["failure"]
     _no_alarm(result)
