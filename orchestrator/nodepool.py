@@ -81,22 +81,21 @@ class NodePool:
         self._connectors.submit(self._connect_once, node)
 
     def _connect_once(self, node: Node) -> None:
-        # ``connecting`` is cleared before the outcome is posted: the controller may ask for
-        # a new connection as soon as it sees it, and must not find this one still "running".
+        # ``connecting`` stays set until the controller handles the outcome (dispatch clears
+        # it): one that waits for connects to end must find the node attached by then, not
+        # its Attached still queued (a resumed controller launched on the nodes that
+        # happened to be handled first).
         if self.closing:
             node.connecting = False
             return
         try:
             channel = self._open(node, node.launch)
-            node.connecting = False
             self.loop.post(E.Attached(node.index, channel))
             return
         except AgentGone as gone:
-            node.connecting = False
             self.loop.post(E.Unavailable(node.index, str(gone), True, gone.reason))
             return
         except (WrongVersion, ProtocolViolation) as exc:  # no use trying again
-            node.connecting = False
             refused = "version" if isinstance(exc, WrongVersion) else "protocol"
             self.loop.post(E.Unavailable(node.index, str(exc), refused=refused))
             return
@@ -105,7 +104,6 @@ class NodePool:
         except Exception as exc:  # a bug in a transport must not kill the job
             error = f"{node.host}: {exc!r}"
         if not node.retry or self.closing:
-            node.connecting = False
             self.loop.post(E.Unavailable(node.index, error))
             return
         log.info("%s: not reachable yet: %s", node.host, error)

@@ -119,6 +119,7 @@ def _on_event(engine: Engine, event: E.Event, stopping: bool) -> None:
     match event:
         case E.Attached(index, channel):
             node = engine.nodes[index]
+            node.connecting = False
             engine.pool.adopt(node, channel)
             engine.pool.send(node, {"op": P.SHUTDOWN if stopping else P.SPOOL})
         case E.Closed(channel):

@@ -274,3 +274,35 @@ def test_a_spare_takes_the_place_of_the_node_a_failure_names_and_nobody_else_mov
     assert chosen([0, 1, 2, 3], last([3, 0, 2], 1)) == [3, 0, 2]
     # no failure named (a hang): nobody moves, and a node that is gone is replaced
     assert chosen([0, 2, 3, 4], last([0, 1, 2], None)) == [0, 3, 2]
+
+
+def test_a_node_is_connecting_until_the_controller_handled_the_outcome(tmp_path):
+    """A wait for connects to end (a resumed controller's, before it picks participants)
+    must find each node's outcome handled, not queued: a node still counts as connecting
+    while its Attached or Unavailable waits in the loop (CI caught a resumed controller
+    launching on the two of three nodes whose Attached happened to be handled first)."""
+    from orchestrator.errors import OrchestratorError
+    from orchestrator.loop import EventLoop
+    from orchestrator.nodebook import Node
+    from orchestrator.nodepool import NodePool
+
+    spec = parse_jobspec(SPEC)
+
+    class Unreachable:
+        def __init__(self, node, _spec):
+            pass
+
+        def open(self):
+            raise OrchestratorError("a: no route to host")
+
+    loop = EventLoop()
+    pool = NodePool("fake-000001", spec, "s" * 32, Unreachable, loop)
+    node = Node(0, spec.nodes[0])
+    pool.connect(node, launch=True)
+    events: list = []
+    deadline = time.monotonic() + 10
+    while not events and time.monotonic() < deadline:
+        events = loop.poll(0.1)
+    assert [type(e).__name__ for e in events] == ["Unavailable"]
+    assert node.connecting  # its outcome is not handled yet
+    pool.close()
