@@ -6,7 +6,13 @@ tests/cluster/test_slurm_jobs.py.)"""
 
 from __future__ import annotations
 
+import time
+
+import orchestrator
+from orchestrator.specparts import HealthSpec
+from tests.cluster.test_faults import running
 from tests.cluster.test_ssh_jobs import cluster_spec
+from tests.helpers import PYTHON, WORKERS, assert_no_job_processes, wait_for
 from tests.integration.test_endurance import (
     STEPS,
     check_a_full_disk_pauses,
@@ -36,3 +42,25 @@ def test_a_full_disk_pauses_a_job_over_ssh(cluster, tmp_path, monkeypatch):
 
 def test_a_stalled_controller_declares_no_ssh_node_lost(cluster, home, tmp_path):
     check_a_stalled_controller_declares_nobody_lost(two_hosts(cluster, tmp_path, 700), 2, 700)
+
+
+def test_a_cut_node_is_still_found_within_the_default_node_timeout(cluster, home, tmp_path):
+    """The defaults were made patient (a busy node is not lost); a node whose link is cut
+    is still LOST within node_timeout + 1 s at them, and the job fails naming it."""
+    timeout = HealthSpec().node_timeout
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], hosts=cluster.hosts[:2]))
+    running(job_id, 4)
+    cluster.link_down(1)
+    try:
+        cut = time.monotonic()
+        wait_for(lambda: orchestrator.status(job_id)["nodes"][1]["state"] == "LOST",
+                 timeout + 20, interval=0.1, what="node 1 LOST")
+        detected = time.monotonic() - cut
+        result = orchestrator.wait(job_id, timeout=60)
+    finally:
+        cluster.link_up(1)
+    assert detected <= timeout + 1 + 0.5, detected  # (+ this test's polling)
+    assert result["state"] == "FAILED" and result["failure"]["cause"] == "NODE_FAIL"
+    assert result["failure"]["node_index"] == 1
+    assert_no_job_processes(job_id, within=60)
