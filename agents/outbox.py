@@ -11,6 +11,8 @@ on write); past the spool's cap the lines not kept are counted and reported.
 from __future__ import annotations
 
 import collections
+import contextlib
+import io
 import json
 import os
 import socket
@@ -23,6 +25,8 @@ from agents import protocol as P
 from agents.paths import close_socket
 
 LINES_CAP = 1024 * 1024  # bytes of read-but-unsent worker output; readers wait beyond it
+# Output a spool kept in memory holds at most (its disk was full: see _append_spool).
+MEMORY_SPOOL_MAX = 64 * 1024 * 1024
 
 
 class Outbox:
@@ -33,7 +37,8 @@ class Outbox:
     ``WINDOW_BYTES`` of output in flight: beyond it output waits, and so do the workers).
     While no controller is attached they are appended to the spool file instead, up to
     ``spool_max_bytes`` for output (control messages are always kept); output past that
-    cap is counted, and the count is reported as ``dropped`` messages.
+    cap is counted, and the count is reported as ``dropped`` messages. A spool whose disk is
+    full goes on in memory (MEMORY_SPOOL_MAX of output).
 
     Control messages go before output that is waiting, except that a rank's ``exited`` is
     only queued once every line that rank printed has been numbered.
@@ -222,8 +227,7 @@ class Outbox:
         attempt, rank, stream = key
         self._taken[rank] += len(batch)
         self._cond.notify_all()
-        if not self._live() and self._spool_max is not None and \
-                self._spool_bytes + size > self._spool_max:
+        if not self._live() and self._spool_bytes + size > self._spool_cap():
             self._dropped[(rank, stream, attempt)] += len(batch)
             return None
         return self._number({"type": P.OUTPUT, "attempt": attempt, "rank": rank,
@@ -244,14 +248,44 @@ class Outbox:
         self._append_spool(data, message.get("type") == P.OUTPUT)
         return None
 
+    def _spool_cap(self) -> float:
+        """Bytes of output the spool may hold (spool_max_bytes; less once in memory)."""
+        cap = float("inf") if self._spool_max is None else self._spool_max
+        return min(cap, MEMORY_SPOOL_MAX) if isinstance(self._spool, io.BytesIO) else cap
+
     def _append_spool(self, data: bytes, is_output: bool) -> None:
+        """Append one message to the spool. Its file is written through at once: when the
+        disk is full (the controller's pause is often the same full disk) the spool moves
+        to memory, output within MEMORY_SPOOL_MAX and control messages always, rather than
+        the sender thread dying and with it every message of this node."""
         if self._spool is None:
             self._spool = self._open_spool()
             self._spool_offset = 0
-        self._spool.seek(0, os.SEEK_END)  # a replay reads it from where it got to
-        self._spool.write(data)
+        end = self._spool.seek(0, os.SEEK_END)  # a replay reads it from where it got to
+        try:
+            self._spool.write(data)
+            self._spool.flush()
+        except OSError:
+            self._spool = self._spool_in_memory(self._spool, end)
+            self._spool.write(data)
         if is_output:
             self._spool_bytes += len(data)
+
+    @staticmethod
+    def _spool_in_memory(spool: BinaryIO, good: int) -> io.BytesIO:
+        """What ``spool`` holds up to ``good`` (whole messages: what lies beyond is a write
+        that failed halfway), in memory, at the same offsets."""
+        kept, fd = bytearray(), spool.fileno()
+        while len(kept) < good:
+            chunk = os.pread(fd, min(1 << 20, good - len(kept)), len(kept))
+            if not chunk:
+                break
+            kept += chunk
+        with contextlib.suppress(OSError):  # closing flushes what the disk refused again
+            spool.close()
+        memory = io.BytesIO(bytes(kept))
+        memory.seek(0, os.SEEK_END)
+        return memory
 
     def _open_spool(self) -> BinaryIO:
         """A file only this thread knows, read back through the same descriptor: it needs no
@@ -259,7 +293,11 @@ class Outbox:
         try:
             return tempfile.TemporaryFile(dir=os.path.dirname(self._spool_path))
         except OSError:  # the directory was removed under the agent (see Agent._keep_listening)
+            pass
+        try:
             return tempfile.TemporaryFile()  # unnamed, 0600: safe in any temp directory
+        except OSError:  # no disk anywhere: memory (see _append_spool)
+            return io.BytesIO()
 
     def _write(self, conn: socket.socket, data: bytes) -> bool:
         try:

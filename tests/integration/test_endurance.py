@@ -79,10 +79,13 @@ def check_an_exception_costs_nothing(job_spec: Path, ranks: int, steps: int) -> 
     assert_no_job_processes(job_id)
 
 
-def check_a_full_disk_pauses(job_spec: Path, home: Path, ranks: int, steps: int) -> None:
+def check_a_full_disk_pauses(job_spec: Path, home: Path, ranks: int, steps: int, *,
+                             refill: bool = False) -> None:
     """$ORCHESTRATOR_HOME (a small tmpfs) filled for 8 s while the ranks print: the
     controller pauses (the agents keep the lines), status says which path is full and since
-    when; then every line is in the logs, once, in order; no worker stopped, no restart."""
+    when; then every line is in the logs, once, in order; no worker stopped, no restart.
+    With ``refill``, the room the pause's record was given (the home's reserve) is taken
+    too, so that nothing more fits for 8 s."""
     job_id = orchestrator.submit(job_spec)
     try:
         wait_for_output(job_id, f"step {ranks - 1} 40", 1)
@@ -91,6 +94,9 @@ def check_a_full_disk_pauses(job_spec: Path, home: Path, ranks: int, steps: int)
         paused = wait_for(lambda: orchestrator.status(job_id)["paused"], 15,
                           what="the job shown paused")
         assert str(home) in paused["reason"] and paused["since"], paused
+        if refill:
+            fill(home)
+            assert os.statvfs(home).f_bavail == 0
         time.sleep(8)
         assert rank_pids(job_id) == workers and all(map(job_processes_alive, workers.values()))
         filler.unlink()
@@ -205,7 +211,7 @@ def small_disk(path: Path, size: str):
 def fill(directory: Path) -> Path:
     """Fill the filesystem of ``directory`` to its last byte; the filler file."""
     filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         for size in (1 << 20, 4096, 1):
             with contextlib.suppress(OSError):
@@ -230,6 +236,23 @@ def test_a_full_disk_pauses_the_job_loses_no_line_and_stops_no_worker(tmp_path, 
     paused = [b for b in receiver.bodies if b["event"] == "paused"]
     assert len(paused) == 1 and str(home) in paused[0]["reason"], receiver.bodies
     assert "paused: cannot write" in paused[0]["text"] and paused[0]["since"] > 0
+
+
+def test_a_full_disk_under_the_agents_too_loses_no_line(tmp_path, monkeypatch):
+    """The usual login node: the agents' runtime directory (their spools) on the same full
+    disk as the home. The agents spool while the controller is paused; their spool moves to
+    memory when its disk refuses (on main the sender thread died of ENOSPC: the nodes fell
+    silent and were lost)."""
+    with small_disk(tmp_path / "home", "48m") as home:
+        run = home / "run"
+        run.mkdir(mode=0o700)
+        monkeypatch.setenv("ORCHESTRATOR_HOME", str(home))
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(run))
+        # 200 lines a second a rank: more than a spool file's buffer while the disk is full.
+        check_a_full_disk_pauses(spec(tmp_path, logs={"min_free_bytes": 1 << 20},
+                                      env={"STEPS": "6000", "STEP_SLEEP": "0.005"}),
+                                 home, 2, 6000, refill=True)
+        assert (run / "orchestrator").is_dir(), "the agents ran elsewhere"
 
 
 def test_a_controller_stopped_for_20s_declares_nobody_lost_at_the_defaults(home, tmp_path):
