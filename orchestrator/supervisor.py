@@ -48,7 +48,7 @@ from orchestrator.errors import (
 from orchestrator.pids import pid_namespace
 from orchestrator.spec import JobSpec
 from orchestrator.state import FailureCause, JobState
-from orchestrator.store import Store
+from orchestrator.store import Store, default_home
 from orchestrator.transport import Connector
 from orchestrator.transport.base import ConnectionFactory
 from orchestrator.transport.slurm import SlurmConnector
@@ -274,8 +274,9 @@ def _supervise(job_id: str, resume: bool) -> int:
 
 
 def _job_state(job_id: str, told: _Told) -> JobState | None:
-    """The job's state; while the home cannot be read (an NFS server away), looked at again
-    (None only when told to exit meanwhile)."""
+    """The job's state; while the home cannot be read (an NFS server away), looked at again.
+    None when told to exit meanwhile, or when the home no longer has the job (removed, or
+    another home mounted there): nothing is left to supervise."""
     while True:
         try:
             store = Store()
@@ -283,6 +284,9 @@ def _job_state(job_id: str, told: _Told) -> JobState | None:
                 return store.job_state(job_id)[0]
             finally:
                 store.close()
+        except JobNotFoundError:
+            log.error("the job is no longer in %s: nothing to supervise", default_home())
+            return None
         except OrchestratorError as exc:
             log.error("cannot read the job's state (%s): looking again", exc)
         if not told.sleep(ROOM_LOOK):

@@ -114,6 +114,7 @@ def check_a_full_disk_pauses(job_spec: Path, home: Path, ranks: int, steps: int,
         assert steps_in_log(job_id, rank) == list(range(steps))
     assert "the home can be written again" in controller_log(job_id)
     assert_no_job_processes(job_id)
+    assert_controller_gone(job_id)
 
 
 def check_a_stalled_controller_declares_nobody_lost(job_spec: Path, ranks: int,
@@ -144,6 +145,21 @@ def stopped_for(pid: int, seconds: float) -> None:
 
 def job_processes_alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists()
+
+
+def running_pid(pid: int | None) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
+
+
+def assert_controller_gone(job_id: str) -> None:
+    """The job's controller and its supervisor exit once the job ended (before the test
+    takes the home's disk away: then a supervisor once stayed, looking for its job)."""
+    shown = orchestrator.status(job_id)["controller"]
+    wait_for(lambda: not any(running_pid(shown[k]) for k in ("pid", "supervisor_pid")
+                             if shown[k]), 30, what="the controller and supervisor gone")
 
 
 def test_an_exception_of_the_controller_stops_no_worker_and_costs_nothing(home, tmp_path,
@@ -319,3 +335,4 @@ def test_a_cancel_stops_the_workers_of_a_job_paused_on_a_full_disk(tmp_path, mon
                           and s, 60, what="the job recorded CANCELLED")
         assert (result["attempt"], result["restarts"], result["free_restarts"]) == (1, 0, 0)
         assert "cancel requested while paused" in controller_log(job_id)
+        assert_controller_gone(job_id)

@@ -115,3 +115,21 @@ def test_the_same_error_weeks_apart_is_not_a_failing_controller():
         assert deaths.add(k * week, "killed by SIGKILL", lived=week) == BACKOFF[0]
     assert deaths.add(5 * week, "killed by SIGKILL", lived=5.0) == BACKOFF[0]
     assert deaths.add(5 * week + 10, "killed by SIGKILL", lived=5.0) is None  # 3 in a row
+
+
+def test_a_supervisor_whose_job_left_the_home_exits(tmp_path, monkeypatch):
+    """A controller that ended after its home was removed (or unmounted, and another one is
+    there now) leaves its supervisor with no job to read: it exits, where it used to look
+    again every few seconds forever (the full-disk tests left one behind per run)."""
+    import threading
+
+    from orchestrator import supervisor
+
+    monkeypatch.setenv("ORCHESTRATOR_HOME", str(tmp_path / "home"))
+    Store().close()
+    got: list = []
+    looker = threading.Thread(target=lambda: got.append(
+        supervisor._job_state("gone-000001", supervisor._Told())), daemon=True)
+    looker.start()
+    looker.join(10)
+    assert got == [None], "still looking for a job the home does not have"
