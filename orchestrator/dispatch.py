@@ -41,14 +41,14 @@ def dispatch(engine: Engine, event: E.Event) -> None:
             if engine.nodes[channel.node_index].channel is channel:
                 engine.reject(engine.nodes[channel.node_index], problem)
         case E.Attached(index, channel):
-            engine.nodes[index].connecting = False  # before a handler may connect it anew
+            engine.pool.settled(engine.nodes[index])  # before a handler may connect it anew
             if engine.on_attached is not None:
                 engine.on_attached(engine.nodes[index], channel)
             _on_attached(engine, engine.nodes[index], channel)
         case E.Closed(channel):
             _on_closed(engine, channel)
         case E.Unavailable():
-            engine.nodes[event.node].connecting = False
+            engine.pool.settled(engine.nodes[event.node])
             _on_unavailable(engine, event)
         case E.Prepared(index, failure, interrupted):
             _on_prepared(engine, engine.nodes[index], failure, interrupted)

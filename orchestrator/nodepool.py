@@ -80,11 +80,17 @@ class NodePool:
         node.reconnect_delay = RECONNECT_FIRST
         self._connectors.submit(self._connect_once, node)
 
+    @staticmethod
+    def settled(node: Node) -> None:
+        """The controller handles the outcome of ``node``'s connect (its Attached or
+        Unavailable) now: it may ask for a new one from here on."""
+        node.connecting = False
+
     def _connect_once(self, node: Node) -> None:
-        # ``connecting`` stays set until the controller handles the outcome (dispatch clears
-        # it): one that waits for connects to end must find the node attached by then, not
-        # its Attached still queued (a resumed controller launched on the nodes that
-        # happened to be handled first).
+        # ``connecting`` stays set until the controller handles the outcome (``settled``):
+        # one that waits for connects to end must find the node attached by then, not its
+        # Attached still queued (a resumed controller launched on the nodes that happened to
+        # be handled first).
         if self.closing:
             node.connecting = False
             return

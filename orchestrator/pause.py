@@ -119,9 +119,11 @@ def _on_event(engine: Engine, event: E.Event, stopping: bool) -> None:
     match event:
         case E.Attached(index, channel):
             node = engine.nodes[index]
-            node.connecting = False
+            engine.pool.settled(node)
             engine.pool.adopt(node, channel)
             engine.pool.send(node, {"op": P.SHUTDOWN if stopping else P.SPOOL})
+        case E.Unavailable(index):
+            engine.pool.settled(engine.nodes[index])  # the next controller tries it again
         case E.Closed(channel):
             node = engine.nodes[channel.node_index]
             if node.channel is channel:

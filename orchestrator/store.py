@@ -730,8 +730,7 @@ class Store:
         that readers never go through an ended attempt's ranks again."""
         with self._transaction() as db:
             steps = self._steps_of(db, job_id, attempt)
-            rate = db.execute("SELECT MIN(steps_per_s) FROM ranks WHERE job_id = ? AND"
-                              " attempt = ?", (job_id, attempt)).fetchone()[0]
+            rate = self._rate_of(db, job_id, attempt)
             self._update(
                 db, "attempts",
                 {"ended_at": time.time(), "outcome": outcome,
@@ -907,12 +906,17 @@ class Store:
                 rate = kept.get("steps_per_s")
             else:
                 steps = self._steps_of(self._db, job.job_id, attempt)
-                rate = self._db.execute("SELECT MIN(steps_per_s) FROM ranks WHERE job_id = ?"
-                                        " AND attempt = ?", (job.job_id, attempt)).fetchone()[0]
+                rate = self._rate_of(self._db, job.job_id, attempt)
             if steps is not None:
                 job.steps.append(steps)
             if rate is not None:
                 job.rates[attempt] = rate
+
+    @staticmethod
+    def _rate_of(db: sqlite3.Connection, job_id: str, attempt: int) -> float | None:
+        """An attempt's pace: its slowest rank's steps a second."""
+        return db.execute("SELECT MIN(steps_per_s) FROM ranks WHERE job_id = ? AND attempt = ?",
+                          (job_id, attempt)).fetchone()[0]
 
     @staticmethod
     def _steps_of(db: sqlite3.Connection, job_id: str, attempt: int) -> AttemptSteps | None:
