@@ -12,7 +12,8 @@ Stdlib only, never imports torch, and shipped by the controller over the channel
   restarts), ``processes`` (no
   orphans), ``cache`` (synced trees, blobs, setup), ``stacks``, ``netinfo``, ``paths``.
 
-The protocol between controller and agent is ``agents/protocol.py``; the files the agent
+The protocol between controller and agent is ``agents/protocol.py`` (what nodes say) and
+``agents/commands.py`` (what they are told); the files the agent
 puts on workers' PYTHONPATH are ``agents/shims/``.
 """
 
@@ -21,7 +22,8 @@ from __future__ import annotations
 import os
 
 #: What is shipped to a node, in this order (packages before their modules).
-MODULES = ("agents", "agents.fields", "agents.protocol", "agents.paths", "agents.text",
+MODULES = ("agents", "agents.fields", "agents.protocol", "agents.commands", "agents.paths",
+           "agents.text",
            "agents.netinfo", "agents.processes", "agents.outbox", "agents.leases",
            "agents.cache", "agents.setup", "agents.gpucheck", "agents.netcheck",
            "agents.rankfiles", "agents.shims",

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agents import cache, leases, netcheck, ops, rankfiles
+from agents import commands as C
 from agents import protocol as P
 from agents.netinfo import gpu_count, torch_version
 from agents.outbox import Outbox
@@ -54,21 +55,18 @@ def _file_id(path: str) -> tuple[int, int] | None:
 
 
 class Agent:
-    def __init__(self, directory: str, outcome_path: str, config: dict[str, Any]):
+    def __init__(self, directory: str, outcome_path: str, config: C.Launch):
         self.directory = directory
         self.outcome_path = outcome_path
-        self.secret = str(config["secret"])
+        self.secret = config.secret
         self.job_id = os.path.basename(directory).rsplit(".", 1)[0]
         self.node_index = int(os.path.basename(directory).rsplit(".", 1)[1])
         self.instance = secrets.token_hex(8)  # tells a controller this is not an older agent
-        self.stop_grace = float(config.get("stop_grace") or 2.0)
-        self.heartbeat_interval = float(config.get("heartbeat_interval") or 1.0)
-        self.node_timeout = float(config.get("node_timeout") or 5.0)
-        grace = config.get("controller_grace")
-        self.controller_grace = None if grace is None else float(grace)
-        spool_max = config.get("spool_max_bytes")
-        self.outbox = Outbox(os.path.join(directory, "spool"),
-                             None if spool_max is None else int(spool_max))
+        self.stop_grace = config.stop_grace or 2.0
+        self.heartbeat_interval = config.heartbeat_interval or 1.0
+        self.node_timeout = config.node_timeout or 5.0
+        self.controller_grace = config.controller_grace
+        self.outbox = Outbox(os.path.join(directory, "spool"), config.spool_max_bytes)
         self.outbox.hello = self._hello
         self.token = secrets.token_hex(16)
         # SimpleQueue: put() is safe in a signal handler, Queue.put() can deadlock there.
@@ -84,8 +82,7 @@ class Agent:
         self.preflight_listeners: list[socket.socket] = []
         self.net_receiver: netcheck.Receiver | None = None  # the network check's (ops.py)
         self.workdir: str | None = None  # the running attempt's (a synced tree is kept fresh)
-        self._slow: queue.SimpleQueue[tuple[Callable[[dict[str, Any]], None],
-                                            dict[str, Any]]] | None = None
+        self._slow: queue.SimpleQueue[tuple[Callable[[], None], str, int | None]] | None = None
         self._touched = 0.0
         self.standbys = Standbys(self.token, directory)
 
@@ -146,36 +143,34 @@ class Agent:
         conn.settimeout(ATTACH_TIMEOUT)
         try:
             first = P.decode(reader.readline(P.MAX_MESSAGE))
-        except OSError:
-            first = None
-        if first is None:
+            attach, _ = C.parse(first or {}, {C.Attach.OP: C.Attach})
+        except (OSError, P.ProtocolError):
             close_socket(conn)
             return
-        ok = (first.get("op") == P.ATTACH
-              and hmac.compare_digest(str(first.get("secret", "")).encode(),
-                                      self.secret.encode()))
-        if not ok:
+        assert isinstance(attach, C.Attach)
+        if not hmac.compare_digest(attach.secret.encode(), self.secret.encode()):
             close_socket(conn)
             return
         conn.settimeout(None)
         self.last_heard = time.monotonic()
-        ack = first.get("ack")
-        self.outbox.attach(conn, ack if isinstance(ack, int) else 0)
+        self.outbox.attach(conn, attach.ack)
         try:
             for raw in iter(lambda: reader.readline(P.MAX_MESSAGE), b""):
                 self.last_heard = time.monotonic()  # here: a slow op must not make pings late
                 msg = P.decode(raw)
                 if msg is None:
                     continue
-                op = msg.get("op")
-                if op == P.ACK:
-                    seq = msg.get("seq")
-                    if isinstance(seq, int):
-                        self.outbox.ack(seq)
-                elif op == P.SPOOL:
+                try:
+                    command, req = C.parse(msg, ops.TAKEN)
+                except P.ProtocolError as exc:  # answered on the main loop, in order
+                    self.events.put(("refused", (C.op_name(msg), C.request_id(msg), exc)))
+                    continue
+                if isinstance(command, C.Ack):
+                    self.outbox.ack(command.seq)
+                elif isinstance(command, C.Spool):
                     self.outbox.spool_while_attached(conn)
-                elif op != P.PING:
-                    self.events.put(("command", msg))
+                elif not isinstance(command, C.Ping):
+                    self.events.put(("command", (command, req)))
         except OSError:
             pass
         self.outbox.detach(conn)
@@ -206,27 +201,27 @@ class Agent:
             if kind == "signal":
                 self.finish(f"signal {signal_name(msg)}")
                 return 128 + msg
-            op = msg.get("op")
-            if op == P.SHUTDOWN:
+            if kind == "refused":
+                op, req, exc = msg
+                if exc.field == "op":
+                    self._failed(op, req, f"unknown op {op}")
+                else:
+                    self._failed(op, req, str(exc))
+                continue
+            command, req = msg
+            if isinstance(command, C.Shutdown):
                 self.finish(None)
                 return 0
-            handler = ops.OPS.get(str(op))
-            if handler is None:
-                self.outbox.put({"type": P.ERROR, "attempt": self.attempt,
-                                 "message": f"unknown op {op!r}"})
-                continue
             try:
-                handler(self, msg)
+                ops.OPS[type(command)](self, command, req)
             except Exception as exc:  # report, never die: the controller decides
-                self._failed(msg, exc)
+                self._failed(command.OP, req, f"{command.OP}: {exc!r}")
 
-    def _failed(self, msg: dict[str, Any], exc: Exception) -> None:
-        op = msg.get("op")
-        if isinstance(msg.get("req"), int):  # a request: its asker must hear now
-            self.reply(msg, P.FAILED, error=f"{op}: {exc!r}")
+    def _failed(self, op: str, req: int | None, error: str) -> None:
+        if req is not None:  # a request: its asker must hear now
+            self.reply(P.Failed(req, error))
         else:
-            self.outbox.put({"type": P.ERROR, "attempt": self.attempt,
-                             "message": f"{op}: {exc!r}"})
+            self.outbox.put({"type": P.ERROR, "attempt": self.attempt, "message": error})
 
     def _tick(self, now: float) -> bool:
         """Progress and grace checks (heartbeats have a thread of their own: ``_beat``).
@@ -346,88 +341,86 @@ class Agent:
             w.problems_said.add(key)
             self.outbox.add_lines(w.attempt, w.rank, "stderr", [f"[orchestrator] {problem}"])
 
-    def reply(self, msg: dict[str, Any], type_: str, **fields: Any) -> None:
-        self.outbox.put({"type": type_, "req": msg.get("req"), "attempt": self.attempt,
-                         **fields})
+    def reply(self, reply: P.Reply) -> None:
+        self.outbox.put(P.reply_wire(reply, self.attempt))
 
-    def aside(self, handler: Callable[[dict[str, Any]], None], msg: dict[str, Any]) -> None:
+    def aside(self, handler: Callable[[], None], command: C.Command, req: int | None) -> None:
         """Run ``handler`` on the one thread for slow ops, in order (hashing and copying can
         take long: heartbeats go on meanwhile)."""
         if self._slow is None:
             self._slow = queue.SimpleQueue()
             threading.Thread(target=self._slow_worker, daemon=True).start()
-        self._slow.put((handler, msg))
+        self._slow.put((handler, command.OP, req))
 
     def _slow_worker(self) -> None:
         assert self._slow is not None
         while True:
-            handler, msg = self._slow.get()
+            handler, op, req = self._slow.get()
             try:
-                handler(msg)
+                handler()
             except Exception as exc:
-                self._failed(msg, exc)
+                self._failed(op, req, f"{op}: {exc!r}")
 
-    def on_thread(self, handler: Callable[[dict[str, Any]], None],
-                  msg: dict[str, Any]) -> None:
+    def on_thread(self, handler: Callable[[], None], command: C.Command,
+                  req: int | None) -> None:
         """Run ``handler`` on a thread of its own (it may take minutes); it always replies."""
         def run() -> None:
             try:
-                handler(msg)
+                handler()
             except Exception as exc:  # the controller waits for an answer: always give one
-                self._failed(msg, exc)
+                self._failed(command.OP, req, f"{command.OP}: {exc!r}")
 
         threading.Thread(target=run, daemon=True).start()
 
     # --- ops: workers ----------------------------------------------------------------------
-    def op_start(self, msg: dict[str, Any]) -> None:
-        attempt = int(msg["attempt"])
+    def op_start(self, start: C.Start) -> None:
+        attempt = start.attempt
         if attempt <= self.attempt:
             return  # already started (a controller re-sent it after reattaching)
-        self.stop_workers(grace=float(msg.get("stop_grace", 5.0)))
+        self.stop_workers(grace=start.stop_grace)
         self.attempt = attempt
-        workdir = os.path.expanduser(msg.get("workdir") or ".")
+        workdir = os.path.expanduser(start.workdir or ".")
         self.workdir = workdir
-        base_env, self.traces_dir = worker_env(msg, self.token, self.directory, self.job_id,
+        base_env, self.traces_dir = worker_env(start, self.token, self.directory, self.job_id,
                                                workdir)
         attempt_dir = os.path.join(self.directory, f"attempt-{attempt}")
-        warm = msg.get("warm")  # {"imports": [...]} with restart.warm, else None
-        imports = tuple(str(m) for m in (warm or {}).get("imports") or ())
+        imports = start.warm.imports if start.warm is not None else ()
         refills = []
-        for given in msg["workers"]:
-            local_rank = int(given.get("local_rank") or 0)
+        for given in start.workers:
+            local_rank = given.local_rank
             cold_because = None
             try:
                 spec = prepare(given, base_env, attempt_dir)
                 proc = None
-                if warm is not None:
-                    proc, cold_because = self.standbys.take(local_rank, list(spec["argv"]),
-                                                            spec["env"], workdir, imports)
+                if start.warm is not None:
+                    proc, cold_because = self.standbys.take(local_rank, list(spec.argv),
+                                                            spec.env, workdir, imports)
                 started_warm = proc is not None
                 proc = proc or spawn(spec, workdir)
             except Exception as exc:  # the controller must hear of every rank, or it waits
-                error = f"{given['argv'][0]}: {getattr(exc, 'strerror', None) or exc}"
+                error = f"{given.argv[0]}: {getattr(exc, 'strerror', None) or exc}"
                 self.outbox.put({"type": P.SPAWN_FAILED, "attempt": attempt,
-                                 "rank": given.get("rank"), "local_rank": local_rank,
+                                 "rank": given.rank, "local_rank": local_rank,
                                  "error": error})
                 continue
             # "started" is queued before the first output line can be read.
-            self.outbox.put({"type": P.STARTED, "attempt": attempt, "rank": spec.get("rank"),
+            self.outbox.put({"type": P.STARTED, "attempt": attempt, "rank": spec.rank,
                              "local_rank": local_rank, "pid": proc.pid, "warm": started_warm})
             if cold_because:
-                self.outbox.add_lines(attempt, spec.get("rank"), "stderr",
+                self.outbox.add_lines(attempt, spec.rank, "stderr",
                                       [f"[orchestrator] started cold: {cold_because}"])
             worker = Worker(self.outbox, attempt, spec, proc)
             self.workers.append(worker)
             worker.start_threads()
-            refills.append((local_rank, list(spec["argv"]), spec["env"], workdir, imports))
-        if warm is None:
+            refills.append((local_rank, list(spec.argv), spec.env, workdir, imports))
+        if start.warm is None:
             self.standbys.close()
         else:
             self.standbys.schedule(refills, time.monotonic() + REFILL_AFTER)
 
-    def op_stop(self, msg: dict[str, Any]) -> None:
-        attempt = int(msg.get("attempt", self.attempt))
-        grace = float(msg.get("grace", 5.0))
+    def op_stop(self, stop: C.Stop) -> None:
+        attempt = self.attempt if stop.attempt is None else stop.attempt
+        grace = stop.grace
         if attempt < self.attempt:  # a late stop of an older attempt: those are gone
             self.outbox.put({"type": P.STOPPED, "attempt": attempt})
             return

@@ -67,7 +67,7 @@ def missing_blobs(shas: list[Any]) -> list[str]:
     return missing
 
 
-def put_chunk(sha: str, offset: int, data: str, last: bool, part_id: Any) -> str | None:
+def put_chunk(sha: str, offset: int, data: str, last: bool, part_id: Any = 0) -> str | None:
     """One chunk of a blob; the last one checks the whole blob's sha256. Returns what went
     wrong, or None."""
     final = blob(sha)

@@ -17,21 +17,22 @@ import threading
 import time
 from typing import Any
 
+from agents import commands as C
 from agents import protocol as P
 from agents.paths import Lock, agent_paths, bind_unix, connect_unix, holder_path
 
 
-def start_agent_by_holder(job_id: str, node_index: int, config: dict[str, Any]) -> None:
+def start_agent_by_holder(job_id: str, node_index: int, config: C.Launch) -> None:
     """Ask this node's holder to start the agent (a relay's request, on Slurm)."""
     sock = connect_unix(holder_path(job_id))
     if sock is None:
         raise RuntimeError("no holder step of the job on this node (Slurm)")
     with sock, sock.makefile("rwb") as f:
-        f.write(P.encode({"op": "start", "node_index": node_index, "launch": config}))
+        f.write(P.encode(C.wire(C.HolderStart(node_index, config))))
         f.flush()
-        reply = P.decode(f.readline(P.MAX_MESSAGE)) or {}
-    if not reply.get("ok"):
-        raise RuntimeError(f"the holder could not start the agent: {reply.get('error')}")
+        reply = C.parse_holder_started(P.decode(f.readline(P.MAX_MESSAGE)))
+    if not reply.ok:
+        raise RuntimeError(f"the holder could not start the agent: {reply.error}")
 
 
 def holder_main(job_id: str, say: Any) -> int:
@@ -99,19 +100,15 @@ def _serve_start(conn: socket.socket, job_id: str, started: set[int]) -> None:
     conn.settimeout(30.0)
     with conn, conn.makefile("rwb") as f:
         try:
-            request = P.decode(f.readline(P.MAX_MESSAGE)) or {}
-            index, launch = request.get("node_index"), request.get("launch")
-            if request.get("op") != "start" or not isinstance(launch, dict) or \
-                    not isinstance(index, int):
-                raise ValueError("expected start")
-            directory, outcome = agent_paths(job_id, index)
-            start_agent(directory, outcome, launch)
-            started.add(index)
-            reply: dict[str, Any] = {"ok": True}
+            request = C.parse_holder_start(P.decode(f.readline(P.MAX_MESSAGE)))
+            directory, outcome = agent_paths(job_id, request.node_index)
+            start_agent(directory, outcome, request.launch)
+            started.add(request.node_index)
+            reply = C.HolderStarted(True)
         except Exception as exc:  # said to the relay, which tells the controller
-            reply = {"ok": False, "error": str(exc)}
+            reply = C.HolderStarted(False, str(exc))
         try:
-            f.write(P.encode(reply))
+            f.write(P.encode(C.holder_started(reply)))
             f.flush()
         except OSError:
             pass

@@ -1,11 +1,12 @@
-"""The agent's commands, one handler each (``OPS``): ports and reachability (a run's master
-port, and ``check``), stacks and flight recorder dumps (orchestrator/hang.py), code and setup
-(orchestrator/prepare.py). Starting and stopping workers are the agent's own
-(``Agent.op_start``, ``Agent.op_stop``). A handler that raises is answered ``failed``."""
+"""The agent's commands, one handler each (``OPS``, by command class): ports and
+reachability (a run's master port, and ``check``), stacks and flight recorder dumps
+(orchestrator/hang.py), code and setup (orchestrator/prepare.py), hot spares. Starting and
+stopping workers are the agent's own (``Agent.op_start``, ``Agent.op_stop``). Every handler
+gets its command parsed at the door (agents/commands.py) and the request's ``req``; a
+handler that raises is answered ``failed``."""
 
 from __future__ import annotations
 
-import base64
 import os
 import secrets
 import socket
@@ -15,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from agents import cache, gpucheck, netcheck, setup, stacks
+from agents import commands as C
 from agents import protocol as P
 from agents.netinfo import free_port, interface_for
 from agents.paths import traces
@@ -25,9 +27,9 @@ if TYPE_CHECKING:
 
 
 # --- ports and reachability (run and preflight) ------------------------------------
-def op_free_port(agent: Agent, msg: dict[str, Any]) -> None:
+def op_free_port(agent: Agent, ask: C.FreePort, req: int) -> None:
     """A port free now: ``port`` (0: any), or the first free one of ``range`` [lo, hi]."""
-    low, high = (int(x) for x in (msg.get("range") or (msg.get("port", 0),) * 2))
+    low, high = ask.range or (ask.port, ask.port)
     # From a random place in the range: jobs launching together on one master should
     # not all take its first port.
     start = secrets.randbelow(high - low + 1) if high > low else 0
@@ -35,22 +37,21 @@ def op_free_port(agent: Agent, msg: dict[str, Any]) -> None:
         port, ok = free_port(low + (start + i) % (high - low + 1))
         if ok:
             break
-    agent.reply(msg, P.PORT, port=port, ok=ok)
+    agent.reply(P.PortReply(req, port, ok))
 
 
-def op_listen(agent: Agent, msg: dict[str, Any]) -> None:
+def op_listen(agent: Agent, ask: C.Listen, req: int) -> None:
     """Hold listening sockets on ``port`` (0: any), or on every free port of ``ports``,
     so that peers can test that they reach them (preflight)."""
     for s in agent.preflight_listeners:
         s.close()
     agent.preflight_listeners = []
-    wanted = msg.get("ports") or [msg.get("port", 0)]
     busy, error = [], None
-    for port in wanted:
+    for port in ask.ports or (ask.port,):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            s.bind(("", int(port)))
+            s.bind(("", port))
             s.listen(64)
         except OSError as exc:
             s.close()
@@ -58,53 +59,51 @@ def op_listen(agent: Agent, msg: dict[str, Any]) -> None:
             error = str(exc)
             continue
         agent.preflight_listeners.append(s)
-    ports = [s.getsockname()[1] for s in agent.preflight_listeners]
-    agent.reply(msg, P.LISTENING, port=ports[0] if ports else msg.get("port"),
-                ports=ports, busy=busy, ok=bool(ports), error=error)
+    ports = tuple(s.getsockname()[1] for s in agent.preflight_listeners)
+    agent.reply(P.Listening(req, ports, tuple(busy), bool(ports), error))
 
 
-def op_probe(agent: Agent, msg: dict[str, Any]) -> None:
-    """Report the interface toward ``address`` and whether ``address:port`` (or each of
-    ``ports``) accepts TCP."""
-    address = str(msg["address"])
-    ports = [int(p) for p in (msg.get("ports") or [msg["port"]])]
-    timeout = float(msg.get("timeout", 3))
+def op_probe(agent: Agent, ask: C.Probe, req: int) -> None:
+    """Report the interface toward ``address`` and whether each of ``ports`` there accepts
+    TCP."""
     errors: dict[int, str] = {}
 
     def one(port: int) -> None:
         try:
-            with socket.create_connection((address, port), timeout=timeout):
+            with socket.create_connection((ask.address, port), timeout=ask.timeout):
                 pass
         except OSError as exc:
             errors[port] = str(exc)
 
-    threads = [threading.Thread(target=one, args=(p,)) for p in ports]
+    threads = [threading.Thread(target=one, args=(p,)) for p in ask.ports]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    agent.reply(msg, P.PROBE_RESULT, interface=interface_for(address),
-                reachable=not errors, unreachable=sorted(errors),
-                error=next(iter(errors.values()), None))
+    agent.reply(P.ProbeResult(req, interface_for(ask.address), not errors,
+                              tuple(sorted(errors)), next(iter(errors.values()), None)))
 
 
 # ---  stacks and flight recorder (see orchestrator/hang.py) -------------------------
-def op_stacks(agent: Agent, msg: dict[str, Any]) -> None:
+def op_stacks(agent: Agent, ask: C.GetStacks, req: int) -> None:
     """Each live rank's Python stack: py-spy (needs ptrace), else the faulthandler hook
     every worker registered at start. On a thread: py-spy takes its time."""
-    agent.on_thread(lambda m: _stacks(agent, m), msg)
+    agent.on_thread(lambda: _stacks(agent, ask, req), ask, req)
 
 
-def _stacks(agent: Agent, msg: dict[str, Any]) -> None:
+def _stacks(agent: Agent, ask: C.GetStacks, req: int) -> None:
     targets = stacks.rank_pids(list(agent.workers), agent.token)
-    wanted = bool(msg.get("flight_recorder")) and bool(targets)
-    found: dict[str, dict[str, Any]] = {}
-    threads = [threading.Thread(target=lambda r=r, p=p: found.__setitem__(
-        str(r), stacks.one_stack(p, r, agent.directory, agent.attempt))) for r, p in targets]
+    wanted = ask.flight_recorder and bool(targets)
+    found: dict[int, P.Stack] = {}
+
+    def one(rank: int, pid: int) -> None:
+        found[rank] = P.Stack(**stacks.one_stack(pid, rank, agent.directory, agent.attempt))
+
+    threads = [threading.Thread(target=one, args=(r, p)) for r, p in targets]
     for t in threads:
         t.start()
     # One deadline for both, inside the controller's: a late reply is a lost one.
-    deadline = time.monotonic() + float(msg.get("timeout", 15))
+    deadline = time.monotonic() + ask.timeout
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     dumps = {}
@@ -118,134 +117,129 @@ def _stacks(agent: Agent, msg: dict[str, Any]) -> None:
             pass
         dumps = stacks.trace_files(agent.traces_dir or "", stack_dir,
                                    [r for r, _ in targets], asked_at, deadline)
-    agent.reply(msg, P.STACKS, stacks=found, traces=dumps)
+    agent.reply(P.Stacks(req, dict(found), {int(r): p for r, p in dumps.items()}))
 
 
-def op_read_trace(agent: Agent, msg: dict[str, Any]) -> None:
-    """A piece (up to 1 MiB, base64) of a flight recorder dump under this user's traces
-    directory; nothing else is readable this way."""
+def op_read_trace(agent: Agent, ask: C.ReadTrace, req: int) -> None:
+    """A piece (up to 1 MiB) of a flight recorder dump under this user's traces directory;
+    nothing else is readable this way."""
     root = os.path.realpath(traces()) + os.sep
-    path = os.path.realpath(str(msg.get("path")))
+    path = os.path.realpath(ask.path)
     if not path.startswith(root):
-        raise PermissionError(f"not a flight recorder dump: {msg.get('path')!r}")
+        raise PermissionError(f"not a flight recorder dump: {ask.path!r}")
     with open(path, "rb") as f:
         size = os.fstat(f.fileno()).st_size
-        f.seek(int(msg.get("offset") or 0))
+        f.seek(ask.offset)
         data = f.read(1024 * 1024)
-    agent.reply(msg, P.TRACE_CHUNK, data=base64.b64encode(data).decode(), size=size)
+    agent.reply(P.TraceChunk(req, data, size))
 
 
 # ---  code and setup on the node (see orchestrator/prepare.py) ----------------------
-def op_sync_missing(agent: Agent, msg: dict[str, Any]) -> None:
-    agent.aside(lambda m: agent.reply(m, P.SYNC_MISSING,
-                                     missing=cache.missing_blobs(list(m.get("blobs", [])))),
-               msg)
+def op_sync_missing(agent: Agent, ask: C.MissingBlobs, req: int) -> None:
+    agent.aside(lambda: agent.reply(P.SyncMissing(req, tuple(
+        cache.missing_blobs(list(ask.blobs))))), ask, req)
 
 
-def op_sync_put(agent: Agent, msg: dict[str, Any]) -> None:
-    def put(m: dict[str, Any]) -> None:
-        error = cache.put_chunk(str(m["sha"]), int(m["offset"]), m["data"],
-                                bool(m.get("last")), m.get("part", 0))
-        agent.reply(m, P.SYNC_PUT, ok=error is None,
-                    **({"error": error} if error else {}))
+def op_sync_put(agent: Agent, ask: C.PutChunk, req: int) -> None:
+    def put() -> None:
+        error = cache.put_chunk(ask.sha, ask.offset, ask.data, ask.last)
+        agent.reply(P.SyncPut(req, error is None, error))
 
-    agent.aside(put, msg)
+    agent.aside(put, ask, req)
 
 
-def op_sync_build(agent: Agent, msg: dict[str, Any]) -> None:
-    agent.aside(lambda m: agent.reply(m, P.SYNC_BUILT, path=cache.build_tree(
-        str(m["tree"]), m["files"], int(m.get("keep", 5)))), msg)
+def op_sync_build(agent: Agent, ask: C.BuildTree, req: int) -> None:
+    agent.aside(lambda: agent.reply(P.SyncBuilt(req, cache.build_tree(
+        ask.tree, [list(f) for f in ask.files], ask.keep))), ask, req)
 
 
-def op_setup(agent: Agent, msg: dict[str, Any]) -> None:
+def op_setup(agent: Agent, ask: C.RunSetup, req: int) -> None:
     """Run the job's setup script once per key on this machine (skipped when that key
     succeeded before); its output streams as ``setup_output`` while it runs."""
-    def run(m: dict[str, Any]) -> None:
-        timeout = m.get("timeout")
+    def run() -> None:
         done = setup.run_setup(
-            str(m["key"]), str(m["script"]), str(m.get("workdir") or "."),
-            dict(m.get("env") or {}), agent.token,
+            ask.key, ask.script, ask.workdir or ".", dict(ask.env), agent.token,
             lambda lines: agent.outbox.put_live(P.SETUP_OUTPUT, lines), P.MAX_LINE,
-            agent.directory, None if timeout is None else float(timeout))
-        agent.reply(m, P.SETUP_DONE, exit_code=done.exit_code, cached=done.cached,
-                    tail=list(done.tail), timed_out=done.timed_out)
+            agent.directory, ask.timeout)
+        agent.reply(P.SetupDone(req, done.exit_code, done.cached, tuple(done.tail),
+                                done.timed_out))
 
-    agent.on_thread(run, msg)
+    agent.on_thread(run, ask, req)
 
 
-def op_node_check(agent: Agent, msg: dict[str, Any]) -> None:
+def op_node_check(agent: Agent, ask: C.CheckNode, req: int) -> None:
     """The health check before an attempt (agents/setup.py: run_check)."""
-    def run(m: dict[str, Any]) -> None:
-        free, gpus = m.get("min_free_bytes"), m.get("gpus")
+    def run() -> None:
         problems, tail = setup.run_check(
-            [str(a) for a in m.get("argv") or ()], str(m.get("workdir") or "."),
-            {str(k): str(v) for k, v in (m.get("env") or {}).items()}, agent.token, P.MAX_LINE,
-            float(m["timeout"]), None if free is None else int(free))
-        if m.get("gpu_check"):
-            problems += gpucheck.check(None if gpus is None else int(gpus),
-                                       float(m["timeout"]))
-        agent.reply(m, P.CHECKED, problems=problems, tail=list(tail))
+            list(ask.argv), ask.workdir or ".", dict(ask.env), agent.token, P.MAX_LINE,
+            ask.timeout, ask.min_free_bytes)
+        if ask.gpu_check:
+            problems += gpucheck.check(ask.gpus, ask.timeout)
+        agent.reply(P.Checked(req, tuple(problems), tuple(tail)))
 
-    agent.on_thread(run, msg)
+    agent.on_thread(run, ask, req)
 
 
-def op_net_listen(agent: Agent, msg: dict[str, Any]) -> None:
+def op_net_listen(agent: Agent, ask: C.NetListen, req: int) -> None:
     """The receiving end of the network check (agents/netcheck.py) for ``timeout`` seconds;
     answers with its port. A new one replaces the last."""
     if agent.net_receiver is not None:
         agent.net_receiver.close()
-    agent.net_receiver = netcheck.Receiver(bytes.fromhex(str(msg["token"])), int(msg["bytes"]),
-                                           float(msg["timeout"]))
-    agent.reply(msg, P.NET_LISTENING, port=agent.net_receiver.port)
+    agent.net_receiver = netcheck.Receiver(bytes.fromhex(ask.token), ask.bytes, ask.timeout)
+    agent.reply(P.NetListening(req, agent.net_receiver.port))
 
 
-def op_net_close(agent: Agent, msg: dict[str, Any]) -> None:
+def op_net_close(agent: Agent, ask: C.NetClose, req: None) -> None:
     if agent.net_receiver is not None:
         agent.net_receiver.close()
         agent.net_receiver = None
 
 
-def op_net_send(agent: Agent, msg: dict[str, Any]) -> None:
+def op_net_send(agent: Agent, ask: C.NetSend, req: int) -> None:
     """One link of the network check: ``bytes`` to a peer's receiver, timed."""
-    def run(m: dict[str, Any]) -> None:
+    def run() -> None:
         try:
-            seconds = netcheck.send(str(m["address"]), int(m["port"]),
-                                    bytes.fromhex(str(m["token"])), int(m["bytes"]),
-                                    float(m["timeout"]))
+            seconds = netcheck.send(ask.address, ask.port, bytes.fromhex(ask.token),
+                                    ask.bytes, ask.timeout)
         except OSError as exc:
-            agent.reply(m, P.NET_SENT, error=str(exc) or type(exc).__name__)
+            agent.reply(P.NetSent(req, None, str(exc) or type(exc).__name__))
             return
-        agent.reply(m, P.NET_SENT, seconds=seconds)
+        agent.reply(P.NetSent(req, seconds))
 
-    agent.on_thread(run, msg)
+    agent.on_thread(run, ask, req)
 
 
 # ---  hot spares (see agents/standby.py) ---------------------------------------------
-def op_warm(agent: Agent, msg: dict[str, Any]) -> None:
+def op_warm(agent: Agent, warm: C.Warm, req: None) -> None:
     """A spare node (it runs no worker): standbys, at once, for the workers a start like
-    ``msg`` would run here, so that taking over a lost node's place is warm too."""
+    ``warm`` would run here, so that taking over a lost node's place is warm too."""
     if agent.workers:
         return  # a participant keeps its own standbys
-    workdir = os.path.expanduser(msg.get("workdir") or ".")
-    base_env, _ = worker_env(msg, agent.token, agent.directory, agent.job_id, workdir)
-    attempt_dir = os.path.join(agent.directory, f"attempt-{int(msg['attempt'])}-spare")
-    imports = tuple(str(m) for m in (msg.get("warm") or {}).get("imports") or ())
+    workdir = os.path.expanduser(warm.workdir or ".")
+    base_env, _ = worker_env(warm, agent.token, agent.directory, agent.job_id, workdir)
+    attempt_dir = os.path.join(agent.directory, f"attempt-{warm.attempt}-spare")
+    imports = warm.warm.imports if warm.warm is not None else ()
     refills = []
-    for given in msg["workers"]:
+    for given in warm.workers:
         spec = prepare(given, base_env, attempt_dir)
-        refills.append((int(given.get("local_rank") or 0), list(spec["argv"]), spec["env"],
-                        workdir, imports))
+        refills.append((given.local_rank, list(spec.argv), spec.env, workdir, imports))
     agent.standbys.schedule(refills, 0.0)  # nothing of the job runs here to slow down
 
 
-#: The controller's commands (protocol.py), one handler each; shutdown ends the main loop.
-OPS: dict[str, Callable[[Agent, dict[str, Any]], None]] = {
-    P.START: lambda agent, msg: agent.op_start(msg),
-    P.WARM: op_warm,
-    P.STOP: lambda agent, msg: agent.op_stop(msg),
-    P.FREE_PORT: op_free_port, P.LISTEN: op_listen, P.PROBE: op_probe,
-    P.STACKS_OP: op_stacks, P.READ_TRACE: op_read_trace, P.SYNC_MISSING: op_sync_missing,
-    P.SYNC_PUT: op_sync_put, P.SYNC_BUILD: op_sync_build, P.SETUP: op_setup,
-    P.NODE_CHECK: op_node_check, P.NET_LISTEN: op_net_listen, P.NET_SEND: op_net_send,
-    P.NET_CLOSE: op_net_close,
+Handler = Callable[["Agent", Any, Any], None]
+
+#: The controller's commands (agents/commands.py), one handler each; ``shutdown`` ends the
+#: main loop, and the reader thread takes the session's own (ack, spool, ping).
+OPS: dict[type[C.Command], Handler] = {
+    C.Start: lambda agent, start, _req: agent.op_start(start),
+    C.Warm: op_warm,
+    C.Stop: lambda agent, stop, _req: agent.op_stop(stop),
+    C.FreePort: op_free_port, C.Listen: op_listen, C.Probe: op_probe,
+    C.GetStacks: op_stacks, C.ReadTrace: op_read_trace, C.MissingBlobs: op_sync_missing,
+    C.PutChunk: op_sync_put, C.BuildTree: op_sync_build, C.RunSetup: op_setup,
+    C.CheckNode: op_node_check, C.NetListen: op_net_listen, C.NetSend: op_net_send,
+    C.NetClose: op_net_close,
 }
+#: What the agent's door takes: the commands above, shutdown, and the session's.
+_SESSION: tuple[type[C.Command], ...] = (C.Shutdown, C.Ack, C.Spool, C.Ping)
+TAKEN: dict[str, type[C.Command]] = {c.OP: c for c in (*OPS, *_SESSION)}

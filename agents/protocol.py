@@ -13,52 +13,8 @@ channel::
 The first line on a channel is for the relay (``connect``, or ``hold`` for a Slurm holder
 step); every line after it is the agent's, starting with ``attach``.
 
-Controller -> relay::
-
-    connect   {job_id, node_index, launch: null | {secret, heartbeat_interval, node_timeout,
-               controller_grace, spool_max_bytes, stop_grace, holder?}}
-              attach to the job's agent on this node; with ``launch``, start it when there
-              is none (``holder``: ask the node's Slurm holder step to). The relay answers
-              ``relay {launched}``, ``gone {outcome?}`` (no agent, and no launch asked) and
-              exits, or ``error {message}``.
-    hold      {job_id}   be this node's holder step; answers ``holding {standby}``
-
-Controller -> agent (``op``)::
-
-    attach    {secret, ack}         the first line; ``ack`` is the last seq this job has kept
-    ack       {seq}                 everything up to seq is kept: the agent may forget it
-    spool     {}                    the controller cannot write (a full disk): keep every
-                                    sequenced message in the spool, as while detached,
-                                    until a controller attaches again
-    ping      {}                    the controller's heartbeat
-    start     {attempt, workdir, env, defaults, route_to, workers: [{rank, local_rank, argv,
-               env}], stop_grace, flight_recorder}
-              workers start from the agent's own environment (the node's: the login's over
-              SSH, the step's on Slurm, the submitter's on a local node) and umask, plus
-              ``env``, plus ``defaults`` where the node has none of them; with ``route_to``
-              (the master, when the attempt spans several nodes) GLOO/NCCL_SOCKET_IFNAME
-              name the interface toward it, unless set
-    stop      {attempt, grace}
-    shutdown  {}                    stop the workers, remove the agent's state, exit
-    free_port {req, port | range}   (0: pick one; a port: check it; range [lo, hi]: the
-                                     first free one of it)
-    listen    {req, port | ports}   (preflight: hold listening sockets)
-    probe     {req, address, port | ports, timeout}  (preflight: route and reachability)
-    sync_missing {req, blobs}       which of these sha256 blobs the node's cache lacks
-    sync_put  {req, sha, offset, data (base64), last}   one chunk of a blob
-    sync_build {req, tree, files: [[path, sha, executable]], keep}   build the tree, prune
-    setup     {req, key, script, workdir, env, timeout}   run once per key (cached when it
-              succeeds), stopped past ``timeout`` seconds
-    node_check {req, argv, workdir, env, timeout, min_free_bytes, gpu_check, gpus}
-              the health check before an attempt: free space, the GPUs through nvidia-smi
-              (``gpus``: how many there must be), the job's own command
-    net_listen {req, token, bytes, timeout}   the network check's receiver: takes ``bytes``
-              from each connection that first sends the token (hex), for ``timeout`` s
-    net_send  {req, address, port, token, bytes, timeout}   one timed transfer to a peer's
-              receiver
-    net_close {}                    the network check is over: close the receiver
-    stacks    {req, timeout, flight_recorder}    every live rank's stack, and dumps
-    read_trace {req, path, offset}  a piece of a flight recorder dump
+What the controller says (to a relay, a holder, an agent) is in agents/commands.py, one
+class a command, parsed at the agent's door as these messages are at the controller's.
 
 Agent -> controller (``type``): the classes below, one a message, each with the fields it
 carries. *Sequenced* messages carry ``seq`` (1, 2, ...) and are kept by the agent until
@@ -75,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -85,32 +42,7 @@ from agents.fields import MAX_COUNT, MAX_RANK, Fields, finite, unicode
 from agents.fields import MAX_MESSAGE as MAX_MESSAGE  # part of this module's surface
 from agents.fields import ProtocolError as ProtocolError
 
-VERSION = 4
-
-# Controller -> relay / agent.
-CONNECT = "connect"
-HOLD = "hold"  # Slurm: be this node's holder step (agents/holder.py)
-ATTACH = "attach"
-ACK = "ack"
-SPOOL = "spool"
-PING = "ping"
-START = "start"
-WARM = "warm"  # keep standbys for what a start would run here (a hot spare node)
-STOP = "stop"
-FREE_PORT = "free_port"
-LISTEN = "listen"
-PROBE = "probe"
-SHUTDOWN = "shutdown"
-SYNC_MISSING = "sync_missing"
-SYNC_PUT = "sync_put"
-SYNC_BUILD = "sync_build"
-SETUP = "setup"
-NODE_CHECK = "node_check"
-NET_LISTEN = "net_listen"
-NET_SEND = "net_send"
-NET_CLOSE = "net_close"
-STACKS_OP = "stacks"
-READ_TRACE = "read_trace"
+VERSION = 5  # 5: commands typed at the door (agents/commands.py)
 
 # Relay -> controller.
 RELAY = "relay"
@@ -124,6 +56,8 @@ PROGRESS = "progress"
 PORT = "port"
 LISTENING = "listening"
 PROBE_RESULT = "probe"
+SYNC_MISSING = "sync_missing"
+SYNC_PUT = "sync_put"
 SYNC_BUILT = "sync_built"
 SETUP_OUTPUT = "setup_output"
 SETUP_DONE = "setup_done"
@@ -606,9 +540,48 @@ def check(raw: dict[str, Any]) -> str | None:
     return None
 
 
-def connect(job_id: str, node_index: int, launch: dict[str, Any] | None) -> dict[str, Any]:
-    return {"op": CONNECT, "job_id": job_id, "node_index": node_index, "launch": launch}
+
+def plain(value: Any) -> Any:
+    """A message or command as JSON values: dataclasses as objects (their None fields left
+    out, which the door reads as absent), tuples as lists, bytes as base64."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None}
+    if isinstance(value, (tuple, list)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    return value
 
 
-def attach(secret: str, ack: int) -> dict[str, Any]:
-    return {"op": ATTACH, "secret": secret, "ack": ack}
+_REPLY_TYPES = {Failed: FAILED, PortReply: PORT, Listening: LISTENING,
+                ProbeResult: PROBE_RESULT, SyncMissing: SYNC_MISSING, SyncPut: SYNC_PUT,
+                SyncBuilt: SYNC_BUILT, SetupDone: SETUP_DONE, Checked: CHECKED,
+                NetListening: NET_LISTENING, NetSent: NET_SENT, Stacks: STACKS,
+                TraceChunk: TRACE_CHUNK}
+
+
+def reply_wire(reply: Reply, attempt: int) -> dict[str, Any]:
+    """A reply as the agent sends it (the door's ``parse`` reads it back)."""
+    return {"type": _REPLY_TYPES[type(reply)], "attempt": attempt, **plain(reply)}
+
+
+class OtherVersion(Exception):
+    """An agent that speaks another protocol version (``theirs``)."""
+
+    def __init__(self, theirs: Any):
+        super().__init__(f"protocol {theirs!r}")
+        self.theirs = theirs
+
+
+def parse_hello(raw: dict[str, Any] | None) -> Hello | None:
+    """The answer to ``attach``: its Hello; None when it is not one (the agent refused);
+    OtherVersion before any field is read when it speaks another version (whose fields may
+    differ); ProtocolError for a bad field."""
+    if raw is None or raw.get("type") != HELLO:
+        return None
+    if raw.get("protocol") != VERSION:
+        raise OtherVersion(raw.get("protocol"))
+    return _hello(Fields(raw))

@@ -18,6 +18,7 @@ import time
 import traceback
 from typing import Any, BinaryIO
 
+from agents import commands as C
 from agents import protocol as P
 from agents.paths import Lock, agent_paths, alive_path, connect_unix, is_locked
 
@@ -30,32 +31,31 @@ def relay_main() -> int:
         stdout.write(P.encode(message))
         stdout.flush()
 
-    first = P.decode(stdin.readline(P.MAX_MESSAGE))
-    if first and first.get("op") == P.HOLD:
-        from agents.holder import holder_main
-
-        return holder_main(str(first.get("job_id")), say)
-    if not first or first.get("op") != P.CONNECT:
+    try:
+        first, _ = C.parse(P.decode(stdin.readline(P.MAX_MESSAGE)) or {},
+                           {C.Connect.OP: C.Connect, C.Hold.OP: C.Hold})
+    except P.ProtocolError:
         say({"type": P.ERROR, "message": "expected connect"})
         return 2
+    if isinstance(first, C.Hold):
+        from agents.holder import holder_main
+
+        return holder_main(first.job_id, say)
+    assert isinstance(first, C.Connect)
     try:
-        index = first.get("node_index")
-        if not isinstance(index, int):
-            raise ValueError(f"bad node index {index!r}")
-        job_id = str(first.get("job_id"))
+        index, job_id, launch = first.node_index, first.job_id, first.launch
         directory, outcome = agent_paths(job_id, index)
         sock_path = os.path.join(directory, "agent.sock")
-        launch = first.get("launch")
         sock = connect_unix(sock_path) or _listening_again(job_id, index, sock_path)
         launched = False
         if sock is None and launch is not None:
             with Lock(directory + ".lock"):
                 sock = connect_unix(sock_path)  # another relay may have started it meanwhile
                 if sock is None:
-                    if launch.get("holder"):  # Slurm: the agent belongs to the holder's step
+                    if launch.holder:  # Slurm: the agent belongs to the holder's step
                         from agents.holder import start_agent_by_holder
 
-                        start_agent_by_holder(str(first.get("job_id")), index, launch)
+                        start_agent_by_holder(job_id, index, launch)
                     else:
                         start_agent(directory, outcome, launch)
                     sock = connect_unix(sock_path)
@@ -95,7 +95,7 @@ def _listening_again(job_id: str, index: int, sock_path: str) -> socket.socket |
     return None
 
 
-def start_agent(directory: str, outcome: str, config: dict[str, Any]) -> None:
+def start_agent(directory: str, outcome: str, config: C.Launch) -> None:
     """Start the agent as a daemon and return once its socket listens."""
     shutil.rmtree(directory, ignore_errors=True)  # a dead agent's leftovers
     try:

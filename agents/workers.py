@@ -9,13 +9,15 @@ and the shim directory last on PYTHONPATH. Each runs in its own process group.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
 import threading
 import time
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
+from agents import commands as C
 from agents import protocol as P
 from agents import rankfiles, shims
 from agents.cache import prune_traces
@@ -32,24 +34,24 @@ from agents.processes import TOKEN_VAR, pidfd, set_pdeathsig, signal_name
 from agents.text import cut, text
 
 
-def worker_env(msg: dict[str, Any], token: str, agent_dir: str, job_id: str,
+def worker_env(start: C.Start, token: str, agent_dir: str, job_id: str,
                workdir: str) -> tuple[dict[str, str], str | None]:
     """The environment common to an attempt's workers on this node, and where its flight
     recorder dumps go (None: off)."""
-    attempt = int(msg["attempt"])
+    attempt = start.attempt
     env = dict(os.environ)  # the node's world, as torchrun started here would pass it on
-    env.update(msg.get("env") or {})
-    for key, value in (msg.get("defaults") or {}).items():
+    env.update(start.env)
+    for key, value in start.defaults.items():
         env.setdefault(key, value)
     # Several nodes: gloo and NCCL must not bind the hostname's address (often 127.0.x.1).
-    iface = interface_for(msg["route_to"]) if msg.get("route_to") else None
+    iface = interface_for(start.route_to) if start.route_to else None
     for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if iface and var not in env:
             env[var] = iface
     if "PWD" in env:  # a shell keeps PWD at its cwd: torchrun run from the workdir
         env["PWD"] = os.path.abspath(workdir)
     env[TOKEN_VAR] = token
-    dumps = _flight_recorder_env(env, job_id, attempt, int(msg.get("flight_recorder") or 0))
+    dumps = _flight_recorder_env(env, job_id, attempt, start.flight_recorder)
     env["ORCHESTRATOR_STACK_DIR"] = os.path.join(agent_dir, f"attempt-{attempt}")
     env["PYTHONPATH"] = os.pathsep.join(  # last: the user's win
         p for p in (env.get("PYTHONPATH"), shims.install(agent_dir)) if p)
@@ -77,24 +79,24 @@ def _flight_recorder_env(env: dict[str, str], job_id: str, attempt: int,
     return directory
 
 
-def prepare(spec: dict[str, Any], base_env: dict[str, str], attempt_dir: str
-            ) -> dict[str, Any]:
+def prepare(given: C.WorkerStart, base_env: dict[str, str], attempt_dir: str
+            ) -> C.WorkerStart:
     """One worker's start as the controller gave it, with its whole environment (its own
     error and heartbeat files, in a directory of its rank)."""
     env = dict(base_env)
-    env.update(spec.get("env", {}))
-    label = spec.get("rank") if spec.get("rank") is not None else "node"
+    env.update(given.env)
+    label = given.rank if given.rank is not None else "node"
     rank_dir = os.path.join(attempt_dir, f"rank-{label}")
     os.makedirs(rank_dir, mode=0o700, exist_ok=True)
     env["TORCHELASTIC_ERROR_FILE"] = os.path.join(rank_dir, "error.json")  # never shared
     env["ORCHESTRATOR_HEARTBEAT_FILE"] = os.path.join(rank_dir, "heartbeat")
-    return {**spec, "env": env}
+    return dataclasses.replace(given, env=env)
 
 
-def spawn(spec: dict[str, Any], workdir: str) -> subprocess.Popen[bytes]:
+def spawn(spec: C.WorkerStart, workdir: str) -> subprocess.Popen[bytes]:
     """Start one worker cold (its own process group; killed with the agent)."""
     return subprocess.Popen(
-        spec["argv"], cwd=workdir, env=spec["env"], stdin=subprocess.DEVNULL,
+        list(spec.argv), cwd=workdir, env=spec.env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True,  # own process group: one killpg reaches its children
         preexec_fn=set_pdeathsig,
@@ -104,14 +106,14 @@ def spawn(spec: dict[str, Any], workdir: str) -> subprocess.Popen[bytes]:
 class Worker:
     """One spawned process and the threads that stream its output and report its exit."""
 
-    def __init__(self, outbox: Outbox, attempt: int, spec: dict[str, Any],
+    def __init__(self, outbox: Outbox, attempt: int, spec: C.WorkerStart,
                  proc: subprocess.Popen[bytes]):
         self.outbox = outbox
         self.attempt = attempt
-        self.rank = spec.get("rank")
-        self.local_rank = spec.get("local_rank")
-        self.error_file = spec["env"].get("TORCHELASTIC_ERROR_FILE")
-        self.heartbeat_file = spec["env"]["ORCHESTRATOR_HEARTBEAT_FILE"]
+        self.rank = spec.rank
+        self.local_rank = spec.local_rank
+        self.error_file = spec.env.get("TORCHELASTIC_ERROR_FILE")
+        self.heartbeat_file = spec.env["ORCHESTRATOR_HEARTBEAT_FILE"]
         self.proc = proc
         self.heartbeat_seen = 0.0  # change time of its heartbeat file at the last look
         self.waits_seen = 0.0  # mtime of its sampler's file at the last look

@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator.diagnosis import stragglers
 from orchestrator.logfiles import STDERR_TAIL, LogSink
@@ -21,16 +22,16 @@ from orchestrator.plan import TORCHRUN_LINE_RE, LaunchPlan, NodePlan
 from orchestrator.state import AttemptOutcome, FailureCause, RankState
 
 
-def start_message(number: int, node_plan: NodePlan, stop_grace: float, flight_recorder: int,
-                  warm_imports: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """The ``start`` of attempt ``number`` for one node; ``warm_imports`` (None: cold starts
-    only) is what its standbys import besides torch (agents/standby.py)."""
-    return {"op": P.START, "attempt": number, "workdir": node_plan.workdir,
-            "route_to": node_plan.route_to, "env": node_plan.env,
-            "defaults": node_plan.defaults,
-            "workers": [w.to_message() for w in node_plan.workers],
-            "stop_grace": stop_grace, "flight_recorder": flight_recorder,
-            "warm": None if warm_imports is None else {"imports": list(warm_imports)}}
+def start_command(number: int, node_plan: NodePlan, stop_grace: float, flight_recorder: int,
+                  warm_imports: tuple[str, ...] | None = None,
+                  kind: type[C.Start] = C.Start) -> C.Start:
+    """The ``start`` of attempt ``number`` for one node (``kind`` C.Warm: a spare's standbys
+    for it); ``warm_imports`` (None: cold starts only) is what its standbys import besides
+    torch (agents/standby.py)."""
+    return kind(number, node_plan.workdir, dict(node_plan.env), dict(node_plan.defaults),
+                node_plan.route_to, tuple(w.to_command() for w in node_plan.workers),
+                stop_grace, flight_recorder,
+                None if warm_imports is None else C.WarmImports(tuple(warm_imports)))
 
 
 @dataclass
@@ -125,10 +126,10 @@ class Attempt:
     def participants(self) -> list[int]:
         return self._participants
 
-    def start_message(self, node_index: int, stop_grace: float, flight_recorder: int,
-                      warm_imports: tuple[str, ...] | None = None) -> dict[str, Any]:
-        """The ``start`` a participant's agent gets (agents/protocol.py)."""
-        return start_message(self.number, self.node_plans[node_index], stop_grace,
+    def start_command(self, node_index: int, stop_grace: float, flight_recorder: int,
+                      warm_imports: tuple[str, ...] | None = None) -> C.Start:
+        """The ``start`` a participant's agent gets (agents/commands.py)."""
+        return start_command(self.number, self.node_plans[node_index], stop_grace,
                              flight_recorder, warm_imports)
 
     # --- the agents' messages ---------------------------------------------------------------
@@ -362,8 +363,8 @@ def _error_file_message(content: str | None) -> str | None:
         return None
     try:
         data = json.loads(content)
-        message = data["message"]
-        text = message["message"] if isinstance(message, dict) else str(message)
+        record = data["message"]  # torch's error file, not a message of ours
+        text = record["message"] if isinstance(record, dict) else str(record)
         lines = [ln for ln in str(text).strip().splitlines() if ln.strip()]
         return lines[-1][:2000] if lines else None
     except Exception:  # noqa: BLE001 (RecursionError, MemoryError, anything a file causes)

@@ -1,11 +1,13 @@
 """A channel to one node's agent once it is attached, and the one request helper.
 
-A request gets an id (``req``); its reply, parsed at the door (agents/protocol.py), completes
-the request's future on the controller's event loop (orchestrator/loop.py). A reply nobody
-waits for any more (a late one) is dropped; when the channel ends, every request still open
-gets None. ``ask_all`` asks many channels at once (``ask_each``: each with its own fields)
-and waits for all the replies, either by turning the caller's event loop (the controller) or
-by blocking (any other thread).
+Commands are typed (agents/commands.py) and encoded here, the one place a command becomes a
+line. A request gets an id (``req``); its reply, parsed at the door (agents/protocol.py),
+completes the request's future on the controller's event loop (orchestrator/loop.py) when it
+is of the type the request is answered by (``Request.REPLY``) or ``Failed``; any other reply
+fails the request. A reply nobody waits for any more (a late one) is dropped; when the
+channel ends, every request still open gets None. ``ask_all`` asks many channels at once
+(``ask_each``: each its own request) and waits for all the replies, either by turning the
+caller's event loop (the controller) or by blocking (any other thread).
 """
 
 from __future__ import annotations
@@ -15,13 +17,18 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator.errors import TransportError
 from orchestrator.transport.base import NodeConnection
 
 K = TypeVar("K")
+R = TypeVar("R", bound=P.Reply)
+#: What a request gets: its reply, ``Failed`` (the node could not), or None (no reply: the
+#: channel ended, or the time was up).
+Answer: TypeAlias = R | P.Failed | None
 #: Run the caller's event loop until ``done()`` or ``timeout`` seconds (None: no limit).
 Waiter = Callable[[Callable[[], bool], "float | None"], object]
 
@@ -40,40 +47,48 @@ class Channel:
         self.heard = time.monotonic()
         self.closed = False
         self._lock = threading.Lock()
-        self._pending: dict[int, Future[P.Reply | None]] = {}
+        self._pending: dict[int, tuple[Future[Any], type[P.Reply]]] = {}
         self._next = 0
 
-    def send(self, message: dict[str, Any]) -> bool:
+    def send(self, command: C.Command) -> bool:
         """False when the channel is gone (its end arrives as an event)."""
+        return self._send(C.wire(command))
+
+    def _send(self, line: dict[str, Any]) -> bool:
         try:
-            self.conn.send(message)
+            self.conn.send(line)
             return True
         except TransportError:
             return False
 
-    def request(self, op: str, **fields: Any) -> Future[P.Reply | None]:
-        """Send request ``op``; the future gets its reply, or None if the channel ends first.
+    def request(self, request: C.Request[R]) -> Future[Answer[R]]:
+        """Send ``request``; the future gets its reply, or None if the channel ends first.
         From any thread."""
-        future: Future[P.Reply | None] = Future()
+        future: Future[Answer[R]] = Future()
         with self._lock:
             self._next += 1
             req = self._next
             if not self.closed:
-                self._pending[req] = future
+                self._pending[req] = (future, request.REPLY)
         future.req = req  # type: ignore[attr-defined]
-        if self.closed or not self.send({"op": op, "req": req, **fields}):
+        if self.closed or not self._send(C.wire(request, req)):
             self.forget(future)
             future.set_result(None)
         return future
 
     def resolve(self, reply: P.Reply) -> None:
-        """A reply arrived (on the event loop): its asker gets it; a late one is dropped."""
+        """A reply arrived (on the event loop): its asker gets it, or ``Failed`` when it is
+        not what the request is answered by; a late one is dropped."""
         with self._lock:
-            future = self._pending.pop(reply.req, None)
-        if future is not None and not future.done():
-            future.set_result(reply)
+            future, expected = self._pending.pop(reply.req, (None, P.Reply))
+        if future is None or future.done():
+            return
+        if not isinstance(reply, (expected, P.Failed)):
+            reply = P.Failed(reply.req, f"answered {type(reply).__name__}, not "
+                                        f"{expected.__name__}")
+        future.set_result(reply)
 
-    def forget(self, future: Future[P.Reply | None]) -> None:
+    def forget(self, future: Future[Any]) -> None:
         """Nobody waits for this request any more: its reply, if it comes, is dropped."""
         with self._lock:
             self._pending.pop(getattr(future, "req", -1), None)
@@ -83,7 +98,7 @@ class Channel:
         with self._lock:
             self.closed = True
             pending, self._pending = self._pending, {}
-        for future in pending.values():
+        for future, _ in pending.values():
             if not future.done():
                 future.set_result(None)
 
@@ -103,24 +118,24 @@ class Channel:
         return self.conn.framer.take()
 
 
-def ask_all(channels: Mapping[K, Channel], op: str, within: float | None,
-            wait: Waiter | None = None, **fields: Any) -> dict[K, P.Reply | None]:
-    """Ask every channel ``op`` at once and wait up to ``within`` seconds for all the
+def ask_all(channels: Mapping[K, Channel], request: C.Request[R], within: float | None,
+            wait: Waiter | None = None) -> dict[K, Answer[R]]:
+    """Ask every channel ``request`` at once and wait up to ``within`` seconds for all the
     replies: a node's entry is its reply, or None (no reply in time, or its channel ended).
     ``wait`` turns the caller's event loop meanwhile; without it, this thread blocks."""
-    return ask_each({key: (ch, fields) for key, ch in channels.items()}, op, within, wait)
+    return ask_each({key: (ch, request) for key, ch in channels.items()}, within, wait)
 
 
-def ask_each(requests: Mapping[K, tuple[Channel, Mapping[str, Any]]], op: str,
-             within: float | None, wait: Waiter | None = None) -> dict[K, P.Reply | None]:
-    """``ask_all`` with each channel's own fields: ``requests`` maps a key to (channel,
-    fields)."""
-    futures = {key: (ch, ch.request(op, **fields)) for key, (ch, fields) in requests.items()}
+def ask_each(requests: Mapping[K, tuple[Channel, C.Request[R]]], within: float | None,
+             wait: Waiter | None = None) -> dict[K, Answer[R]]:
+    """``ask_all`` with each channel's own request: ``requests`` maps a key to (channel,
+    request)."""
+    futures = {key: (ch, ch.request(request)) for key, (ch, request) in requests.items()}
     if wait is not None:
         wait(lambda: all(f.done() for _, f in futures.values()), within)
     else:
         wait_futures([f for _, f in futures.values()], within)
-    out: dict[K, P.Reply | None] = {}
+    out: dict[K, Answer[R]] = {}
     for key, (channel, future) in futures.items():
         if future.done():
             out[key] = future.result()
@@ -130,7 +145,7 @@ def ask_each(requests: Mapping[K, tuple[Channel, Mapping[str, Any]]], op: str,
     return out
 
 
-def ask(channel: Channel, op: str, within: float | None, wait: Waiter | None = None,
-        **fields: Any) -> P.Reply | None:
+def ask(channel: Channel, request: C.Request[R], within: float | None,
+        wait: Waiter | None = None) -> Answer[R]:
     """One request, one reply (see ask_all)."""
-    return ask_all({0: channel}, op, within, wait, **fields)[0]
+    return ask_all({0: channel}, request, within, wait)[0]

@@ -33,9 +33,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agents import protocol as P
+from agents import commands as C
 from orchestrator import healthcheck, pause, policy, reputation
-from orchestrator.attempt import Attempt, AttemptResult, Failure, start_message
+from orchestrator.attempt import Attempt, AttemptResult, Failure, start_command
 from orchestrator.engine import Engine, Stop
 from orchestrator.errors import StoreUnwritable
 from orchestrator.logfiles import LogSink
@@ -444,7 +444,7 @@ class Controller:
         live = [self.nodes[i] for i in attempt.participants
                 if self.nodes[i].state in (NodeState.RUNNING, NodeState.UNREACHABLE)]
         for node in live:
-            engine.pool.send(node, {"op": P.STOP, "attempt": attempt.number, "grace": grace})
+            engine.pool.send(node, C.Stop(attempt.number, grace))
 
         def waiting() -> list[Node]:
             return [n for n in live if n.index not in attempt.stopped_nodes
@@ -591,9 +591,8 @@ def warm_spares(c: Controller, participants: list[Node], port: int | None) -> No
             master_port=port, node_indices=[n.index for n in stand_in], spec_dir=c.spec_dir,
             nprocs=nprocs, sync_tree=c.engine.preparer.tree().tree if c.spec.sync else None)
         node_plan = next(p for p in plan.nodes if p.node_index == node.index)
-        message = start_message(c.attempt, node_plan, 0.0, c.spec.health.flight_recorder,
-                                imports)
-        c.engine.pool.send(node, {**message, "op": P.WARM})
+        c.engine.pool.send(node, start_command(c.attempt, node_plan, 0.0,
+                                               c.spec.health.flight_recorder, imports, C.Warm))
 
 
 def raise_open_files_limit() -> None:

@@ -12,6 +12,7 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator import events as E
 from orchestrator.attempt import Failure
@@ -102,18 +103,18 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
 def _on_attached(engine: Engine, node: Node, channel: Channel) -> None:
     if engine.lingering:
         engine.pool.adopt(node, channel)
-        engine.pool.send(node, {"op": P.SHUTDOWN})
+        engine.pool.send(node, C.Shutdown())
         return
     attempt = engine.current
     plan = engine.book.attach(node, channel, attempt, resuming=engine.resuming,
                             needs_prep=engine.preparer.needed)
     stop_grace = engine.spec.stop_grace_period
     if plan.drain is not None:
-        engine.pool.send(node, {"op": P.STOP, "attempt": plan.drain, "grace": stop_grace})
+        engine.pool.send(node, C.Stop(plan.drain, stop_grace))
     elif plan.start:
         engine.send_start(node)
     elif plan.stop is not None:
-        engine.pool.send(node, {"op": P.STOP, "attempt": plan.stop, "grace": stop_grace})
+        engine.pool.send(node, C.Stop(plan.stop, stop_grace))
     if plan.prepare:
         engine.preparer.start(node.index, node.host, node.spec.is_local, channel)
 

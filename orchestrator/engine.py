@@ -19,13 +19,14 @@ import enum
 import json
 import logging
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator import failpoints, hang
 from orchestrator.attempt import Attempt, Failure
-from orchestrator.channel import Channel, ask_all
+from orchestrator.channel import Answer, Channel, ask_all
 from orchestrator.dispatch import dispatch
 from orchestrator.logfiles import LogSink
 from orchestrator.loop import EventLoop
@@ -37,6 +38,8 @@ from orchestrator.state import FailureCause, JobState, NodeState
 from orchestrator.store import Store
 from orchestrator.transport.base import ConnectionFactory
 
+K = TypeVar("K")
+R = TypeVar("R", bound=P.Reply)
 log = logging.getLogger("orchestrator.controller")
 
 POLL = 0.05  # seconds a turn waits for an event before its checks
@@ -116,11 +119,11 @@ class Engine:
         self.flush()
         self._checks()
 
-    def ask_all(self, channels: dict[Any, Channel], op: str, within: float | None,
-                **fields: Any) -> dict[Any, P.Reply | None]:
-        """Requests to many nodes at once; the loop turns while their replies come (up to
+    def ask_all(self, channels: Mapping[K, Channel], request: C.Request[R],
+                within: float | None) -> dict[K, Answer[R]]:
+        """A request to many nodes at once; the loop turns while their replies come (up to
         ``within`` seconds)."""
-        return ask_all(channels, op, within, lambda d, t: self.wait(d, t), **fields)
+        return ask_all(channels, request, within, lambda d, t: self.wait(d, t))
 
     def flush(self) -> None:
         """The node and rank changes of this turn, in one transaction each."""
@@ -264,12 +267,12 @@ class Engine:
         for node in self.nodes:
             if node.received > node.acked:
                 node.acked = node.received
-                self.pool.send(node, {"op": P.ACK, "seq": node.acked})
+                self.pool.send(node, C.Ack(node.acked))
 
     def send_start(self, node: Node) -> None:
         attempt = self.current
         assert attempt is not None
-        self.pool.send(node, attempt.start_message(
+        self.pool.send(node, attempt.start_command(
             node.index, self.spec.stop_grace_period, self.spec.health.flight_recorder,
             self.spec.standby_imports))
 
@@ -304,7 +307,7 @@ class Engine:
             log.exception("the last checkpoint before shutting the agents down failed")
         attached = [n for n in self.nodes if n.channel is not None]
         for node in attached:
-            self.pool.send(node, {"op": P.SHUTDOWN})
+            self.pool.send(node, C.Shutdown())
         self.lingering = True  # from here on, attaching means shutting down
         self.wait(lambda: all(n.channel is None for n in attached), wait, interruptible=False)
         for node in attached:

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator.channel import Channel
 from orchestrator.diagnosis import diagnose
 
-#: The controller's request helper: (channels by key, op, timeout, fields) -> replies by key.
+#: The controller's request helper: (channels by key, request, timeout) -> replies by key.
 AskAll = Callable[..., dict[Any, "P.Reply | None"]]
 
 STACKS_TIMEOUT = 20.0  # seconds for every node's stacks (the agents use 5 s less)
@@ -48,8 +49,7 @@ def collect(channels: dict[int, Channel], hosts: dict[int, str], ask_all: AskAll
             flight_recorder: bool, timeout: float = STACKS_TIMEOUT) -> Stacks:
     """Ask every node (``channels`` by node index) for its ranks' stacks, and with
     ``flight_recorder`` for their dumps too."""
-    replies = ask_all(channels, P.STACKS_OP, timeout, timeout=timeout - 5,
-                      flight_recorder=flight_recorder)
+    replies = ask_all(channels, C.GetStacks(timeout - 5, flight_recorder), timeout)
     out = Stacks()
     for index, reply in replies.items():
         if not isinstance(reply, P.Stacks):
@@ -81,8 +81,7 @@ def fetch_dumps(stacks: Stacks, directory: Path, ask_all: AskAll,
         while (size is None or len(data) < size) and not channel.closed:
             if time.monotonic() > deadline or total + len(data) > max_bytes:
                 break
-            reply = ask_all({0: channel}, P.READ_TRACE, 10.0, path=path,
-                            offset=len(data))[0]
+            reply = ask_all({0: channel}, C.ReadTrace(path, len(data)), 10.0)[0]
             if not isinstance(reply, P.TraceChunk) or not reply.data:
                 break
             size = reply.size

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator import netcheck, reputation
 from orchestrator.attempt import Failure
@@ -38,14 +39,13 @@ def gpus_expected(health: HealthSpec, counted: int | None) -> int | None:
     return health.gpus_per_node or counted or None
 
 
-def check_fields(spec: JobSpec, node: NodePlan, gpus: int | None,
-                 workdir: str | None = None) -> dict[str, Any]:
+def check_command(spec: JobSpec, node: NodePlan, gpus: int | None,
+                  workdir: str | None = None) -> C.CheckNode:
     """The ``node_check`` request for a node (``workdir``: instead of the plan's)."""
     health = spec.health
-    return {"argv": list(health.node_check), "workdir": workdir or node.workdir,
-            "env": {k: node.env[k] for k in spec.env if k in node.env},
-            "timeout": health.node_check_timeout, "min_free_bytes": health.min_free_bytes,
-            "gpu_check": gpus is not None, "gpus": gpus}
+    return C.CheckNode(tuple(health.node_check), workdir or node.workdir,
+                       {k: node.env[k] for k in spec.env if k in node.env},
+                       health.node_check_timeout, health.min_free_bytes, gpus is not None, gpus)
 
 
 def wanted(engine: Engine, nodes: list[Node]) -> bool:
@@ -61,7 +61,7 @@ def check_nodes(engine: Engine, nodes: list[Node]
     problems: healthy. Turns the controller's loop while the checks run."""
     spec, health = engine.spec, engine.spec.health
     tree = engine.preparer.tree().tree if spec.sync is not None else None
-    asked: dict[int, tuple[Channel, dict[str, Any]]] = {}
+    asked: dict[int, tuple[Channel, C.CheckNode]] = {}
     for node in nodes:
         gpus = gpus_expected(health, node.info.gpus)
         if not health.checks_nodes and gpus is None:
@@ -69,9 +69,9 @@ def check_nodes(engine: Engine, nodes: list[Node]
         assert node.channel is not None
         plan = plan_attempt(spec, engine.job_id, node_indices=[node.index],
                             spec_dir=engine.preparer.spec_dir, sync_tree=tree).nodes[0]
-        asked[node.index] = (node.channel, check_fields(spec, plan, gpus))
+        asked[node.index] = (node.channel, check_command(spec, plan, gpus))
     within = health.node_check_timeout + ANSWER_MARGIN
-    replies = ask_each(asked, P.NODE_CHECK, within, engine.wait)  # a cancel comes first
+    replies = ask_each(asked, within, engine.wait)  # a cancel comes first
     out: dict[int, tuple[list[str], tuple[str, ...]]] = {n.index: ([], ()) for n in nodes}
     for index, reply in replies.items():
         if isinstance(reply, P.Checked):

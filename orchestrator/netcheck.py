@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator.channel import Channel, Waiter, ask_all, ask_each
 
@@ -97,20 +98,19 @@ def run(channels: list[Channel | None], addresses: list[str], names: list[str],
     lifetime = spec.timeout * (1 + len(to_first)) + ANSWER_MARGIN * 2
     within = spec.timeout + ANSWER_MARGIN
     listening = ask_all({i: c for i, c in enumerate(channels) if c is not None},
-                        P.NET_LISTEN, within, wait, token=token, bytes=spec.bytes,
-                        timeout=lifetime)
+                        C.NetListen(token, spec.bytes, lifetime), within, wait)
     ports = {i: r.port for i, r in listening.items() if isinstance(r, P.NetListening)}
 
     def send_all(batch: list[Link]) -> None:
-        asked: dict[int, tuple[Channel, dict[str, object]]] = {}
+        asked: dict[int, tuple[Channel, C.NetSend]] = {}
         for n, link in enumerate(batch):
             sender = channels[link.src]
             if link.dst not in ports or sender is None:
                 link.error = "its receiver did not start"
                 continue
-            asked[n] = (sender, {"address": addresses[link.dst], "port": ports[link.dst],
-                                 "token": token, "bytes": spec.bytes, "timeout": spec.timeout})
-        for n, reply in ask_each(asked, P.NET_SEND, within, wait).items():
+            asked[n] = (sender, C.NetSend(addresses[link.dst], ports[link.dst], token,
+                                          spec.bytes, spec.timeout))
+        for n, reply in ask_each(asked, within, wait).items():
             if isinstance(reply, P.NetSent):
                 batch[n].seconds, batch[n].error = reply.seconds, reply.error
             else:
@@ -125,6 +125,6 @@ def run(channels: list[Channel | None], addresses: list[str], names: list[str],
     finally:
         for c in channels:
             if c is not None:
-                c.send({"op": P.NET_CLOSE})
+                c.send(C.NetClose())
     measured = [link for link in todo if link.seconds is not None or link.error is not None]
     return judge(measured, len(channels), spec.bytes, spec.min_mb_per_s, names)

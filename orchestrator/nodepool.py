@@ -18,9 +18,9 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from agents import protocol as P
+from agents import commands as C
 from orchestrator import events as E
 from orchestrator.channel import Channel
 from orchestrator.errors import OrchestratorError
@@ -61,12 +61,10 @@ class NodePool:
         self._closers = ThreadPoolExecutor(8, thread_name_prefix="close")
         self._channels: dict[int, Channel] = {}  # node index -> its attached channel
 
-    def launch_config(self) -> dict[str, Any]:
+    def launch_config(self) -> C.Launch:
         h = self.spec.health
-        return {"secret": self.secret, "heartbeat_interval": h.heartbeat_interval,
-                "node_timeout": h.node_timeout, "controller_grace": h.controller_grace,
-                "spool_max_bytes": self.spec.spool_max_bytes,
-                "stop_grace": self.spec.stop_grace_period}
+        return C.Launch(self.secret, h.heartbeat_interval, h.node_timeout, h.controller_grace,
+                        self.spec.spool_max_bytes, self.spec.stop_grace_period)
 
     # --- connecting (from the loop's thread) --------------------------------------------------
     def connect(self, node: Node, *, launch: bool, retry: bool = False) -> None:
@@ -159,7 +157,7 @@ class NodePool:
             self._channels.pop(node.index, None)
             self.discard(channel)
 
-    def send(self, node: Node, message: dict[str, Any]) -> bool:
+    def send(self, node: Node, message: C.Command) -> bool:
         """Send on the node's channel; False if there is none or it broke (its end then
         arrives as an event)."""
         channel = node.channel
@@ -177,7 +175,7 @@ class NodePool:
         while not self.closing:
             if time.monotonic() - self.main_tick < health.node_timeout:
                 for channel in list(self._channels.values()):
-                    channel.send({"op": P.PING})
+                    channel.send(C.Ping())
             time.sleep(health.heartbeat_interval)
 
     def close(self) -> None:

@@ -5,8 +5,9 @@ and quarantine (orchestrator/healthcheck.py) have left out whom they must before
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator.attempt import Attempt, Failure
 from orchestrator.spec import JobSpec
@@ -23,12 +24,12 @@ def pick_port(engine: Engine, spec: JobSpec, node: Node) -> int | None | Failure
     wanted, span = spec.rendezvous.port, spec.rendezvous.port_range
     if span is not None and span[0] == span[1]:
         return span[0]  # a range of one port is that port
-    fields: dict[str, Any] = {"range": list(span)} if span is not None else \
-        {"port": wanted if isinstance(wanted, int) else 0}
+    request = C.FreePort(range=span) if span is not None else \
+        C.FreePort(wanted if isinstance(wanted, int) else 0)
     for _ in range(1 if span is not None else 5):
         channel = node.channel
         reply = None if channel is None else engine.ask_all(
-            {0: channel}, P.FREE_PORT, spec.launch_timeout, **fields)[0]
+            {0: channel}, request, spec.launch_timeout)[0]
         if engine.stop is not None:
             return None
         if not isinstance(reply, P.PortReply):  # node 0 went away: a node failure

@@ -27,7 +27,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
-from agents import protocol as P
+from agents import commands as C
 from orchestrator import events as E
 from orchestrator.errors import StoreUnwritable
 from orchestrator.store import Store, unwritable
@@ -74,7 +74,7 @@ def hold(engine: Engine, notifier: Notifier, reason: str, floor: int) -> bool:
     log.error("cannot write: %s; paused: the workers go on and their output waits in the "
               "agents' spools (spool_max_bytes) until there is room again", reason)
     for node in engine.nodes:
-        engine.pool.send(node, {"op": P.SPOOL})
+        engine.pool.send(node, C.Spool())
     notifier.event("paused", f"paused: cannot write {reason}; the workers go on, their "
                    "output waits on their nodes", f"{since:.0f}", reason=reason, since=since)
     store.note_pause(job_id, {"since": since, "reason": reason})
@@ -96,7 +96,7 @@ def hold(engine: Engine, notifier: Notifier, reason: str, floor: int) -> bool:
                         "job is recorded CANCELLED once the home can be written")
             stopping = True
             for node in engine.nodes:
-                engine.pool.send(node, {"op": P.SHUTDOWN})
+                engine.pool.send(node, C.Shutdown())
         if engine.exit_requested and not cancelled:
             return False
         try:
@@ -121,7 +121,7 @@ def _on_event(engine: Engine, event: E.Event, stopping: bool) -> None:
             node = engine.nodes[index]
             engine.pool.settled(node)
             engine.pool.adopt(node, channel)
-            engine.pool.send(node, {"op": P.SHUTDOWN if stopping else P.SPOOL})
+            engine.pool.send(node, C.Shutdown() if stopping else C.Spool())
         case E.Unavailable(index):
             engine.pool.settled(engine.nodes[index])  # the next controller tries it again
         case E.Closed(channel):

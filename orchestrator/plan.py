@@ -12,6 +12,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from agents import commands as C
 from orchestrator import placeholders
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.sync import remote_tree_dir
@@ -32,9 +33,8 @@ class WorkerPlan:
     argv: tuple[str, ...]
     env: dict[str, str]
 
-    def to_message(self) -> dict[str, Any]:
-        return {"rank": self.rank, "local_rank": self.local_rank, "argv": list(self.argv),
-                "env": self.env}
+    def to_command(self) -> C.WorkerStart:
+        return C.WorkerStart(self.rank, self.local_rank, tuple(self.argv), dict(self.env))
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,9 @@ class LaunchPlan:
                     "workdir": n.workdir,
                     "env": shown(n.env),
                     "defaults": n.defaults,
-                    "workers": [{**w.to_message(), "env": shown(w.env)} for w in n.workers],
+                    "workers": [{"rank": w.rank, "local_rank": w.local_rank,
+                                 "argv": list(w.argv), "env": shown(w.env)}
+                                for w in n.workers],
                 }
                 for n in self.nodes
             ],

@@ -18,9 +18,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator import healthcheck, netcheck
-from orchestrator.channel import Channel, ask
+from orchestrator.channel import Channel, R, ask
 from orchestrator.errors import (
     AuthenticationError,
     HostKeyChanged,
@@ -90,16 +91,16 @@ class _Session:
     def __init__(self, conn: NodeConnection, node_index: int):
         secret = secrets.token_hex(16)
         hello, launched = attach_agent(conn, f"preflight-{secrets.token_hex(4)}", node_index,
-                                       secret, launch={"secret": secret, "controller_grace": 60},
+                                       secret, launch=C.Launch(secret, controller_grace=60),
                                        timeout=AGENT_TIMEOUT)
         self.channel = Channel(node_index, conn, node_index, hello, launched)
         self.hello = hello
 
-    def ask(self, op: str, within: float = AGENT_TIMEOUT, **fields: Any) -> P.Reply:
-        reply = ask(self.channel, op, within, **fields)
+    def ask(self, request: C.Request[R], within: float = AGENT_TIMEOUT) -> R:
+        reply = ask(self.channel, request, within)
         if reply is None or isinstance(reply, P.Failed):
             why = reply.error if isinstance(reply, P.Failed) else "did not answer"
-            raise LaunchError(f"{self.channel.conn.host}: agent {why} ({op})")
+            raise LaunchError(f"{self.channel.conn.host}: agent {why} ({request.OP})")
         return reply
 
 
@@ -177,28 +178,24 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
     try:
         if 0 in sessions:
             try:
-                listening = sessions[0].ask(P.LISTEN, ports=wanted)
-                assert isinstance(listening, P.Listening)
+                listening = sessions[0].ask(C.Listen(ports=tuple(wanted)))
                 ports, busy = list(listening.ports), list(listening.busy)
                 if ports:
                     master_port = ports[0]
                 else:
                     reports[0].error = (f"no free port in rendezvous.port "
                                         f"{spec.rendezvous.port}: {listening.error}")
-            except (OrchestratorError, AssertionError) as exc:
+            except OrchestratorError as exc:
                 reports[0].error = str(exc)
 
         def probe(i: int) -> None:
             if not ports:
                 return
             try:
-                answer = sessions[i].ask(P.PROBE, address=master_addr, ports=ports,
-                                         timeout=3 if len(ports) == 1 else 1.5)
+                answer = sessions[i].ask(C.Probe(master_addr, tuple(ports),
+                                                 3 if len(ports) == 1 else 1.5))
             except OrchestratorError as exc:
                 reports[i].error = str(exc)
-                return
-            if not isinstance(answer, P.ProbeResult):
-                reports[i].error = f"{spec.nodes[i].host}: unexpected answer to probe"
                 return
             reports[i].interface = answer.interface
             reports[i].master_port_reachable = answer.reachable
@@ -215,13 +212,13 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
             plan = plan_attempt(spec, "preflight", node_indices=[i], spec_dir=spec_dir).nodes[0]
             try:  # a synced job's tree is not there yet: the home instead of its workdir
                 answer = sessions[i].ask(
-                    P.NODE_CHECK, spec.health.node_check_timeout + AGENT_TIMEOUT,
-                    **healthcheck.check_fields(spec, plan, gpus,
-                                               "~" if spec.sync is not None else None))
+                    healthcheck.check_command(spec, plan, gpus,
+                                              "~" if spec.sync is not None else None),
+                    spec.health.node_check_timeout + AGENT_TIMEOUT)
             except OrchestratorError as exc:
                 reports[i].error = reports[i].error or str(exc)
                 return
-            if isinstance(answer, P.Checked) and answer.problems:
+            if answer.problems:
                 reports[i].health, reports[i].health_tail = list(answer.problems), \
                     list(answer.tail)
                 reports[i].error = reports[i].error or f"unhealthy: {'; '.join(answer.problems)}"
@@ -234,7 +231,7 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
         outside = _reachable_from_here(spec, master_addr, master_port)
     finally:
         for session in sessions.values():
-            session.channel.send({"op": P.SHUTDOWN})
+            session.channel.send(C.Shutdown())
         deadline = time.monotonic() + 5.0  # until the agents have gone (channels closed)
         while time.monotonic() < deadline and not all(s.channel.closed
                                                       for s in sessions.values()):

@@ -19,11 +19,12 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator import events as E
 from orchestrator import sync
 from orchestrator.attempt import Failure
-from orchestrator.channel import Channel, ask
+from orchestrator.channel import Channel, R, ask
 from orchestrator.errors import LaunchError, OrchestratorError
 from orchestrator.loop import EventLoop
 from orchestrator.plan import plan_attempt
@@ -118,9 +119,9 @@ class Preparer:
         limit = self.spec.setup_timeout
         # The agent stops the setup at the limit; the controller waits a little longer for
         # it to say so (the stop itself, a slow link).
-        reply = ask(channel, P.SETUP, None if limit is None else limit + SETUP_ANSWER_MARGIN,
-                    key=key.hexdigest()[:32], script=self.spec.setup_script, env=env,
-                    workdir=node_plan.workdir, timeout=limit)
+        reply = ask(channel, C.RunSetup(key.hexdigest()[:32], self.spec.setup_script,
+                                        node_plan.workdir, env, limit),
+                    None if limit is None else limit + SETUP_ANSWER_MARGIN)
         if reply is None and not channel.closed:
             return Failure(FailureCause.SETUP_FAILED,
                            f"setup on {host} did not answer within {limit:g}s (setup_timeout)",
@@ -129,8 +130,6 @@ class Preparer:
             raise Interrupted()
         if isinstance(reply, P.Failed):
             raise LaunchError(f"{host}: setup: {reply.error}")
-        if not isinstance(reply, P.SetupDone):
-            raise LaunchError(f"{host}: setup: unexpected reply {type(reply).__name__}")
         if reply.timed_out:
             return Failure(FailureCause.SETUP_FAILED,
                            f"setup on {host} did not finish within {limit:g}s (setup_timeout): "
@@ -143,11 +142,11 @@ class Preparer:
                            stderr_tail=list(reply.tail))
         return None
 
-    def _ask(self, host: str, channel: Channel, op: str, **fields: Any) -> P.Reply:
-        reply = ask(channel, op, SYNC_TIMEOUT, **fields)
+    def _ask(self, host: str, channel: Channel, request: C.Request[R]) -> R:
+        reply = ask(channel, request, SYNC_TIMEOUT)
         if reply is None:
             raise Interrupted() if channel.closed else \
-                LaunchError(f"{host}: no answer to {op} within {SYNC_TIMEOUT:g}s")
+                LaunchError(f"{host}: no answer to {request.OP} within {SYNC_TIMEOUT:g}s")
         if isinstance(reply, P.Failed):
             raise LaunchError(f"{host}: sync: {reply.error}")
         return reply
@@ -157,8 +156,7 @@ class Preparer:
         manifest = self.tree()
         assert self.spec.sync is not None
         by_sha = {e.sha256: e for e in manifest.entries}
-        reply = self._ask(host, channel, P.SYNC_MISSING, blobs=sorted(by_sha))
-        assert isinstance(reply, P.SyncMissing)
+        reply = self._ask(host, channel, C.MissingBlobs(tuple(sorted(by_sha))))
         missing = [sha for sha in reply.missing if sha in by_sha]
         progress: dict[str, Any] = {
             "tree": manifest.tree, "files": len(manifest.entries),
@@ -176,9 +174,8 @@ class Preparer:
                         raise LaunchError(f"sync: {entry.path} changed since the tree was "
                                           "hashed (submit again to ship the new version)")
                     last = offset + len(data) >= entry.size
-                    in_flight.append(channel.request(
-                        P.SYNC_PUT, sha=sha, offset=offset, last=last,
-                        data=base64.b64encode(data).decode()))
+                    in_flight.append(channel.request(C.PutChunk(
+                        sha, offset, base64.b64encode(data).decode(), last)))
                     offset += len(data)
                     progress["bytes_sent"] += len(data)
                     if len(in_flight) >= IN_FLIGHT or last:  # a few chunks in flight
@@ -186,9 +183,8 @@ class Preparer:
                             put = future.result(SYNC_TIMEOUT)
                             if put is None:
                                 raise Interrupted()
-                            if isinstance(put, P.Failed) or not getattr(put, "ok", False):
-                                raise LaunchError(f"{host}: sync: "
-                                                  f"{getattr(put, 'error', None)}")
+                            if isinstance(put, P.Failed) or not put.ok:
+                                raise LaunchError(f"{host}: sync: {put.error}")
                         in_flight = []
                     if last:
                         break
@@ -196,7 +192,7 @@ class Preparer:
             if time.monotonic() - last_report > 0.2:  # a bar, not a message per file
                 last_report = time.monotonic()
                 self.loop.post(E.SyncProgress(index, dict(progress)))
-        self._ask(host, channel, P.SYNC_BUILD, tree=manifest.tree, files=manifest.to_message(),
-                  keep=self.spec.sync.keep)
+        self._ask(host, channel, C.BuildTree(manifest.tree, manifest.to_command(),
+                                             self.spec.sync.keep))
         progress["done"] = True
         self.loop.post(E.SyncProgress(index, dict(progress)))

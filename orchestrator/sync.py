@@ -57,8 +57,9 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(e.size for e in self.entries)
 
-    def to_message(self) -> list[list[object]]:
-        return [[e.path, e.sha256, e.executable] for e in self.entries]
+    def to_command(self) -> tuple[tuple[str, str, bool], ...]:
+        """The ``files`` of a ``sync_build`` (agents/commands.py)."""
+        return tuple((e.path, e.sha256, e.executable) for e in self.entries)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps([[e.path, e.sha256, e.size, e.executable]

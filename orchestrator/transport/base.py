@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 import agents
+from agents import commands as C
 from agents import protocol as P
 from agents.protocol import MAX_MESSAGE, decode, encode
 from orchestrator.errors import AgentError
@@ -204,14 +205,14 @@ class WrongVersion(AgentError):
 
 
 def attach_agent(conn: NodeConnection, job_id: str, node_index: int, secret: str, *,
-                 launch: dict[str, Any] | None = None, ack: int = 0,
+                 launch: C.Launch | None = None, ack: int = 0,
                  timeout: float | None = None) -> tuple[P.Hello, bool]:
     """The handshake on a fresh channel: ``connect`` to the relay (which starts the agent
     when ``launch`` says how and none answers), then ``attach`` with the job's secret.
     Returns (hello, launched); raises AgentGone, WrongVersion, ProtocolViolation, or
     AgentError naming the host. The channel is closed when it fails."""
     try:
-        conn.send(P.connect(job_id, node_index, launch))
+        conn.send(C.wire(C.Connect(job_id, node_index, launch)))
         raw = receive(conn, timeout)
         reply = P.parse(raw) if raw is not None else None
         if isinstance(reply, P.Gone):
@@ -221,14 +222,13 @@ def attach_agent(conn: NodeConnection, job_id: str, node_index: int, secret: str
             what = reply.message if isinstance(reply, P.AgentError) else \
                 "the agent's relay exited"
             raise AgentError(conn.host, f"{what}" + (": " + " | ".join(tail) if tail else ""))
-        conn.send(P.attach(secret, ack))
-        raw = receive(conn, timeout)
-        if raw is None or raw.get("type") != P.HELLO:
+        conn.send(C.wire(C.Attach(secret, ack)))
+        try:
+            hello = P.parse_hello(receive(conn, timeout))
+        except P.OtherVersion as exc:
+            raise WrongVersion(conn.host, exc.theirs) from None
+        if hello is None:
             raise AgentError(conn.host, "the agent refused the attach (wrong job secret?)")
-        if raw.get("protocol") != P.VERSION:  # before its fields: they may differ
-            raise WrongVersion(conn.host, raw.get("protocol"))
-        hello = P.parse(raw)
-        assert isinstance(hello, P.Hello)
         return hello, reply.launched
     except P.ProtocolError as exc:
         conn.close()

@@ -30,8 +30,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
+from agents import commands as C
 from agents import protocol as P
 from agents.protocol import encode
 from orchestrator.errors import ConnectError
@@ -186,11 +187,11 @@ class FakeAgent:
             self.log.append((self.host, message))
         if self.dead:
             return
-        op = message["op"]
+        command, req = C.parse(message)  # through the agent's own door
         with self.lock:
-            handler = getattr(self, f"_op_{op}", None)
+            handler = getattr(self, f"_op_{command.OP}", None)
             if handler is not None:
-                handler(message)
+                handler(command, req)
             self.wire.flush()
 
     # --- what the agent says ------------------------------------------------------------------
@@ -203,40 +204,38 @@ class FakeAgent:
             self.unacked.append(message)
         self._say(message)
 
-    def _op_connect(self, message: dict[str, Any]) -> None:
+    def _op_connect(self, command: C.Connect, req: None) -> None:
         self._say({"type": P.RELAY, "launched": not self.launched})
         self.launched = True
 
-    def _op_attach(self, message: dict[str, Any]) -> None:
+    def _op_attach(self, command: C.Attach, req: None) -> None:
         self.attached = True
         workers = [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.pid, "running": True}
                    for w in self.running.values()]
         self._say({"type": P.HELLO, "attempt": self.attempt, "hostname": self.host,
                    "protocol": self.protocol, "workers": workers, "pid": self.pid,
                    "instance": self.instance, "last_seq": self.seq, "gpus": self.gpus})
-        ack = message.get("ack") or 0
         for old in self.unacked:
-            if old["seq"] > ack:
+            if old["seq"] > command.ack:
                 self._say(old)
 
-    def _op_ack(self, message: dict[str, Any]) -> None:
-        while self.unacked and self.unacked[0]["seq"] <= message["seq"]:
+    def _op_ack(self, command: C.Ack, req: None) -> None:
+        while self.unacked and self.unacked[0]["seq"] <= command.seq:
             self.unacked.popleft()
 
-    def _op_free_port(self, message: dict[str, Any]) -> None:
+    def _op_free_port(self, command: C.FreePort, req: int) -> None:
         if self.drop_port:
             self.wire.put(None)  # the channel breaks before the reply
         else:
-            self._say({"type": P.PORT, "req": message["req"], "port": 29500, "ok": True})
+            self._say({"type": P.PORT, "req": req, "port": 29500, "ok": True})
 
-    def _op_node_check(self, message: dict[str, Any]) -> None:
+    def _op_node_check(self, command: C.CheckNode, req: int) -> None:
         # The script's verdict (healthy unless told): a fake node runs no command.
-        self._say({"type": P.CHECKED, "req": message["req"],
-                   "problems": list(self.check_problems), "tail": []})
+        self._say({"type": P.CHECKED, "req": req, "problems": list(self.check_problems),
+                   "tail": []})
 
-    def _op_stacks(self, message: dict[str, Any]) -> None:
-        self._say({"type": P.STACKS, "req": message["req"], "stacks": self.stacks,
-                   "traces": {}})
+    def _op_stacks(self, command: C.GetStacks, req: int) -> None:
+        self._say({"type": P.STACKS, "req": req, "stacks": self.stacks, "traces": {}})
 
     def _say(self, message: dict[str, Any]) -> None:
         if self.tamper is not None:
@@ -246,34 +245,34 @@ class FakeAgent:
             message = changed
         self.wire.put(message)
 
-    def _op_start(self, message: dict[str, Any]) -> None:
-        self.attempt = a = message["attempt"]
+    def _op_start(self, command: C.Start, req: None) -> None:
+        self.attempt = a = command.attempt
         self.running = {}
         if self.malformed:  # fields of the wrong type, as a broken or hostile agent might
             self._emit({"type": P.STARTED, "attempt": a, "rank": "zero", "local_rank": 0,
                         "pid": "1234; rm -rf /"})
             return
-        workers = message["workers"]
-        pids = {w["rank"]: next(_pids) for w in workers}
+        workers = command.workers
+        pids = {w.rank: next(_pids) for w in workers}
         for w in workers:
-            self._emit({"type": P.STARTED, "attempt": a, "rank": w["rank"],
-                        "local_rank": w["local_rank"], "pid": pids[w["rank"]]})
+            self._emit({"type": P.STARTED, "attempt": a, "rank": w.rank,
+                        "local_rank": w.local_rank, "pid": pids[w.rank]})
         runs = self.cluster is not None and self.cluster.run
         for w in workers:
-            outcome = self.exits.get(a, {}).get(w["rank"], None if runs else 0)
+            rank = cast(int, w.rank)  # fakes give every worker its rank
+            outcome = self.exits.get(a, {}).get(rank, None if runs else 0)
             if outcome is None:
-                self.running[w["rank"]] = FakeWorker(w["rank"], w["local_rank"], a,
-                                                     pids[w["rank"]])
+                self.running[rank] = FakeWorker(rank, w.local_rank, a, pids[rank])
                 continue
             code, sig = (outcome, None) if isinstance(outcome, int) else (None, outcome)
-            self._emit({"type": P.OUTPUT, "attempt": a, "rank": w["rank"],
-                        "stream": "stderr", "lines": [f"boom {w['rank']}"]})
-            self._emit({"type": P.EXITED, "attempt": a, "rank": w["rank"],
-                        "local_rank": w["local_rank"], "exit_code": code, "signal": sig,
+            self._emit({"type": P.OUTPUT, "attempt": a, "rank": w.rank,
+                        "stream": "stderr", "lines": [f"boom {w.rank}"]})
+            self._emit({"type": P.EXITED, "attempt": a, "rank": w.rank,
+                        "local_rank": w.local_rank, "exit_code": code, "signal": sig,
                         "error_file": None})
 
-    def _op_stop(self, message: dict[str, Any]) -> None:
-        a = message["attempt"]
+    def _op_stop(self, command: C.Stop, req: None) -> None:
+        a = self.attempt if command.attempt is None else command.attempt
         if a == self.attempt:
             for w in self.running.values():
                 self._emit({"type": P.EXITED, "attempt": a, "rank": w.rank,
@@ -282,7 +281,7 @@ class FakeAgent:
             self.running = {}
         self._emit({"type": P.STOPPED, "attempt": a})
 
-    def _op_shutdown(self, message: dict[str, Any]) -> None:
+    def _op_shutdown(self, command: C.Shutdown, req: None) -> None:
         self.running = {}
         self.attached = False
         self.wire.put(None)  # the agent exits: its channel closes

@@ -20,6 +20,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator.errors import AgentError
 from orchestrator.slurm import slurm_env
@@ -75,28 +76,31 @@ class Holder:
         self.node = node
         self.stderr_tail: deque[str] = deque(maxlen=20)
         self.ready = threading.Event()
-        self.reply: dict[str, Any] | None = None
+        self.reply: P.Message | None = None
         self.proc = _srun(srun_argv(job_id, node, python, "orchestrator-holder"), world)
         assert self.proc.stdin is not None and self.proc.stdout is not None
         threading.Thread(target=_keep_tail, args=(self.proc, self.stderr_tail),
                          daemon=True).start()
         threading.Thread(target=self._read_reply, daemon=True).start()
-        self.proc.stdin.write(agent_payload() + P.encode({"op": P.HOLD,
-                                                           "job_id": orchestrator_job}))
+        self.proc.stdin.write(agent_payload() + P.encode(C.wire(C.Hold(orchestrator_job))))
         self.proc.stdin.flush()  # and kept open: its end is the controller's end
 
     def _read_reply(self) -> None:
         assert self.proc.stdout is not None
         for raw in iter(lambda: self.proc.stdout.readline(4096), b""):  # type: ignore[union-attr]
             if self.reply is None:
-                self.reply = P.decode(raw)
+                message = P.decode(raw)
+                try:
+                    self.reply = P.parse(message) if message is not None else None
+                except P.ProtocolError:
+                    self.reply = None
                 self.ready.set()
         self.ready.set()  # it ended (before or after saying so)
 
     def wait_ready(self, timeout: float) -> None:
         if not self.ready.wait(timeout):
             raise AgentError(self.node, f"the holder step did not start within {timeout:g}s")
-        if (self.reply or {}).get("type") != P.HOLDING:
+        if not isinstance(self.reply, P.Holding):
             tail = " | ".join(list(self.stderr_tail)[-3:])
             raise AgentError(self.node, "the holder step failed" + (f": {tail}" if tail else ""))
 
@@ -118,15 +122,15 @@ class SlurmConnection(PipeConnection):
         self.framer = Framer()
 
     def send(self, message: dict[str, Any]) -> None:
-        if message.get("op") == P.CONNECT and message.get("launch") is not None and \
-                self._holder is not None:
+        via_holder = C.via_holder(message)
+        if via_holder is not None and self._holder is not None:
             # An agent to start goes to the holder's step (see Holder).
             try:
-                self._holder(str(message.get("job_id")))
+                self._holder(C.job_of(message))
             except AgentError:
                 self.close()  # the handshake fails here: nothing else ends our relay's step
                 raise
-            message = {**message, "launch": {**message["launch"], "holder": True}}
+            message = via_holder
         super().send(message)
 
     def open(self) -> None:

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator.controller import Controller
 from orchestrator.spec import parse_jobspec
@@ -146,7 +147,7 @@ def test_requests_match_replies_drop_late_ones_and_wake_on_close():
     hello = P.parse({"type": "hello", "protocol": P.VERSION, "pid": 1, "attempt": 0,
                      "workers": []})
     channel = Channel(0, Conn(), 1, hello, False)
-    future = channel.request("free_port", port=0)
+    future = channel.request(C.FreePort(port=0))
     assert sent[-1] == {"op": "free_port", "req": future.req, "port": 0}
     # Not a reply: the loop hands it to the controller, never to a request.
     assert not isinstance(P.parse({"type": "heartbeat", "attempt": 0}), P.Reply)
@@ -154,9 +155,9 @@ def test_requests_match_replies_drop_late_ones_and_wake_on_close():
     threading.Timer(0.05, channel.resolve, args=(reply,)).start()
     assert future.result(2.0) == P.PortReply(future.req, 5, True)
     # A reply nobody waits for any more is dropped; the channel's end wakes every waiter.
-    assert ask(channel, "listen", 0.05) is None
+    assert ask(channel, C.Listen(), 0.05) is None
     channel.resolve(P.parse({"type": "listening", "req": future.req + 1, "ok": True}))
-    later = channel.request("listen")
+    later = channel.request(C.Listen())
     threading.Timer(0.05, channel.end).start()
     assert later.result(5.0) is None and channel.closed
 

@@ -156,6 +156,7 @@ def test_a_node_claiming_a_billion_gpus_gets_a_plausible_count(tmp_path):
 
 
 def test_late_replies_are_dropped_and_nothing_waits_for_them(tmp_path):
+    from agents import commands as C
     from agents import protocol as P
     from orchestrator.channel import Channel, ask
 
@@ -169,7 +170,7 @@ def test_late_replies_are_dropped_and_nothing_waits_for_them(tmp_path):
                      "workers": []})
     channel = Channel(0, Conn(), 1, hello, False)
     for _ in range(1000):
-        assert ask(channel, "free_port", 0) is None  # no reply in time: forgotten
+        assert ask(channel, C.FreePort(), 0) is None  # no reply in time: forgotten
     for req in range(1, 1001):  # then every reply comes, late
         channel.resolve(P.PortReply(req, 1, True))
     assert channel._pending == {}
