@@ -29,7 +29,8 @@ MODULES = ("agents", "agents.fields", "agents.protocol", "agents.commands", "age
            "agents.rankfiles", "agents.shims",
            "agents.shims.sitecustomize", "agents.shims.orchestrator_worker",
            "agents.shims.standby_boot", "agents.workers", "agents.standby", "agents.stacks",
-           "agents.ops", "agents.agent", "agents.holder", "agents.relay", "agents.main")
+           "agents.ops", "agents.agent", "agents.daemon", "agents.holder", "agents.relay",
+           "agents.main")
 
 
 def source(name: str) -> str:

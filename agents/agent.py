@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agents import cache, leases, netcheck, ops, rankfiles
+from agents import cache, leases, ops, rankfiles
 from agents import commands as C
 from agents import protocol as P
 from agents.netinfo import gpu_count, torch_version
@@ -79,12 +79,11 @@ class Agent:
         self.listener: socket.socket | None = None
         self.socket_id: tuple[int, int] | None = None
         self.alive = -1  # the descriptor of its alive_path lock
-        self.preflight_listeners: list[socket.socket] = []
-        self.net_receiver: netcheck.Receiver | None = None  # the network check's (ops.py)
         self.workdir: str | None = None  # the running attempt's (a synced tree is kept fresh)
         self._slow: queue.SimpleQueue[tuple[Callable[[], None], str, int | None]] | None = None
         self._touched = 0.0
         self.standbys = Standbys(self.token, directory)
+        self.sockets = ops.Sockets()  # what the checks' commands hold open (agents/ops.py)
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from agents import commands as C
 from agents import protocol as P
+from agents.daemon import start_agent
 from agents.paths import Lock, agent_paths, bind_unix, connect_unix, holder_path
 
 
@@ -95,8 +96,6 @@ def _agent_answers(job_id: str, node_index: int) -> bool:
 
 
 def _serve_start(conn: socket.socket, job_id: str, started: set[int]) -> None:
-    from agents.relay import start_agent
-
     conn.settimeout(30.0)
     with conn, conn.makefile("rwb") as f:
         try:

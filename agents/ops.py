@@ -13,17 +13,48 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from agents import cache, gpucheck, netcheck, setup, stacks
 from agents import commands as C
 from agents import protocol as P
 from agents.netinfo import free_port, interface_for
+from agents.outbox import Outbox
 from agents.paths import traces
-from agents.workers import prepare, worker_env
+from agents.standby import Standbys
+from agents.workers import Worker, prepare, worker_env
 
-if TYPE_CHECKING:
-    from agents.agent import Agent
+
+class Sockets:
+    """What the checks hold open between two commands: preflight's listening sockets, and
+    the network check's receiver (a new one replaces the last)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[socket.socket] = []
+        self.receiver: netcheck.Receiver | None = None
+
+
+class Agent(Protocol):
+    """What the handlers use of the agent (agents/agent.py): its identity and attempt, its
+    workers and standbys, and how it answers and runs slow work."""
+
+    directory: str
+    job_id: str
+    token: str
+    attempt: int
+    traces_dir: str | None
+    workers: list[Worker]
+    standbys: Standbys
+    outbox: Outbox
+    sockets: Sockets  # the agent keeps them; only these handlers use them
+
+    def reply(self, reply: P.Reply) -> None: ...
+    def aside(self, handler: Callable[[], None], command: C.Command,
+              req: int | None) -> None: ...
+    def on_thread(self, handler: Callable[[], None], command: C.Command,
+                  req: int | None) -> None: ...
+    def op_start(self, start: C.Start) -> None: ...
+    def op_stop(self, stop: C.Stop) -> None: ...
 
 
 # --- ports and reachability (run and preflight) ------------------------------------
@@ -43,9 +74,10 @@ def op_free_port(agent: Agent, ask: C.FreePort, req: int) -> None:
 def op_listen(agent: Agent, ask: C.Listen, req: int) -> None:
     """Hold listening sockets on ``port`` (0: any), or on every free port of ``ports``,
     so that peers can test that they reach them (preflight)."""
-    for s in agent.preflight_listeners:
+    held = agent.sockets
+    for s in held.listeners:
         s.close()
-    agent.preflight_listeners = []
+    held.listeners = []
     busy, error = [], None
     for port in ask.ports or (ask.port,):
         s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -58,8 +90,8 @@ def op_listen(agent: Agent, ask: C.Listen, req: int) -> None:
             busy.append(port)
             error = str(exc)
             continue
-        agent.preflight_listeners.append(s)
-    ports = tuple(s.getsockname()[1] for s in agent.preflight_listeners)
+        held.listeners.append(s)
+    ports = tuple(s.getsockname()[1] for s in held.listeners)
     agent.reply(P.Listening(req, ports, tuple(busy), bool(ports), error))
 
 
@@ -183,16 +215,18 @@ def op_node_check(agent: Agent, ask: C.CheckNode, req: int) -> None:
 def op_net_listen(agent: Agent, ask: C.NetListen, req: int) -> None:
     """The receiving end of the network check (agents/netcheck.py) for ``timeout`` seconds;
     answers with its port. A new one replaces the last."""
-    if agent.net_receiver is not None:
-        agent.net_receiver.close()
-    agent.net_receiver = netcheck.Receiver(bytes.fromhex(ask.token), ask.bytes, ask.timeout)
-    agent.reply(P.NetListening(req, agent.net_receiver.port))
+    held = agent.sockets
+    if held.receiver is not None:
+        held.receiver.close()
+    held.receiver = netcheck.Receiver(bytes.fromhex(ask.token), ask.bytes, ask.timeout)
+    agent.reply(P.NetListening(req, held.receiver.port))
 
 
 def op_net_close(agent: Agent, ask: C.NetClose, req: None) -> None:
-    if agent.net_receiver is not None:
-        agent.net_receiver.close()
-        agent.net_receiver = None
+    held = agent.sockets
+    if held.receiver is not None:
+        held.receiver.close()
+        held.receiver = None
 
 
 def op_net_send(agent: Agent, ask: C.NetSend, req: int) -> None:
@@ -226,7 +260,7 @@ def op_warm(agent: Agent, warm: C.Warm, req: None) -> None:
     agent.standbys.schedule(refills, 0.0)  # nothing of the job runs here to slow down
 
 
-Handler = Callable[["Agent", Any, Any], None]
+Handler = Callable[[Agent, Any, Any], None]
 
 #: The controller's commands (agents/commands.py), one handler each; ``shutdown`` ends the
 #: main loop, and the reader thread takes the session's own (ack, spool, ping).

@@ -153,7 +153,7 @@ def _start_controller(store: Store, job_id: str, *, resume: bool) -> int:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "ab") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.controller", job_id, "--supervise",
+            [sys.executable, "-m", "orchestrator.supervisor", job_id, "--supervise",
              *(["--resume"] if resume else [])],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             env=env, cwd=str(store.home),
@@ -494,7 +494,10 @@ def _is_controller(pid: int, ident: str | None, job_id: str) -> bool:
     if not pids.is_ours(pid, ident):
         return False
     argv = pids.argv(pid)
-    return b"orchestrator.controller" in argv and job_id.encode() in argv
+    # orchestrator.controller: what started controllers before the supervisor was the entry
+    # (a job submitted before an upgrade keeps its controller).
+    return (b"orchestrator.supervisor" in argv or b"orchestrator.controller" in argv) and \
+        job_id.encode() in argv
 
 
 def _iso(ts: Any) -> str | None:

@@ -16,8 +16,8 @@ and the agent replays what the controller has not kept. A controller that dies i
 (``resume``, orchestrator/supervisor.py): the new one truncates the logs to the last
 checkpoint, reattaches to the same agents and the same attempt, and carries on. If the agents
 gave up meanwhile (``controller_grace``), the attempt ends with cause CONTROLLER_LOST and the
-job restarts without charging ``max_restarts``. Run it as ``python -m orchestrator.controller
-JOB_ID [--resume] [--supervise]``.
+job restarts without charging ``max_restarts``. Its process is started by
+``python -m orchestrator.supervisor JOB_ID [--resume] [--supervise]``.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import logging
 import resource
 import secrets
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -627,13 +626,3 @@ def _describe(exc: BaseException) -> str:
                 f"and resume or submit again ({exc!r})")
     return repr(exc)
 
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: ``python -m orchestrator.controller JOB_ID [--resume] [--supervise]``."""
-    from orchestrator.supervisor import main as supervisor_main
-
-    return supervisor_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

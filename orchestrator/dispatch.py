@@ -135,7 +135,8 @@ def _on_closed(engine: Engine, channel: Channel) -> None:
 def _on_unavailable(engine: Engine, event: E.Unavailable) -> None:
     node, error = engine.nodes[event.node], event.error
     if engine.lingering:
-        node.retry = node.retry and not event.gone
+        if event.gone:
+            engine.pool.give_up(node)
         return
     if event.refused is not None:  # another version, or out of protocol: not retried
         log.error("%s", error)

@@ -330,7 +330,7 @@ class Engine:
         self.wait(lambda: not any(n.connecting or n.channel is not None for n in targets),
                   grace + 5 if grace is not None else None, interruptible=False)
         for node in targets:
-            node.retry = False
+            self.pool.give_up(node)
             self.pool.drop_channel(node)
 
     def close_sinks(self) -> None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from agents import protocol as P
 from orchestrator.channel import Channel
-from orchestrator.nodepool import RECONNECT_FIRST, NodePool
+from orchestrator.nodepool import Link, NodePool
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.state import NodeState
 from orchestrator.store import Store
@@ -66,13 +66,12 @@ class NodeInfo:
 
 @dataclass
 class Node:
-    """The controller's live view of one spec node (the loop's thread owns it; connector
-    threads set only ``connecting`` and ``reconnect_delay``)."""
+    """The controller's live view of one spec node: the node book writes it (on the loop's
+    thread), except its ``link``, the node pool's (its channel and connects)."""
 
     index: int
     spec: NodeSpec
     state: NodeState = NodeState.PENDING
-    channel: Channel | None = None
     info: NodeInfo = field(default_factory=NodeInfo)
     node_rank: int | None = None
     heard: float = 0.0  # set when attached or resumed; the channel stamps what it reads
@@ -85,10 +84,7 @@ class Node:
     prepared: bool = False  # synced and set up for this job (when the spec asks for it)
     preparing: bool = False
     setup_failed: bool = False  # out of this job: its setup failed or ran past its time
-    connecting: bool = False
-    retry: bool = False  # the connector keeps trying until it succeeds
-    launch: bool = False  # the connector may start an agent where none answers
-    reconnect_delay: float = RECONNECT_FIRST
+    link: Link = field(default_factory=Link)
     longest_silence: float = 0.0  # seconds, the longest this node went unheard while attached
 
     @property
@@ -96,9 +92,20 @@ class Node:
         return self.spec.host
 
     @property
+    def channel(self) -> Channel | None:
+        """The attached channel (the pool's)."""
+        return self.link.channel
+
+    @property
+    def connecting(self) -> bool:
+        """A connect is out, or its outcome is not handled yet."""
+        return self.link.connecting
+
+    @property
     def last_heard(self) -> float:
-        channel = self.channel
-        return max(self.heard, channel.heard) if channel is not None else self.heard
+        channel = self.link.channel
+        heard = max(self.heard, self.link.heard)
+        return max(heard, channel.heard) if channel is not None else heard
 
     @property
     def last_heard_unix(self) -> float | None:
@@ -199,7 +206,7 @@ class NodeBook:
         if retry:
             self.pool.connect(node, launch=True, retry=True)
         else:
-            node.retry = False
+            self.pool.give_up(node)
         return was_running
 
     def silent(self, now: float) -> list[tuple[Node, str]]:
@@ -228,8 +235,7 @@ class NodeBook:
         for node in self.nodes:
             if node.heard:
                 node.heard = min(node.heard + seconds, now)
-            if node.channel is not None:
-                node.channel.heard = min(node.channel.heard + seconds, now)
+            self.pool.forgive(node, seconds, now)
             if node.unreachable_since is not None:
                 node.unreachable_since = min(node.unreachable_since + seconds, now)
 

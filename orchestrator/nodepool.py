@@ -8,7 +8,9 @@ attached channel joins the event loop (orchestrator/loop.py), which reads it fro
 closing one (an SSH session can take seconds) runs on a small pool too. One *pinger*
 thread sends the controller's heartbeat to every agent while the controller's loop turns.
 The outcome of a connect reaches the controller as an ``Attached`` or ``Unavailable``
-event; node state stays with the controller's node book (orchestrator/nodebook.py).
+event; node state stays with the controller's node book (orchestrator/nodebook.py). What the
+pool knows of a node (its attached channel, whether a connect is out, its backoff) is its
+``Link``, which each node carries and only the pool writes.
 """
 
 from __future__ import annotations
@@ -18,14 +20,15 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
 from agents import commands as C
 from orchestrator import events as E
 from orchestrator.channel import Channel
 from orchestrator.errors import OrchestratorError
 from orchestrator.loop import EventLoop
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.transport.base import (
     AgentGone,
     ConnectionFactory,
@@ -34,14 +37,36 @@ from orchestrator.transport.base import (
     attach_agent,
 )
 
-if TYPE_CHECKING:
-    from orchestrator.nodebook import Node
-
 log = logging.getLogger("orchestrator.nodepool")
 
 RECONNECT_FIRST = 0.2  # seconds before the first retry; doubled up to RECONNECT_MAX
 RECONNECT_MAX = 5.0
 CONNECT_FANOUT = 64  # connects in flight at once
+
+
+@dataclass
+class Link:
+    """The pool's side of one node: written by the pool alone (connector threads set
+    ``connecting`` and ``reconnect_delay``), read by anyone."""
+
+    channel: Channel | None = None  # attached, read by the loop
+    heard: float = 0.0  # when the last channel, now dropped, last had anything to read
+    connecting: bool = False  # a connect is out, or its outcome not handled yet
+    retry: bool = False  # the connector keeps trying until it succeeds
+    launch: bool = False  # the connector may start an agent where none answers
+    reconnect_delay: float = RECONNECT_FIRST
+
+
+class Node(Protocol):
+    """What the pool needs of a node (orchestrator/nodebook.py's Node)."""
+
+    index: int
+    spec: NodeSpec
+    acked: int  # what the agent may forget: the attach says so
+    link: Link
+
+    @property
+    def host(self) -> str: ...
 
 
 class NodePool:
@@ -71,29 +96,47 @@ class NodePool:
         """Start connecting ``node`` in the background; the outcome arrives as an event.
         With ``launch``, start an agent where none answers (never a second one: the relay
         on the node decides). With ``retry``, keep trying until it works."""
-        node.retry, node.launch = retry, launch  # a queued connect picks these up
-        if node.connecting or self.closing:
+        link = node.link
+        link.retry, link.launch = retry, launch  # a queued connect picks these up
+        if link.connecting or self.closing:
             return
-        node.connecting = True
-        node.reconnect_delay = RECONNECT_FIRST
+        link.connecting = True
+        link.reconnect_delay = RECONNECT_FIRST
         self._connectors.submit(self._connect_once, node)
 
     @staticmethod
     def settled(node: Node) -> None:
         """The controller handles the outcome of ``node``'s connect (its Attached or
         Unavailable) now: it may ask for a new one from here on."""
-        node.connecting = False
+        node.link.connecting = False
+
+    @staticmethod
+    def forgive(node: Node, seconds: float, now: float) -> None:
+        """The controller was not looking for ``seconds``: what the node's channels were
+        heard counts that much later (see NodeBook.forgive)."""
+        link = node.link
+        if link.heard:
+            link.heard = min(link.heard + seconds, now)
+        if link.channel is not None:
+            link.channel.heard = min(link.channel.heard + seconds, now)
+
+    @staticmethod
+    def give_up(node: Node) -> None:
+        """Retry no more once the connect now out fails (a lost node we do not want back,
+        a job that ended)."""
+        node.link.retry = False
 
     def _connect_once(self, node: Node) -> None:
         # ``connecting`` stays set until the controller handles the outcome (``settled``):
         # one that waits for connects to end must find the node attached by then, not its
         # Attached still queued (a resumed controller launched on the nodes that happened to
         # be handled first).
+        link = node.link
         if self.closing:
-            node.connecting = False
+            link.connecting = False
             return
         try:
-            channel = self._open(node, node.launch)
+            channel = self._open(node, link.launch)
             self.loop.post(E.Attached(node.index, channel))
             return
         except AgentGone as gone:
@@ -107,12 +150,12 @@ class NodePool:
             error = str(exc)
         except Exception as exc:  # a bug in a transport must not kill the job
             error = f"{node.host}: {exc!r}"
-        if not node.retry or self.closing:
+        if not link.retry or self.closing:
             self.loop.post(E.Unavailable(node.index, error))
             return
         log.info("%s: not reachable yet: %s", node.host, error)
-        delay, node.reconnect_delay = node.reconnect_delay, min(RECONNECT_MAX,
-                                                                node.reconnect_delay * 2)
+        delay, link.reconnect_delay = link.reconnect_delay, min(RECONNECT_MAX,
+                                                                link.reconnect_delay * 2)
         self.loop.call_later(delay, lambda: self._resubmit(node))
 
     def _resubmit(self, node: Node) -> None:
@@ -121,7 +164,7 @@ class NodePool:
 
     def _open(self, node: Node, launch: bool) -> Channel:
         spec = self.spec
-        if node.retry:  # a reconnect must not sit in one try longer than the node may be away
+        if node.link.retry:  # a reconnect must not sit in one try longer than the node may be away
             timeout = min(spec.ssh.connect_timeout, max(1.0, spec.health.node_timeout / 2))
             spec = spec.model_copy(update={"ssh": spec.ssh.model_copy(
                 update={"connect_timeout": timeout})})
@@ -137,9 +180,9 @@ class NodePool:
     # --- attached channels (the loop's thread) -----------------------------------------------
     def adopt(self, node: Node, channel: Channel) -> None:
         """``channel`` is the node's from now on: the loop reads it."""
-        if node.channel is not None and node.channel is not channel:
+        if node.link.channel is not None and node.link.channel is not channel:
             self.drop_channel(node)
-        node.channel = channel
+        node.link.channel = channel
         self._channels[node.index] = channel
         self.loop.watch(channel)
 
@@ -151,16 +194,17 @@ class NodePool:
 
     def drop_channel(self, node: Node) -> None:
         """Close the node's channel in the background (closing SSH can take a while)."""
-        channel, node.channel = node.channel, None
+        link = node.link
+        channel, link.channel = link.channel, None
         if channel is not None:
-            node.heard = max(node.heard, channel.heard)  # silence counts from what it said
+            link.heard = max(link.heard, channel.heard)  # silence counts from what it said
             self._channels.pop(node.index, None)
             self.discard(channel)
 
     def send(self, node: Node, message: C.Command) -> bool:
         """Send on the node's channel; False if there is none or it broke (its end then
         arrives as an event)."""
-        channel = node.channel
+        channel = node.link.channel
         return channel is not None and channel.send(message)
 
     # --- pings --------------------------------------------------------------------------------

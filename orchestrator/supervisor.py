@@ -1,6 +1,6 @@
 """The controller's process: the supervisor that keeps it alive, and its Slurm allocation.
 
-``submit`` starts ``python -m orchestrator.controller JOB_ID --supervise``: a small parent
+``submit`` starts ``python -m orchestrator.supervisor JOB_ID --supervise``: a small parent
 (``_supervise``) that forks the controller and starts it again, resuming, whenever it dies
 before the job has ended. The controller is **crash-only** (orchestrator/controller.py): an
 exception of ours, like a SIGKILL or the OOM killer, leaves the workers running on their
@@ -495,8 +495,8 @@ def _signature(exc: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m orchestrator.controller JOB_ID [--resume] [--supervise]``."""
-    parser = argparse.ArgumentParser(prog="orchestrator.controller")
+    """``python -m orchestrator.supervisor JOB_ID [--resume] [--supervise]``."""
+    parser = argparse.ArgumentParser(prog="orchestrator.supervisor")
     parser.add_argument("job_id")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--supervise", action="store_true")
