@@ -392,7 +392,7 @@ class Endurance:
                              "local_rank": victim % self.nproc, "exit_code": 1,
                              "signal": None, "error_file": None, "at": at})
         self._flush()
-        attempt.stopping = True  # Controller._stop_attempt
+        attempt.stop()  # Engine.stop_attempt
         for rank in range(self.ranks):
             if rank != victim:
                 self._message(rank // self.nproc, {
@@ -410,8 +410,8 @@ class Endurance:
         failure.failure_class, failure.evidence = "user", failure.stderr_tail[-1]
         failure.signature = "RuntimeError at train.py:212"
         failure.decision = f"restart {self.restarts + 1} of {self.spec.max_restarts}"
-        self._checkpoint()  # Controller._end_attempt
-        attempt.ended = True
+        self._checkpoint()  # Engine.end_attempt
+        attempt.end()
         self.store.end_attempt(self.job_id, attempt.number, result.outcome.value,
                                failure.to_dict(), len(attempt.warm_started))
         self.restarts += 1

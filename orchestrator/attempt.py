@@ -344,7 +344,19 @@ class Attempt:
             "stderr": {k: list(v) for k, v in self.sink.stderr.items()},
         }
 
-    def restore(self, state: dict[str, Any]) -> None:
+    def stop(self) -> None:
+        """Its workers are being stopped: exits from here on are our doing."""
+        self.stopping = True
+
+    def end(self) -> None:
+        """It is recorded as ended: nothing of it is started or stopped any more."""
+        self.ended = True
+
+    def restore(self, state: dict[str, Any],
+                first_steps: dict[int, tuple[int, float]] | None = None) -> None:
+        """Carry on from a checkpoint (``first_steps``: each rank's first step and when, as
+        the store kept them: a rank's first step stays its first)."""
+        self.first_steps = dict(first_steps or {})
         self.started = {(int(a), int(b)) for a, b in state.get("started", [])}
         self.warm_started = {(int(a), int(b)) for a, b in state.get("warm_started", [])}
         self.exits = {int(k): (v[0], v[1]) for k, v in state.get("exits", {}).items()}

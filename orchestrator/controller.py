@@ -33,9 +33,10 @@ from collections.abc import Callable
 from typing import Any
 
 from agents import commands as C
-from orchestrator import healthcheck, pause, policy, reputation
+from orchestrator import bringup, healthcheck, pause, policy, reputation, takeover
 from orchestrator.attempt import Attempt, AttemptResult, Failure, start_command
-from orchestrator.engine import Engine, Stop
+from orchestrator.dispatch import dispatch
+from orchestrator.engine import Engine, Phase, Stop
 from orchestrator.errors import StoreUnwritable
 from orchestrator.logfiles import LogSink
 from orchestrator.nodebook import Node
@@ -70,7 +71,7 @@ class Controller:
                  resume: bool = False, on_end: Callable[[], None] | None = None):
         self.store, self.job_id, self.spec, self.spec_dir = store, job_id, spec, spec_dir
         self.engine = Engine(store, job_id, spec, spec_dir, connect,
-                             secret or secrets.token_hex(16))
+                             secret or secrets.token_hex(16), dispatch, resuming=resume)
         self.nodes = self.engine.nodes
         self.resuming = resume
         self.attempt = 0
@@ -114,7 +115,7 @@ class Controller:
                 self._detach()
                 return engine.state
             final, fields = outcome
-            engine.ending = True
+            engine.enter(Phase.ENDING)
             engine.checkpoint(force=True)  # every line kept before the agents are let go
         except BaseException as exc:
             floor = self.spec.logs.min_free_bytes
@@ -162,7 +163,7 @@ class Controller:
         every agent that answers is told to stop its workers and exit (none is started),
         then the end is recorded."""
         engine = self.engine
-        engine.ending = engine.lingering = True  # whatever attaches is shut down
+        engine.enter(Phase.LINGERING)  # whatever attaches is shut down
         for node in self.nodes:
             engine.pool.connect(node, launch=False)
         engine.wait(lambda: not any(n.connecting or n.channel is not None for n in self.nodes),
@@ -195,10 +196,9 @@ class Controller:
             result = resumed
         else:
             started = time.time()
-            if self.spec.max_duration:
-                engine.deadline = started + self.spec.max_duration
+            engine.start_clock(started)
             engine.set_state(JobState.LAUNCHING, started_at=started)
-            failure = self._connect_all()
+            failure = bringup.connect_all(self.engine)
             if failure is not None:
                 return self._end_launch(failure)
             result = None
@@ -238,7 +238,7 @@ class Controller:
             else:  # not the user's failure: the budget is not touched
                 self.free_restarts += 1
                 engine.set_state(JobState.RESTARTING, free_restarts=self.free_restarts)
-            self._reconnect_absent()
+            bringup.reconnect_absent(self.engine)
             engine.wait(lambda: False, decision.delay)
             if engine.stop is not None:
                 return self._stopped()
@@ -254,7 +254,7 @@ class Controller:
         stop = self.engine.stop
         if stop == Stop.DETACH:
             return None
-        self.engine.ending = True
+        self.engine.enter(Phase.ENDING)
         if stop == Stop.CANCEL:
             self._stop_attempt()
             self._end_attempt(AttemptResult(AttemptOutcome.CANCELLED))
@@ -265,7 +265,7 @@ class Controller:
         return JobState.FAILED, {"failure": failure.to_dict()}
 
     def _end_launch(self, failure: Failure) -> tuple[JobState, dict[str, Any]]:
-        self.engine.ending = True
+        self.engine.enter(Phase.ENDING)
         self._end_attempt_with(failure)
         return JobState.FAILED, {"failure": failure.to_dict()}
 
@@ -289,35 +289,6 @@ class Controller:
         self.notifier.close(END_WAIT)
 
     # --- nodes ------------------------------------------------------------------------------
-    def _connect_all(self) -> Failure | None:
-        """Start (or find) every node's agent in parallel and wait for their hello. Fewer
-        than ``min_nodes`` answering fails the launch, naming the first node that did not."""
-        engine = self.engine
-        for node in self.nodes:
-            engine.pool.connect(node, launch=True)
-        if not engine.wait(lambda: all(n.state != NodeState.PENDING for n in self.nodes),
-                           self.spec.launch_timeout):
-            if engine.stop is not None or engine.launch_failure is not None:
-                return engine.launch_failure
-            for n in self.nodes:
-                if n.state == NodeState.PENDING:
-                    engine.book.lose(n, f"{n.host}: agent did not answer within "
-                                        f"{self.spec.launch_timeout:g}s", retry=False)
-        failed = [n for n in self.nodes if n.state == NodeState.FAILED]
-        if len(self.nodes) - len(failed) < self.spec.min_nodes:
-            first = failed[0]
-            return Failure(FailureCause.LAUNCH_FAILED, str(first.info.error),
-                           node_index=first.index, host=first.host)
-        return None
-
-    def _reconnect_absent(self) -> None:
-        """Keep trying, in the background, nodes that never came up or were lost: those
-        that answer before an attempt starts take part in it."""
-        for node in self.nodes:
-            if node.state in (NodeState.FAILED, NodeState.LOST) and node.channel is None \
-                    and not node.setup_failed:
-                self.engine.pool.connect(node, launch=True, retry=True)
-
     def _participants(self) -> list[Node] | Failure:
         """The first ``max_nodes`` healthy nodes; waits up to launch_timeout for lost nodes
         to rejoin while fewer than ``min_nodes`` are healthy."""
@@ -373,26 +344,20 @@ class Controller:
             master_port=port, node_indices=[n.index for n in participants],
             spec_dir=self.spec_dir, nprocs=nprocs,
             sync_tree=engine.preparer.tree().tree if self.spec.sync is not None else None)
-        engine.flush()  # the attempt before the last is let go: its ranks first
-        if engine.previous is not None:
-            engine.previous.sink.close()
-        engine.previous = engine.current
         attempt = Attempt(plan, self._sink(plan.world_size), engine.hosts, self.store,
                           self.job_id, nprocs)
+        engine.begin_attempt(attempt)
         self._prune_logs()
-        engine.current = attempt
         ranks = [(w.rank, n.node_index, w.local_rank) for n in plan.nodes for w in n.workers
                  if w.rank is not None]
         self.store.start_attempt(self.job_id, self.attempt, plan.master_addr, port or 0,
                                  plan.world_size, ranks)
         engine.checkpoint(force=True)  # a replaced controller finds the participants here
         for node in self.nodes:  # spares, and nodes out of the job, have no place in it
-            node.node_rank = None
-            engine.book.set(node, node.state, node_rank=None)
+            engine.book.place(node, None)
         for node_plan in plan.nodes:
             node = self.nodes[node_plan.node_index]
-            node.node_rank = node_plan.node_rank
-            engine.book.set(node, NodeState.RUNNING, node_rank=node_plan.node_rank)
+            engine.book.place(node, node_plan.node_rank, NodeState.RUNNING)
             engine.send_start(node)
         warm_spares(self, participants, port)
         return self._watch(attempt)
@@ -433,104 +398,37 @@ class Controller:
                 return None
 
     def _stop_attempt(self) -> None:
-        """Stop every worker of the current attempt on every node and wait until they are
-        gone (or their node is lost)."""
-        engine, attempt = self.engine, self.engine.current
-        if attempt is None or attempt.ended:
-            return
-        attempt.stopping = True
-        grace = self.spec.stop_grace_period
-        live = [self.nodes[i] for i in attempt.participants
-                if self.nodes[i].state in (NodeState.RUNNING, NodeState.UNREACHABLE)]
-        for node in live:
-            engine.pool.send(node, C.Stop(attempt.number, grace))
-
-        def waiting() -> list[Node]:
-            return [n for n in live if n.index not in attempt.stopped_nodes
-                    and n.state in (NodeState.RUNNING, NodeState.UNREACHABLE)]
-
-        engine.wait(lambda: not waiting(), grace + STOP_MARGIN, interruptible=False)
-        # At the deadline, what the nodes had sent (and waits unread, when the controller is
-        # behind) is still read: a node's `stopped` may be among it. An agent sends at most
-        # its window of output unacknowledged, so this ends; DRAIN_LIMIT is for a node that
-        # would never stop talking.
-        engine.wait(lambda: not engine.loop.readable(
-            [n.channel for n in waiting() if n.channel is not None]), DRAIN_LIMIT,
-            interruptible=False)
-        for node in live:
-            if node.state == NodeState.RUNNING:
-                if node.index in attempt.stopped_nodes:
-                    engine.book.set(node, NodeState.STOPPED)
-                else:
-                    engine.lose(node, f"{node.host}: workers did not stop in time")
+        self.engine.stop_attempt(STOP_MARGIN, DRAIN_LIMIT)
 
     def _end_attempt(self, result: AttemptResult) -> None:
-        engine, attempt = self.engine, self.engine.current
-        if attempt is None or attempt.ended:
-            return
-        engine.flush()
-        engine.checkpoint(force=True)
-        attempt.ended = True
-        self.store.end_attempt(self.job_id, attempt.number, result.outcome.value,
-                               result.failure.to_dict() if result.failure else None,
-                               len(attempt.warm_started))
+        self.engine.end_attempt(result.outcome.value,
+                                result.failure.to_dict() if result.failure else None)
 
     # --- resuming a job whose controller died -----------------------------------------------
     def _resume(self) -> AttemptResult | Failure | None:
-        """Take over the job where the last controller left it. Returns the open attempt's
-        result once it ends, None when no attempt was open (or a stop reason came), or the
-        launch's failure when nodes that never came up still do not."""
+        """Take over the job where the last controller left it (orchestrator/takeover.py).
+        Returns the open attempt's result once it ends, None when no attempt was open (or a
+        stop reason came), or the launch's failure when nodes that never came up still do
+        not."""
         engine = self.engine
-        engine.resuming = True
         job = self.store.get_job(self.job_id)
+        was = takeover.counts(engine, job)
         self.attempt, self.restarts, self.free_restarts = \
-            job.attempt, job.restarts, job.free_restarts
-        self.infra_restarts = job.infra_restarts
-        ended = [a for a in job.attempts if a.ended_at is not None]
-        if ended and ended[-1].failure:
-            self.previous_failure = Failure.from_dict(ended[-1].failure)
-            where = (self.store.checkpoint_of(self.job_id, ended[-1].attempt) or {}).get(
-                "participants")
-            if where:
-                self.placed = Placed([int(i) for i in where], self.previous_failure)
-        engine.state = job.state
+            was.attempt, was.restarts, was.free_restarts
+        self.infra_restarts, self.previous_failure = was.infra_restarts, was.previous_failure
+        self.placed = was.placed
         engine.book.restore(job.nodes)
         log.info("resuming job %s in state %s, attempt %d", self.job_id, job.state.value,
                  job.attempt)
-        if self.spec.max_duration:
-            engine.deadline = (job.started_at or time.time()) + self.spec.max_duration
+        attempt = takeover.open_attempt(engine, job, self.spec_dir, self._sink)
+        engine.restore(job.state, attempt, job.started_at)
         if job.state == JobState.PENDING:
             engine.set_state(JobState.LAUNCHING, started_at=time.time())
-        open_attempt = job.attempts[-1] if job.attempts and job.attempts[-1].ended_at is None \
-            else None
-        cp = self.store.checkpoint_of(self.job_id, open_attempt.attempt) \
-            if open_attempt is not None else None
-        if open_attempt is not None and cp:
-            nprocs = {int(k): v for k, v in cp.get("nprocs", {}).items()}
-            plan = plan_attempt(self.spec, self.job_id, attempt=open_attempt.attempt,
-                                restart_count=open_attempt.attempt - 1,
-                                master_port=cp.get("master_port"),
-                                node_indices=list(cp["participants"]), spec_dir=self.spec_dir,
-                                sync_tree=engine.preparer.tree().tree if self.spec.sync else None,
-                                nprocs=nprocs)
-            sink = self._sink(plan.world_size, cp["logs"], cp.get("log_state"))
-            engine.current = Attempt(plan, sink, engine.hosts, self.store, self.job_id, nprocs)
-            engine.current.restore(cp)
-            engine.current.first_steps = {  # each rank's first step stays its first
-                r.rank: (r.first_step, r.first_step_at) for r in job.ranks
-                if r.attempt == open_attempt.attempt and r.first_step is not None
-                and r.first_step_at is not None}
-        # Reattach to every agent that may be alive; launch nothing yet.
-        for node in self.nodes:
-            if node.state not in (NodeState.PENDING, NodeState.FAILED, NodeState.DONE):
-                engine.pool.connect(node, launch=False)
-        engine.wait(lambda: not any(n.connecting for n in self.nodes),
-                    self.spec.launch_timeout)
-        engine.resuming = False
-        attempt = engine.current
+        takeover.reattach(engine)
+        engine.enter(Phase.RUNNING)
         if engine.stop is not None:
             return None
-        if attempt is None or open_attempt is None:
+        if attempt is None:
             if engine.state == JobState.RESTARTING:
                 engine.set_state(JobState.LAUNCHING)
             for node in self.nodes:
@@ -538,38 +436,23 @@ class Controller:
                     engine.pool.connect(node, launch=True,
                                         retry=node.state != NodeState.PENDING)
             if any(n.state == NodeState.PENDING for n in self.nodes):
-                return self._connect_all()
+                return bringup.connect_all(self.engine)
             return None
-        gone = [self.nodes[i] for i in attempt.participants
-                if self.nodes[i].state in (NodeState.LOST, NodeState.FAILED, NodeState.DONE)]
-        if gone:
-            node = gone[0]
-            attempt.fail(Failure(
-                FailureCause.CONTROLLER_LOST,
-                f"the job's controller was gone and the agent on {node.host} "
-                f"{node.info.gone_reason or 'is gone'}; restarting (not charged to "
-                "max_restarts)", node_index=node.index, node_rank=node.node_rank,
-                host=node.host))
+        lost = takeover.lost_participant(engine, attempt)
+        if lost is not None:
+            attempt.fail(lost)
             return attempt.result()
         return self._watch(attempt)
 
     # --- from other threads ------------------------------------------------------------------
     def request_cancel(self) -> None:
         """Cancel from another thread."""
-        self.engine.cancel_requested = True
-        self.engine.loop.post(_wake())
+        self.engine.request_cancel()
 
     def request_exit(self) -> None:
         """From a signal handler: cancel if ``cancel`` asked for it (it sets the flag in the
         store first), else exit and leave the job running on its agents."""
-        self.engine.exit_requested = True
-        self.engine.loop.post(_wake())
-
-
-def _wake() -> Any:
-    from orchestrator.events import Wake
-
-    return Wake()
+        self.engine.request_exit()
 
 
 def warm_spares(c: Controller, participants: list[Node], port: int | None) -> None:

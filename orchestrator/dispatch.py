@@ -17,7 +17,6 @@ from agents import protocol as P
 from orchestrator import events as E
 from orchestrator.attempt import Failure
 from orchestrator.channel import Channel
-from orchestrator.logfiles import LogSink
 from orchestrator.nodebook import LIVE, Node, NodeInfo, Order
 from orchestrator.state import FailureCause, NodeState
 
@@ -76,13 +75,9 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
         log.warning("%s: agent error: %s", node.host, message.message)
         return
     if isinstance(message, P.SetupOutput):
-        if engine.setup_sink is None:
-            engine.setup_sink = LogSink(engine.store.job_dir(engine.job_id) / "logs" / "setup",
-                                      cap=engine.spec.logs.max_bytes_per_rank,
-                                      min_free=engine.spec.logs.min_free_bytes)
-        engine.setup_sink.write(engine.hosts[node.index], "setup", "stdout",
-                              list(message.lines))
-        engine.setup_sink.flush()
+        sink = engine.setup_log()
+        sink.write(engine.hosts[node.index], "setup", "stdout", list(message.lines))
+        sink.flush()
         return
     if isinstance(message, P.Stopped) and engine.book.drained(node, message.attempt):
         attempt = engine.current
@@ -151,7 +146,7 @@ def _on_unavailable(engine: Engine, event: E.Unavailable) -> None:
         engine.book.note(node, replace(node.info, gone_reason=event.reason))
         if engine.resuming and node.state != NodeState.PENDING:
             # Its workers died with it while no controller was there: resume decides.
-            engine.book.set(node, NodeState.LOST, error, info=replace(node.info, error=error))
+            engine.book.lose(node, error, retry=False)
             return
     if node.state == NodeState.PENDING:
         engine.book.set(node, NodeState.FAILED, error, info=NodeInfo(error=error))
@@ -166,24 +161,25 @@ def _on_unavailable(engine: Engine, event: E.Unavailable) -> None:
 
 
 def _on_prepared(engine: Engine, node: Node, failure: Failure | None, interrupted: bool) -> None:
-    node.preparing = False
     if interrupted:
         if node.channel is not None and not node.prepared and engine.preparer.needed:
             # The channel it ran on dropped, and a newer one is already attached.
-            node.preparing = True
+            engine.book.preparing(node)
             engine.preparer.start(node.index, node.host, node.spec.is_local, node.channel)
+        else:
+            engine.book.prepared(node, False)
     elif failure is None:
-        node.prepared = True
+        engine.book.prepared(node, True)
         log.info("%s: prepared (sync, setup)", node.host)
     elif engine.current is None and not engine.ending and not _can_go_on_without(engine, node):
-        engine.launch_failure = failure  # the job's own setup: it would fail again
+        engine.book.prepared(node, False)
+        engine.fail_launch(failure)  # the job's own setup: it would fail again
     else:
         # Enough nodes without it (nnodes MIN:MAX, spares), or a node rejoining while the
         # job runs: that node stays out of the job (its setup would fail again), the job
         # goes on.
         log.error("%s: %s; the job goes on without it", node.host, failure.message)
-        node.setup_failed = True
-        engine.book.lose(node, failure.message, retry=False)
+        engine.book.setup_failed(node, failure.message)
 
 
 def _can_go_on_without(engine: Engine, node: Node) -> bool:

@@ -11,6 +11,10 @@ loses its channel and the attempt fails for it, naming the field. What raises is
 a store or a disk that cannot be written): the controller is crash-only
 (orchestrator/controller.py). A wait returns early when a stop reason is set (unless it must
 not be interrupted) and the caller decides.
+
+The engine's mode is one :class:`Phase`, which only moves forward. What to do with each
+event is handed in (``handle``: orchestrator/dispatch.py), so that the machinery does not
+depend on the rules; the controller changes the engine's state only through its methods.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from agents import protocol as P
 from orchestrator import failpoints, hang
 from orchestrator.attempt import Attempt, Failure
 from orchestrator.channel import Answer, Channel, ask_all
-from orchestrator.dispatch import dispatch
+from orchestrator.events import Event, Wake
 from orchestrator.logfiles import LogSink
 from orchestrator.loop import EventLoop
 from orchestrator.nodebook import LIVE, Node, NodeBook
@@ -63,9 +67,22 @@ class Stop(enum.Enum):
     TIMEOUT = "timeout"  # max_duration is over
 
 
+class Phase(enum.Enum):
+    """The engine's mode, in the order it moves through them (never back)."""
+
+    RESUMING = "resuming"  # a new controller reattaches to the last one's agents
+    RUNNING = "running"  # launching and running attempts
+    ENDING = "ending"  # stopping for good: nothing interrupts it, no pause for room
+    LINGERING = "lingering"  # the job ended: an agent that attaches is shut down
+
+
+_PHASES = list(Phase)
+
+
 class Engine:
     def __init__(self, store: Store, job_id: str, spec: JobSpec, spec_dir: str,
-                 connect: ConnectionFactory, secret: str):
+                 connect: ConnectionFactory, secret: str,
+                 handle: Callable[[Engine, Event], None], *, resuming: bool = False):
         self.store, self.job_id, self.spec = store, job_id, spec
         self.loop = EventLoop()
         self.pool = NodePool(job_id, spec, secret, connect, self.loop)
@@ -84,12 +101,12 @@ class Engine:
         self.exit_requested = False
         self.deadline: float | None = None  # wall clock: max_duration after the start
         self.launch_failure: Failure | None = None  # the job's own setup failed
-        self.resuming = False
-        self.lingering = False  # the job ended: an agent that attaches is shut down
-        self.ending = False  # stopping for good: nothing interrupts it
-        self.setup_sink: LogSink | None = None
+        self.phase = Phase.RESUMING if resuming else Phase.RUNNING
+        self._handle = handle
+        self._setup_sink: LogSink | None = None
         self.on_attached: Callable[[Node, Channel], None] | None = None  # for benchmarks
-        self._busy = False  # collecting stacks: the turns inside do not start another
+        # Collecting stacks (a guard, not a mode): the turns inside do not start another.
+        self._collecting = False
         self._next_requests = self._scanned = self._liveness = self._checkpointed = 0.0
         self._room_checked = self._turned = self._compacted = 0.0
         self._compacted_wall: float | None = None  # when this controller last thinned them
@@ -115,7 +132,7 @@ class Engine:
         self.pool.main_tick = self._awake()
         failpoints.hit("turn")
         for event in self.loop.poll(timeout):
-            dispatch(self, event)
+            self._handle(self, event)
         self.flush()
         self._checks()
 
@@ -131,6 +148,67 @@ class Engine:
         for attempt in (self.previous, self.current):
             if attempt is not None:
                 attempt.flush_ranks()
+
+    # --- what the controller changes (nothing else writes the engine's fields) --------------
+    @property
+    def resuming(self) -> bool:
+        return self.phase == Phase.RESUMING
+
+    @property
+    def ending(self) -> bool:
+        return self.phase in (Phase.ENDING, Phase.LINGERING)
+
+    @property
+    def lingering(self) -> bool:
+        return self.phase == Phase.LINGERING
+
+    def enter(self, phase: Phase) -> None:
+        """Move on to ``phase`` (staying where it is if it is there already or beyond)."""
+        if _PHASES.index(phase) > _PHASES.index(self.phase):
+            log.info("engine: %s -> %s", self.phase.value, phase.value)
+            self.phase = phase
+
+    def begin_attempt(self, attempt: Attempt) -> None:
+        """``attempt`` is the current one; the one before stays open for its late lines,
+        and the one before that is let go."""
+        self.flush()  # its ranks first
+        if self.previous is not None:
+            self.previous.sink.close()
+        self.previous, self.current = self.current, attempt
+
+    def restore(self, state: JobState, attempt: Attempt | None,
+                started_at: float | None) -> None:
+        """A replaced controller takes the job's state and its open attempt as recorded."""
+        self.state, self.current = state, attempt
+        self.start_clock(started_at or time.time())
+
+    def start_clock(self, started_at: float) -> None:
+        """``max_duration`` counts from ``started_at``."""
+        if self.spec.max_duration:
+            self.deadline = started_at + self.spec.max_duration
+
+    def request_cancel(self) -> None:
+        """Cancel (from any thread)."""
+        self.cancel_requested = True
+        self.loop.post(Wake())
+
+    def request_exit(self) -> None:
+        """Exit and leave the job to its agents, unless a cancel is asked for (from a signal
+        handler)."""
+        self.exit_requested = True
+        self.loop.post(Wake())
+
+    def fail_launch(self, failure: Failure) -> None:
+        """The job's own preparation failed: it would fail again anywhere."""
+        self.launch_failure = failure
+
+    def setup_log(self) -> LogSink:
+        """Where the setup scripts' output goes (opened on first use)."""
+        if self._setup_sink is None:
+            self._setup_sink = LogSink(self.store.job_dir(self.job_id) / "logs" / "setup",
+                                       cap=self.spec.logs.max_bytes_per_rank,
+                                       min_free=self.spec.logs.min_free_bytes)
+        return self._setup_sink
 
     def set_state(self, new: JobState, **fields: Any) -> None:
         self.flush()  # whoever reads a job state also sees the node states that led to it
@@ -163,7 +241,7 @@ class Engine:
             self._next_requests = now + REQUESTS_EVERY
             cancel, stacks_wanted = self.store.requests(self.job_id)
             self.cancel_requested = self.cancel_requested or cancel
-            if stacks_wanted and not self.cancel_requested and not self._busy:
+            if stacks_wanted and not self.cancel_requested and not self._collecting:
                 self._answer_stacks()
         if self.stop is None:
             if self.cancel_requested:
@@ -207,19 +285,19 @@ class Engine:
     def _check_hang(self, now: float) -> None:
         hang_timeout, attempt = self.spec.health.hang_timeout, self.current
         if not (hang_timeout and attempt is not None and self.state == JobState.RUNNING
-                and attempt.failure is None and not attempt.stopping and not self._busy
+                and attempt.failure is None and not attempt.stopping and not self._collecting
                 and now - attempt.last_activity > hang_timeout):
             return
         # Where every rank is, and what collectives each had issued, taken before anything
         # is stopped: that is the why. (The turns inside start no second collection.)
         found = self.stacks(flight_recorder=True)
         diagnosis = found.diagnosis
-        self._busy = True
+        self._collecting = True
         try:
             dumps = hang.fetch_dumps(found, self.store.log_dir(self.job_id, attempt.number) /
                                      "flight_recorder", self.ask_all)
         finally:
-            self._busy = False
+            self._collecting = False
         attempt.fail(Failure(
             FailureCause.HUNG, f"no output or heartbeat from any rank for {hang_timeout:g}s "
             "(health.hang_timeout)" + (f": {diagnosis}" if diagnosis else ""),
@@ -230,12 +308,12 @@ class Engine:
         """Every live rank's stack, from every reachable node."""
         channels = {n.index: n.channel for n in self.nodes
                     if n.channel is not None and n.state in LIVE}
-        self._busy = True
+        self._collecting = True
         try:
             return hang.collect(channels, self.hosts, self.ask_all,  # type: ignore[arg-type]
                                 flight_recorder=flight_recorder)
         finally:
-            self._busy = False
+            self._collecting = False
 
     def _answer_stacks(self) -> None:
         """A reader asked (``orchestrator stacks``): collect, and record the answer."""
@@ -268,6 +346,50 @@ class Engine:
             if node.received > node.acked:
                 node.acked = node.received
                 self.pool.send(node, C.Ack(node.acked))
+
+    def stop_attempt(self, margin: float, drain_limit: float) -> None:
+        """Stop every worker of the current attempt on every node and wait until they are
+        gone (or their node is lost): up to the stop grace plus ``margin``, then up to
+        ``drain_limit`` for what the nodes sent meanwhile."""
+        attempt = self.current
+        if attempt is None or attempt.ended:
+            return
+        attempt.stop()
+        grace = self.spec.stop_grace_period
+        live = [self.nodes[i] for i in attempt.participants
+                if self.nodes[i].state in (NodeState.RUNNING, NodeState.UNREACHABLE)]
+        for node in live:
+            self.pool.send(node, C.Stop(attempt.number, grace))
+
+        def waiting() -> list[Node]:
+            return [n for n in live if n.index not in attempt.stopped_nodes
+                    and n.state in (NodeState.RUNNING, NodeState.UNREACHABLE)]
+
+        self.wait(lambda: not waiting(), grace + margin, interruptible=False)
+        # At the deadline, what the nodes had sent (and waits unread, when the controller is
+        # behind) is still read: a node's `stopped` may be among it. An agent sends at most
+        # its window of output unacknowledged, so this ends; the limit is for a node that
+        # would never stop talking.
+        self.wait(lambda: not self.loop.readable(
+            [n.channel for n in waiting() if n.channel is not None]), drain_limit,
+            interruptible=False)
+        for node in live:
+            if node.state == NodeState.RUNNING:
+                if node.index in attempt.stopped_nodes:
+                    self.book.set(node, NodeState.STOPPED)
+                else:
+                    self.lose(node, f"{node.host}: workers did not stop in time")
+
+    def end_attempt(self, outcome: str, failure: dict[str, Any] | None) -> None:
+        """Record the current attempt's end (once)."""
+        attempt = self.current
+        if attempt is None or attempt.ended:
+            return
+        self.flush()
+        self.checkpoint(force=True)
+        attempt.end()
+        self.store.end_attempt(self.job_id, attempt.number, outcome, failure,
+                               len(attempt.warm_started))
 
     def send_start(self, node: Node) -> None:
         attempt = self.current
@@ -308,7 +430,7 @@ class Engine:
         attached = [n for n in self.nodes if n.channel is not None]
         for node in attached:
             self.pool.send(node, C.Shutdown())
-        self.lingering = True  # from here on, attaching means shutting down
+        self.enter(Phase.LINGERING)  # from here on, attaching means shutting down
         self.wait(lambda: all(n.channel is None for n in attached), wait, interruptible=False)
         for node in attached:
             self.pool.drop_channel(node)
@@ -337,8 +459,8 @@ class Engine:
         for attempt in (self.previous, self.current):
             if attempt is not None:
                 attempt.sink.close()
-        if self.setup_sink is not None:
-            self.setup_sink.close()
+        if self._setup_sink is not None:
+            self._setup_sink.close()
 
     def close(self) -> None:
         self.pool.close()

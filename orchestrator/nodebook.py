@@ -321,6 +321,31 @@ class NodeBook:
                                     and not stale and not start) else None,
             prepare=prepare)
 
+    # --- preparing (sync, setup) ---------------------------------------------------------
+    @staticmethod
+    def preparing(node: Node) -> None:
+        """Its preparation starts (again, on a newer channel)."""
+        node.preparing = True
+
+    @staticmethod
+    def prepared(node: Node, ok: bool) -> None:
+        """Its preparation ended: done (``ok``), or interrupted, or the job's to fail."""
+        node.preparing = False
+        if ok:
+            node.prepared = True
+
+    def setup_failed(self, node: Node, message: str) -> None:
+        """Its setup failed while the job can go on without it: it stays out of the job."""
+        node.preparing = False
+        node.setup_failed = True
+        self.lose(node, message, retry=False)
+
+    def place(self, node: Node, node_rank: int | None, state: NodeState | None = None) -> None:
+        """The node's place in the attempt starting (None: none, a spare or out of the
+        job), and its state with it."""
+        node.node_rank = node_rank
+        self.set(node, node.state if state is None else state, node_rank=node_rank)
+
     def drained(self, node: Node, attempt_number: int) -> bool:
         """The node's leftover workers of ``attempt_number`` stopped: it may rejoin."""
         if node.draining is None or attempt_number != node.draining:
