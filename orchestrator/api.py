@@ -1,19 +1,20 @@
-"""The Python API: what the CLI calls, and what scripts call instead of the CLI."""
+"""The Python API: what the CLI calls, and what scripts call instead of the CLI.
+
+The job's operations (submit, resume, cancel, wait, stacks), its logs, and the home's
+hosts and policies. What a reader shows of a job (the status dict, the controller as seen
+from here) is ``jobview.py``'s."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections import deque
 from collections.abc import Iterator
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +27,12 @@ from orchestrator import (
     retention,
     slurm,
     sync,
-    timelost,
 )
 from orchestrator.errors import JobEndedError, LaunchError, OrchestratorError, StoreUnwritable
-from orchestrator.pids import pid_namespace
+from orchestrator.jobview import controller_view, is_controller, iso, shown_state, status_dict
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
-from orchestrator.state import AttemptOutcome, FailureCause, JobState
+from orchestrator.state import FailureCause, JobState
 from orchestrator.store import JobRecord, Store, check_job_id
 from orchestrator.world import UserWorld
 
@@ -174,7 +174,7 @@ def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
         job = store.get_job(check_job_id(job_id))
         if job.state.is_terminal():
             raise JobEndedError(job_id, job.state.value)
-        view = _controller_view(job)
+        view = controller_view(job)
         if job.failing and view["alive"] is not False:  # its supervisor waits: try again
             store.update_job(job_id, resume_requested_at=time.time())
             return {"job_id": job_id, "resumed": True, "controller": view}
@@ -182,7 +182,7 @@ def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
             return {"job_id": job_id, "resumed": False, "controller": view}
         _start_controller(store, job_id, resume=True)
         return {"job_id": job_id, "resumed": True,
-                "controller": _controller_view(store.get_job(job_id))}
+                "controller": controller_view(store.get_job(job_id))}
     finally:
         store.close()
 
@@ -191,7 +191,7 @@ def status(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
     """The job's state as a JSON-ready dict (the documented ``status --json`` shape)."""
     store = Store(home)
     try:
-        return _status_dict(store.get_job(check_job_id(job_id)))
+        return status_dict(store.get_job(check_job_id(job_id)))
     finally:
         store.close()
 
@@ -206,7 +206,7 @@ def stacks(job_id: str, *, rank: int | None = None, timeout: float = 60.0,
         job = store.get_job(check_job_id(job_id))
         if job.state.is_terminal():
             raise JobEndedError(job_id, job.state.value)
-        if _controller_view(job)["alive"] is False:
+        if controller_view(job)["alive"] is False:
             raise LaunchError(f"the controller of {job_id} is not running: "
                               f"`orchestrator resume {job_id}` first")
         asked = store.request_stacks(job_id)
@@ -217,7 +217,7 @@ def stacks(job_id: str, *, rank: int | None = None, timeout: float = 60.0,
                 found = answer.get("stacks") or {}
                 if rank is not None:
                     found = {k: v for k, v in found.items() if k == str(rank)}
-                return {"at": _iso(answered), "stacks": found,
+                return {"at": iso(answered), "stacks": found,
                         "diagnosis": answer.get("diagnosis")}
             time.sleep(0.1)
         raise LaunchError(f"no stacks from the controller of {job_id} within {timeout:g}s")
@@ -230,8 +230,8 @@ def list_jobs(*, home: str | os.PathLike[str] | None = None) -> list[dict[str, A
     store = Store(home)
     try:
         return [
-            {"job_id": j.job_id, "name": j.name, "state": _shown_state(j, _controller_view(j)),
-             "submitted_at": _iso(j.submitted_at), "ended_at": _iso(j.ended_at),
+            {"job_id": j.job_id, "name": j.name, "state": shown_state(j, controller_view(j)),
+             "submitted_at": iso(j.submitted_at), "ended_at": iso(j.ended_at),
              "attempt": j.attempt, "restarts": j.restarts}
             for j in store.list_jobs()
         ]
@@ -260,11 +260,11 @@ def nodes(*, home: str | os.PathLike[str] | None = None,
         q = held.get(host)
         out.append({
             "host": host, "quarantined": q is not None and q["until"] > now,
-            "until": _iso(q["until"]) if q else None, "level": q["level"] if q else 0,
+            "until": iso(q["until"]) if q else None, "level": q["level"] if q else 0,
             "reason": q["reason"] if q else None,
-            "released_at": _iso(q["released_at"]) if q and q["released_at"] else None,
+            "released_at": iso(q["released_at"]) if q and q["released_at"] else None,
             "events_24h": sum(e["at"] >= now - 86400 for e in its),
-            "events": [{**e, "at": _iso(e["at"])} for e in its[-10:]]})
+            "events": [{**e, "at": iso(e["at"])} for e in its[-10:]]})
     out.sort(key=lambda h: (not h["quarantined"], -last[h["host"]]))
     return out
 
@@ -315,7 +315,7 @@ def prune(*, older_than: float | None = None, dry_run: bool = False,
     finally:
         store.close()
     return [{"job_id": j, "name": found[j].name, "state": found[j].state.value,
-             "ended_at": _iso(found[j].ended_at)} for j in gone]
+             "ended_at": iso(found[j].ended_at)} for j in gone]
 
 
 def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,
@@ -332,9 +332,9 @@ def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,
         while True:
             state, _ = store.job_state(check_job_id(job_id))  # the cheap read, every poll
             if state.is_terminal():
-                return _status_dict(store.get_job(job_id))
+                return status_dict(store.get_job(job_id))
             if deadline is not None and time.monotonic() > deadline:
-                return _status_dict(store.get_job(job_id))
+                return status_dict(store.get_job(job_id))
             if time.monotonic() >= next_liveness_check:
                 _ensure_controller(store, job_id)
                 next_liveness_check = time.monotonic() + 2.0
@@ -353,9 +353,9 @@ def cancel(job_id: str, *, wait_seconds: float = 60.0,
     try:
         job = store.get_job(check_job_id(job_id))
         if job.state.is_terminal():
-            return _status_dict(job)
+            return status_dict(job)
         pid = job.controller_pid
-        live = bool(pid and _is_controller(pid, job.controller_ident, job_id))
+        live = bool(pid and is_controller(pid, job.controller_ident, job_id))
         try:
             store.request_cancel(job_id)
             sig = signal.SIGTERM  # it reads the request: cancel (without it: detach)
@@ -372,7 +372,7 @@ def cancel(job_id: str, *, wait_seconds: float = 60.0,
             if job.state.is_terminal():
                 break
             time.sleep(0.1)
-        return _status_dict(job)
+        return status_dict(job)
     finally:
         store.close()
 
@@ -443,146 +443,12 @@ def log_tail(job_id: str, *, rank: int | None = None, attempt: int | None = None
 
 # --- helpers ---------------------------------------------------------------------------------
 
-def _controller_view(job: JobRecord) -> dict[str, Any]:
-    """The job's controller as this machine sees it. ``alive`` is None when it runs on
-    another host (or in a PID namespace we cannot see into): then nobody here can tell."""
-    here = job.controller_host in (None, socket.gethostname()) and \
-        job.controller_pidns in (None, pid_namespace())
-    alive: bool | None
-    if job.state.is_terminal():
-        alive = _any_controller(job) if here else None
-    elif not here:
-        alive = None
-    else:
-        alive = _any_controller(job)
-    failing = None
-    if job.failing and not job.state.is_terminal():
-        f = job.failing
-        failing = {"since": _iso(f.get("since")), "error": f.get("error"),
-                   "deaths": f.get("deaths"), "traceback": f.get("traceback"),
-                   "until": _iso(f.get("until"))}
-    return {"pid": job.controller_pid, "host": job.controller_host, "alive": alive,
-            "since": _iso(job.controller_since), "supervisor_pid": job.supervisor_pid,
-            "failing": failing}
-
-
-def _shown_state(job: JobRecord, controller: dict[str, Any]) -> str:
-    """The recorded state, except that a job whose controller is known to be dead is not
-    RUNNING any more: it is UNKNOWN until ``resume`` (nothing is rewritten)."""
-    if not job.state.is_terminal() and controller["alive"] is False \
-            and job.state != JobState.PENDING:
-        return "UNKNOWN"
-    return job.state.value
-
-
 def _ensure_controller(store: Store, job_id: str) -> None:
     """Resume the job if its controller and supervisor are known to be dead."""
     job = store.get_job(job_id)
-    if not job.state.is_terminal() and _controller_view(job)["alive"] is False:
+    if not job.state.is_terminal() and controller_view(job)["alive"] is False:
         _start_controller(store, job_id, resume=True)
 
-
-def _any_controller(job: JobRecord) -> bool:
-    return any(_is_controller(pid, ident, job.job_id) for pid, ident in (
-        (job.controller_pid, job.controller_ident), (job.supervisor_pid, job.supervisor_ident))
-        if pid)
-
-
-def _is_controller(pid: int, ident: str | None, job_id: str) -> bool:
-    """Is ``pid`` the recorded process (this user's, started when recorded: not a recycled
-    pid, not another user's controller of a job with the same id) and this job's controller?"""
-    if not pids.is_ours(pid, ident):
-        return False
-    argv = pids.argv(pid)
-    # orchestrator.controller: what started controllers before the supervisor was the entry
-    # (a job submitted before an upgrade keeps its controller).
-    return (b"orchestrator.supervisor" in argv or b"orchestrator.controller" in argv) and \
-        job_id.encode() in argv
-
-
-def _iso(ts: Any) -> str | None:
-    """A stored Unix time as ISO 8601 UTC; one no date can be (a record of an older version,
-    a clock gone wrong) as ``invalid time <value>``, never an error of the reader."""
-    if ts is None:
-        return None
-    try:
-        return datetime.fromtimestamp(ts, timezone.utc).isoformat(timespec="seconds")
-    except (TypeError, ValueError, OverflowError, OSError):
-        return f"invalid time {str(ts)[:40]}"
-
-
-def _is_spare(job: JobRecord, node: Any) -> bool:
-    """Healthy, attached and in no worker's place while the job runs: a hot spare."""
-    return (not job.state.is_terminal() and node.node_rank is None
-            and node.state.value in ("CONNECTED", "STOPPED"))
-
-
-def _status_dict(job: JobRecord) -> dict[str, Any]:
-    hosts = {n.node_index: n.host for n in job.nodes}
-    controller = _controller_view(job)
-    current = next((a for a in job.attempts if a.attempt == job.attempt), None)
-    slow = current.stragglers if current is not None else []
-    ranks = []
-    for r in job.ranks:
-        if r.attempt != job.attempt:
-            continue
-        ranks.append({
-            "rank": r.rank, "local_rank": r.local_rank, "node_index": r.node_index,
-            "host": hosts.get(r.node_index), "pid": r.pid, "state": r.state,
-            "exit_code": r.exit_code, "signal": r.signal, "step": r.step,
-            "metrics": r.metrics, "steps_per_s": r.steps_per_s,
-            "last_heartbeat": _iso(r.heartbeat_at), "last_output": _iso(r.output_at),
-            "wait_share": None if r.wait_share is None else round(r.wait_share, 3),
-            "straggler": r.rank in slow,
-        })
-    return {
-        "job_id": job.job_id,
-        "name": job.name,
-        "state": _shown_state(job, controller),
-        "recorded_state": job.state.value,
-        "submitted_at": _iso(job.submitted_at),
-        "started_at": _iso(job.started_at),
-        "ended_at": _iso(job.ended_at),
-        "attempt": job.attempt,
-        "restarts": job.restarts,
-        "max_restarts": job.max_restarts,
-        "free_restarts": job.free_restarts,
-        "infra_restarts": job.infra_restarts,
-        "controller": controller,
-        "paused": None if job.paused is None or job.state.is_terminal() else {
-            "since": _iso(job.paused.get("since")), "reason": job.paused.get("reason")},
-        "controller_grace": json.loads(job.spec_json).get("health", {}).get("controller_grace"),
-        "slurm": None if job.slurm is None else {
-            "job_id": job.slurm.get("job_id"), "nodes": job.slurm.get("nodes") or [],
-            "owned": job.slurm.get("owned"), "released": job.slurm.get("released", False)},
-        "nodes": [
-            {"node_index": n.node_index, "host": n.host, "node_rank": n.node_rank,
-             "state": n.state.value, "spare": _is_spare(job, n),
-             "hostname": n.info.get("hostname"),
-             "agent_pid": n.info.get("pid"), "error": n.info.get("error"),
-             "sync": n.info.get("sync"), "last_heard": _iso(n.heard_at),
-             "longest_silence_s": None if n.longest_silence is None else
-             round(n.longest_silence, 1),
-             "history": [{"at": _iso(e.at), "state": e.state.value, "message": e.message}
-                         for e in n.history],
-             "entered": dict(n.entered)}
-            for n in job.nodes
-        ],
-        "ranks": ranks,
-        "stragglers": slow,
-        "failure": job.failure,
-        "time_lost": timelost.summary(job.attempts, job.steps, job.ended_at),
-        "attempts": [
-            {"attempt": a.attempt, "started_at": _iso(a.started_at), "ended_at": _iso(a.ended_at),
-             "outcome": a.outcome or AttemptOutcome.RUNNING.value,
-             "master_addr": a.master_addr,
-             "master_port": a.master_port, "world_size": a.world_size, "failure": a.failure,
-             # Under synchronous collectives the job goes at its slowest rank's pace.
-             "steps_per_s": job.rates.get(a.attempt),
-             "stragglers": a.stragglers, "warm_starts": a.warm_starts}
-            for a in job.attempts
-        ],
-    }
 
 
 class _Stream:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import signal
 import sys
 import threading
@@ -18,9 +17,10 @@ from typing import Any, NoReturn, TypeVar
 import typer
 
 import orchestrator as api
-from orchestrator import envargs
+from orchestrator import envargs, render
 from orchestrator.errors import JobEndedError, JobNotFoundError, OrchestratorError, SpecError
 from orchestrator.plan import describe
+from orchestrator.render import render_watch, visible
 
 app = typer.Typer(
     add_completion=False,
@@ -29,9 +29,6 @@ app = typer.Typer(
     help="Run PyTorch distributed jobs on many nodes: submit, watch, restart, cancel.",
 )
 EXIT_FOR_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
-# C0 and C1 control characters but tab and newline: ESC sequences from a worker (or a
-# hostile node) must not reach the terminal.
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 _debug = False
 T = TypeVar("T")
 
@@ -61,18 +58,6 @@ def _call(fn: Callable[[], T]) -> T:
         if _debug:
             raise
         _fail(str(exc), 1)
-
-
-def visible(text: Any) -> str:
-    """Text from workers, agents or nodes, with control characters shown as ``\\xNN``."""
-    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(text))
-
-
-def _cell(text: Any) -> Any:
-    """A table cell that rich shows literally: no markup, no control characters."""
-    from rich.text import Text
-
-    return Text(visible(text))
 
 
 def _print_json(data: Any) -> None:
@@ -132,7 +117,7 @@ def submit(
     if as_json:
         _print_json(result)
     else:
-        typer.echo(visible(_summary_line(result)), err=True)
+        typer.echo(visible(render.summary_line(result)), err=True)
     raise typer.Exit(EXIT_FOR_STATE.get(result["state"], 1))
 
 
@@ -173,7 +158,7 @@ def _watch(job_id: str) -> None:
 
     from rich.live import Live
 
-    with Live(console=_console(), refresh_per_second=2, screen=False) as live:
+    with Live(console=render.console(), refresh_per_second=2, screen=False) as live:
         while True:
             data = _call(lambda: api.status(job_id))
             tail = list(_call(lambda: api.logs(job_id, tail=8)))
@@ -181,82 +166,6 @@ def _watch(job_id: str) -> None:
             if data["state"] in EXIT_FOR_STATE:
                 return
             time.sleep(0.5)
-
-
-def _age(iso: str | None, now: float) -> str:
-    if not iso:
-        return "-"
-    from datetime import datetime
-
-    try:
-        seconds = max(0.0, now - datetime.fromisoformat(iso).timestamp())
-    except ValueError:  # "invalid time ..." (orchestrator/api.py)
-        return iso
-    return f"{seconds:.0f}s ago"
-
-
-def render_watch(data: dict[str, Any], tail: list[str], now: float | None = None) -> Any:
-    """The live view of one job, as one rich renderable: state, attempt and restarts; per
-    node its state and when it was last heard; per rank its state, step, steps/s and last
-    output; the last log lines. Every text from the job is shown literally."""
-    import time
-
-    from rich.console import Group
-    from rich.table import Table
-    from rich.text import Text
-
-    now = time.time() if now is None else now
-    head = Text(f"{data['job_id']}  {data['state']}  attempt {data['attempt']}  restarts "
-                f"{data['restarts']}/{data['max_restarts']}", style="bold")
-    nodes = Table("NODE", "HOST", "STATE", "LAST HEARD", box=None, title="nodes",
-                  title_justify="left")
-    for n in data["nodes"]:
-        nodes.add_row(*map(_cell, ("-" if n["node_rank"] is None else n["node_rank"], n["host"],
-                                   n["state"], _age(n.get("last_heard"), now))))
-    ranks = Table("RANK", "HOST", "STATE", "STEP", "STEPS/S", "WAITING", "LAST OUTPUT",
-                  box=None, title="ranks", title_justify="left")
-    for r in data["ranks"]:
-        rate, share = r.get("steps_per_s"), r.get("wait_share")
-        ranks.add_row(*map(_cell, (r["rank"], r["host"], r["state"],
-                                   "-" if r.get("step") is None else r["step"],
-                                   "-" if rate is None else f"{rate:.2f}",
-                                   ("-" if share is None else f"{share:.0%}")
-                                   + (" STRAGGLER" if r.get("straggler") else ""),
-                                   _age(r.get("last_output"), now))))
-    parts: list[Any] = [head, nodes, ranks]
-    if data.get("stragglers"):
-        parts.append(Text(_stragglers_line(data), style="bold yellow"))
-    parts.append(Text("last lines", style="bold"))
-    parts += [_cell(line) for line in tail]
-    if data.get("failure"):
-        parts.append(_cell(_summary_line(data)))
-    return Group(*parts)
-
-
-def _time_lost_line(lost: dict[str, Any]) -> str:
-    """``time lost: 7.1 s (28 GPU-s) in 2 incidents (training again 0.3-0.4 s after each
-    fault, 15 steps redone); goodput 0.93``: see orchestrator/timelost.py."""
-    found = lost["incidents"]
-    again = [i["recovered_s"] for i in found if i.get("recovered_s") is not None]
-    redone = sum(i.get("steps_redone") or 0 for i in found)
-    parts = [f"time lost: {lost['seconds']:g} s ({lost['gpu_seconds']:g} GPU-s) in "
-             f"{len(found)} incident{'s' * (len(found) != 1)}"]
-    if again:
-        span = f"{min(again):.1f}" + (f"-{max(again):.1f}" if max(again) > min(again) else "")
-        parts.append(f" (training again {span} s after each fault, {redone} steps redone)")
-    if lost.get("goodput") is not None:
-        parts.append(f"; goodput {lost['goodput']:.2f}")
-    return "".join(parts)
-
-
-def _stragglers_line(data: dict[str, Any]) -> str:
-    hosts = {r["rank"]: r["host"] for r in data["ranks"]}
-    waits = [r["wait_share"] for r in data["ranks"]
-             if r.get("wait_share") is not None and not r.get("straggler")]
-    others = f" while the others wait {sorted(waits)[len(waits) // 2]:.0%} of the time in " \
-        "collectives" if waits else ""
-    return "stragglers: " + ", ".join(
-        f"rank {r} ({hosts.get(r)})" for r in data["stragglers"]) + others
 
 
 def _cancel_on_signals(job_id: str) -> None:
@@ -289,7 +198,7 @@ def status(
     if as_json:
         _print_json(data)
         return
-    _print_status(data)
+    render.print_status(data)
 
 
 @app.command()
@@ -368,13 +277,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="Machine-readable o
     if as_json:
         _print_json(jobs)
         return
-    from rich.table import Table
-
-    table = Table("JOB", "NAME", "STATE", "ATTEMPT", "RESTARTS", "SUBMITTED", box=None)
-    for j in jobs:
-        table.add_row(*map(_cell, (j["job_id"], j["name"], j["state"], j["attempt"],
-                                   j["restarts"], j["submitted_at"])))
-    _console().print(table)
+    render.print_jobs(jobs)
 
 
 nodes_app = typer.Typer(help="Hosts across jobs: infrastructure failures and quarantine.",
@@ -394,20 +297,7 @@ def nodes(
     if as_json:
         _print_json(hosts)
         return
-    if not hosts:
-        typer.echo("no host has had an infrastructure failure in the last 7 days")
-        return
-    from rich.table import Table
-
-    table = Table("HOST", "HEALTH", "FAILURES (24H)", "LAST EVENT", box=None)
-    for h in hosts:
-        health = (f"QUARANTINED until {h['until']} (#{h['level']})" if h["quarantined"]
-                  else "ok")
-        last = h["events"][-1] if h["events"] else None
-        shown = f"{last['at']} {last['kind']} in {last['job_id']}: {last['detail']}" \
-            if last else ""
-        table.add_row(*map(_cell, (h["host"], health, h["events_24h"], shown)))
-    _console().print(table)
+    render.print_hosts(hosts)
 
 
 @nodes_app.command("release")
@@ -501,140 +391,8 @@ def check(
     if as_json:
         _print_json(report)
     else:
-        from rich.table import Table
-
-        table = Table("NODE", "HOST", "REACH", "AUTH", "HOST KEY", "PYTHON", "TORCH", "GPUS",
-                      "IFACE", "MASTER PORT", "ERROR", box=None)
-        for n in report["nodes"]:
-            table.add_row(*map(_cell, (
-                n["node_index"], n["host"], _yes(n["reachable"]), _yes(n["auth"]),
-                n["host_key"], n["python"] or "-", n["torch"] or "-",
-                "-" if n["gpus"] is None else n["gpus"], n["interface"] or "-",
-                _yes(n["master_port_reachable"]), n["error"] or "")))
-        console = _console()
-        console.print(table)
-        typer.echo(f"master {report['master_addr']}:{report['master_port'] or '-'}")
-        if report["network"]:
-            typer.echo(report["network"])
-        typer.echo(f"controller_grace {_grace(report['controller_grace'])}: how long agents "
-                   "keep the workers running with no controller attached")
-        for warning in report["warnings"]:
-            typer.echo(f"warning: {visible(warning)}", err=True)
+        render.print_check(report)
     raise typer.Exit(0 if report["ok"] else 1)
-
-
-def _grace(seconds: float | None) -> str:
-    return "forever" if seconds is None else f"{seconds:g}s"
-
-
-def _yes(value: bool | None) -> str:
-    return "-" if value is None else ("yes" if value else "NO")
-
-
-def _summary_line(data: dict[str, Any]) -> str:
-    line = f"{data['job_id']}: {data['state']}"
-    failure = data.get("failure")
-    if failure and data["state"] == "FAILED":
-        line += f" ({failure.get('cause')}): {failure.get('message')}"
-        tail = failure.get("stderr_tail") or []
-        if tail:
-            line += "\nlast stderr lines:\n" + "\n".join(f"  {t}" for t in tail)
-        recorder = failure.get("flight_recorder") or {}
-        if recorder.get("ranks"):
-            line += (f"\nflight recorder dumps of {len(recorder['ranks'])} ranks in "
-                     f"{recorder['dir']} (python -m torch.distributed.flight_recorder.fr_trace "
-                     "DIR reads NCCL dumps)")
-        for rank, where in (recorder.get("left_on_nodes") or {}).items():
-            line += f"\nflight recorder dump of rank {rank} left at {where}"
-    return line
-
-
-def _console() -> Any:
-    from rich.console import Console
-
-    console = Console()
-    # Piped output (scripts, CI logs) must not be cut at 80 columns.
-    return console if console.is_terminal else Console(width=200)
-
-
-def _print_status(data: dict[str, Any]) -> None:
-    from rich.table import Table
-
-    console = _console()
-    free = f" (+{data['free_restarts']} not charged)" if data.get("free_restarts") else ""
-    if data.get("infra_restarts"):
-        free += f" (+{data['infra_restarts']} infrastructure)"
-    typer.echo(f"{data['job_id']}  {data['state']}  attempt {data['attempt']}  "
-               f"restarts {data['restarts']}/{data['max_restarts']}{free}  "
-               f"submitted {data['submitted_at']}")
-    c = data["controller"]
-    alive = {True: "alive", False: "NOT RUNNING", None: "not visible from here"}[c["alive"]]
-    if data["state"] not in EXIT_FOR_STATE:
-        typer.echo(f"controller pid {c['pid']} on {c['host']} since {c['since']}: {alive}; "
-                   f"agents keep the workers {_grace(data['controller_grace'])} without one")
-    if data.get("paused"):
-        p = data["paused"]
-        typer.echo(visible(f"paused since {p['since']}: cannot write {p['reason']}; the "
-                           "workers go on, their output waits on their nodes until there "
-                           "is room"), err=True)
-    if c.get("failing"):
-        f = c["failing"]
-        until = f"until {f['until']}" if f.get("until") else "for as long as the agents wait"
-        typer.echo(visible(
-            f"the controller keeps failing ({f['deaths']} deaths since {f['since']}; the "
-            f"last: {f['error']}; traceback in {f['traceback']}): the workers go on "
-            f"{until}, then the job ends CONTROLLER_FAILED; `orchestrator resume "
-            f"{data['job_id']}` tries again, `orchestrator cancel {data['job_id']}` stops "
-            "them"), err=True)
-    if data.get("slurm"):
-        s = data["slurm"]
-        whose = "requested by the orchestrator" if s["owned"] else "your own allocation"
-        if s["owned"] and s["released"]:
-            whose += ", released"
-        typer.echo(f"slurm job {s['job_id']} ({whose}): "
-                   f"{','.join(s['nodes']) or 'waiting for nodes'}")
-    if data["state"] == "UNKNOWN":
-        typer.echo(f"the controller is gone (recorded state {data['recorded_state']}); run "
-                   f"`orchestrator resume {data['job_id']}` to carry on", err=True)
-    ranks_by_node: dict[int, list[dict[str, Any]]] = {}
-    for r in data["ranks"]:
-        ranks_by_node.setdefault(r["node_index"], []).append(r)
-    nodes = Table("NODE", "HOST", "STATE", "RANKS (exit)", box=None)
-    for n in data["nodes"]:
-        ranks = ", ".join(
-            f"{r['rank']}:{r['state'].lower()}"
-            + (f"({r['exit_code'] if r['exit_code'] is not None else r['signal']})"
-               if r["exit_code"] is not None or r["signal"] else "")
-            + (f"@{r['step']}" if r.get("step") is not None else "")
-            for r in ranks_by_node.get(n["node_index"], [])
-        )
-        node_rank = "-" if n["node_rank"] is None else str(n["node_rank"])
-        state = n["state"] + (f" ({n['error']})" if n.get("error") else "") + \
-            (" (spare)" if n.get("spare") else "")
-        gaps = (n.get("entered") or {}).get("UNREACHABLE", 0)
-        if gaps:
-            state += f" [unreachable {gaps}x]"
-        nodes.add_row(*map(_cell, (node_rank, n["host"], state, ranks)))
-    console.print(nodes)
-    if len(data["attempts"]) > 1 or any(a["failure"] for a in data["attempts"]):
-        warm = any(a.get("warm_starts") for a in data["attempts"])
-        history = Table("ATTEMPT", "STARTED", "ENDED", "OUTCOME", *(["WARM"] if warm else []),
-                        "CLASS", "CAUSE", box=None)
-        for a in data["attempts"]:
-            f = a["failure"] or {}
-            cause = f.get("message", "") + (f"; {f['decision']}" if f.get("decision") else "")
-            history.add_row(*map(_cell, (a["attempt"], a["started_at"] or "",
-                                         a["ended_at"] or "", a["outcome"],
-                                         *([a.get("warm_starts") or 0] if warm else []),
-                                         f.get("failure_class") or "", cause)))
-        console.print(history)
-    if (data.get("time_lost") or {}).get("incidents"):
-        console.print(visible(_time_lost_line(data["time_lost"])), highlight=False,
-                      markup=False)
-    if data.get("stragglers"):
-        console.print(visible(_stragglers_line(data)), highlight=False, markup=False)
-    if data["failure"]:
-        console.print(visible(_summary_line(data)), highlight=False, markup=False)
 
 
 @app.command()

@@ -13,6 +13,7 @@
     │   └── AgentError                the agent did not start or broke the protocol
     │       (and, in orchestrator/transport/base.py: AgentGone, WrongVersion, ProtocolViolation)
     ├── LaunchError                   the job could not be started (e.g. preflight failed)
+    │   └── AllocationRefused         salloc refused the allocation request (Slurm)
     └── StoreError                    $ORCHESTRATOR_HOME or its database cannot be used
         └── StoreUnwritable           nothing can be written there now (a full disk, a
                                       read-only or vanished home): the controller pauses
@@ -95,6 +96,12 @@ class AgentError(TransportError):
 
 class LaunchError(OrchestratorError):
     """The job could not be started."""
+
+
+class AllocationRefused(LaunchError):
+    """salloc refused the allocation request for a reason that names no setting of the spec
+    (those are SpecErrors: orchestrator/slurm.py, ``salloc_error``). Asked without the
+    quarantined nodes, the request is made again with them."""
 
 
 class StoreError(OrchestratorError):

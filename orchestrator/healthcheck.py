@@ -8,6 +8,7 @@ out where ``nnodes`` MIN allows (orchestrator/controller.py)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -37,6 +38,12 @@ def gpus_expected(health: HealthSpec, counted: int | None) -> int | None:
     if not health.gpu_check:
         return None
     return health.gpus_per_node or counted or None
+
+
+def verdict(problems: Sequence[str]) -> str:
+    """A node's error once it failed its health checks, as ``status`` and ``check`` show it:
+    ``unhealthy: PROBLEM; PROBLEM``."""
+    return f"unhealthy: {'; '.join(problems)}"
 
 
 def check_command(spec: JobSpec, node: NodePlan, gpus: int | None,
@@ -104,10 +111,11 @@ def leave_out_unhealthy(engine: Engine, healthy: list[Node]) -> list[Node] | Fai
     blame = len(bad) < len(healthy)
     for node in healthy:
         problems, _ = results[node.index]
-        shown = f"unhealthy: {'; '.join(problems)}" if problems else None
-        if shown != node.info.error and (problems or (node.info.error or "").startswith(
-                "unhealthy: ")):
-            engine.book.note(node, replace(node.info, error=shown))
+        if problems and verdict(problems) != node.info.error:
+            engine.book.note(node, replace(node.info, error=verdict(problems),
+                                           health_problems=list(problems)))
+        elif not problems and node.info.health_problems:  # healthy again: the verdict goes
+            engine.book.note(node, replace(node.info, error=None, health_problems=None))
         if problems:
             log.warning("%s: health check failed: %s", node.host, "; ".join(problems))
         if problems and blame:

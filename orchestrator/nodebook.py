@@ -48,6 +48,9 @@ class NodeInfo:
     pid: int | None = None
     instance: str | None = None
     error: str | None = None
+    # The health check's problems while ``error`` is its verdict (orchestrator/healthcheck.py:
+    # a node that passes again is cleared of that error, and of no other).
+    health_problems: list[str] | None = None
     gone_reason: str | None = None  # what its agent wrote when it gave up
     sync: dict[str, Any] | None = None  # the last sync progress
 
@@ -202,7 +205,8 @@ class NodeBook:
             node.state == NodeState.UNREACHABLE and node.state_before == NodeState.RUNNING)
         self.pool.drop_channel(node)
         new = NodeState.FAILED if node.state == NodeState.PENDING else NodeState.LOST
-        self.set(node, new, message, info=replace(node.info, error=message))
+        self.set(node, new, message, info=replace(node.info, error=message,
+                                                  health_problems=None))
         if retry:
             self.pool.connect(node, launch=True, retry=True)
         else:

@@ -221,7 +221,7 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
             if answer.problems:
                 reports[i].health, reports[i].health_tail = list(answer.problems), \
                     list(answer.tail)
-                reports[i].error = reports[i].error or f"unhealthy: {'; '.join(answer.problems)}"
+                reports[i].error = reports[i].error or healthcheck.verdict(answer.problems)
 
         with ThreadPoolExecutor(max_workers=min(CONNECT_FANOUT, len(spec.nodes))) as pool:
             list(pool.map(probe, sorted(sessions)))
@@ -273,7 +273,7 @@ def _network(spec: JobSpec, sessions: dict[int, _Session], reports: list[NodeRep
     for position, problem in unhealthy.items():
         report = reports[passed[position]]
         report.health.append(problem)
-        report.error = report.error or f"unhealthy: {problem}"
+        report.error = report.error or healthcheck.verdict([problem])
     return summary
 
 

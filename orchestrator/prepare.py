@@ -39,7 +39,7 @@ SETUP_ANSWER_MARGIN = 60.0  # seconds past setup_timeout before a silent agent i
 IN_FLIGHT = 8  # chunks of a blob sent before their replies are awaited
 
 
-class Interrupted(Exception):
+class ChannelEnded(Exception):
     """The node's channel ended under a preparation: it is prepared again once back."""
 
 
@@ -92,7 +92,7 @@ class Preparer:
                     self._push(index, host, channel)
             failure = self._setup(index, host, channel, tree) if self.spec.setup else None
             self.loop.post(E.Prepared(index, failure))
-        except Interrupted:
+        except ChannelEnded:
             self.loop.post(E.Prepared(index, interrupted=True))
         except OrchestratorError as exc:
             self.loop.post(E.Prepared(index, Failure(
@@ -127,7 +127,7 @@ class Preparer:
                            f"setup on {host} did not answer within {limit:g}s (setup_timeout)",
                            node_index=index, host=host)
         if reply is None:
-            raise Interrupted()
+            raise ChannelEnded()
         if isinstance(reply, P.Failed):
             raise LaunchError(f"{host}: setup: {reply.error}")
         if reply.timed_out:
@@ -145,7 +145,7 @@ class Preparer:
     def _ask(self, host: str, channel: Channel, request: C.Request[R]) -> R:
         reply = ask(channel, request, SYNC_TIMEOUT)
         if reply is None:
-            raise Interrupted() if channel.closed else \
+            raise ChannelEnded() if channel.closed else \
                 LaunchError(f"{host}: no answer to {request.OP} within {SYNC_TIMEOUT:g}s")
         if isinstance(reply, P.Failed):
             raise LaunchError(f"{host}: sync: {reply.error}")
@@ -182,7 +182,7 @@ class Preparer:
                         for future in in_flight:
                             put = future.result(SYNC_TIMEOUT)
                             if put is None:
-                                raise Interrupted()
+                                raise ChannelEnded()
                             if isinstance(put, P.Failed) or not put.ok:
                                 raise LaunchError(f"{host}: sync: {put.error}")
                         in_flight = []

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from orchestrator.errors import LaunchError, SpecError
+from orchestrator.errors import AllocationRefused, LaunchError, SpecError
 from orchestrator.spec import JobSpec, NodeSpec, SlurmSpec
 
 log = logging.getLogger("orchestrator.controller")
@@ -42,8 +42,9 @@ _ENDED = {"CANCELLED", "COMPLETED", "FAILED", "TIMEOUT", "NODE_FAIL", "PREEMPTED
           "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
 
 
-class Interrupted(Exception):
-    """Waiting for an allocation was interrupted (cancel, or the controller told to exit)."""
+class AllocationWaitStopped(Exception):
+    """Waiting for an allocation was given up on request (a cancel, or the controller told
+    to exit): the pending request was cancelled. Not an error: the job does not go on."""
 
 
 @dataclass
@@ -105,7 +106,7 @@ def parse_node_addresses(text: str) -> dict[str, str]:
     return out
 
 
-def salloc_error(spec: SlurmSpec, stderr: str) -> Exception:
+def salloc_error(spec: SlurmSpec, stderr: str) -> SpecError | AllocationRefused:
     """salloc's refusal as one line naming the setting at fault."""
     errors = [ln.split("error:", 1)[1].strip() for ln in stderr.splitlines() if "error:" in ln]
     detail = errors[-1] if errors else (stderr.strip().splitlines() or ["no output"])[-1]
@@ -117,7 +118,7 @@ def salloc_error(spec: SlurmSpec, stderr: str) -> Exception:
             value = getattr(spec, setting)
             return SpecError(f"slurm.{setting}", f"refused by Slurm: {detail}", value,
                              has_value=value is not None)
-    return LaunchError(f"slurm: salloc failed: {detail}")
+    return AllocationRefused(f"slurm: salloc failed: {detail}")
 
 
 def salloc_argv(spec: SlurmSpec, name: str, exclude: Sequence[str] = ()) -> list[str]:
@@ -272,9 +273,10 @@ def request(spec: SlurmSpec, name: str, timeout: float, *,
     """Request an allocation with ``salloc --no-shell`` and wait up to ``timeout`` for it to
     be granted. ``record`` is called with the allocation as soon as its id is known (pending
     or granted) and again with its nodes. Not granted in time, or ``stop()`` true: the
-    pending request is cancelled (scancel), then LaunchError or Interrupted. ``exclude``:
-    nodes to keep out of it (quarantined: orchestrator/reputation.py), those Slurm knows;
-    when Slurm refuses the request with them out, it is asked again with them in."""
+    pending request is cancelled (scancel), then LaunchError or AllocationWaitStopped.
+    ``exclude``: nodes to keep out of it (quarantined: orchestrator/reputation.py), those
+    Slurm knows; when Slurm refuses the request with them out (AllocationRefused), it is
+    asked again with them in."""
     require("salloc", "scontrol", "scancel")
     known = slurm_nodes() if exclude else None
     exclude = sorted(set(exclude) & known) if known is not None else []
@@ -282,9 +284,7 @@ def request(spec: SlurmSpec, name: str, timeout: float, *,
         log.info("slurm: asking for nodes other than the quarantined %s", ",".join(exclude))
         try:
             return _request(spec, name, timeout, record, stop, exclude)
-        except LaunchError as exc:
-            if "salloc failed" not in str(exc):
-                raise
+        except AllocationRefused as exc:
             log.warning("slurm refused the allocation without the quarantined node(s) %s "
                         "(%s): asking again with them", ",".join(exclude), exc)
     return _request(spec, name, timeout, record, stop, [])
@@ -327,7 +327,7 @@ def _request(spec: SlurmSpec, name: str, timeout: float, record: Callable[[Alloc
         if seen:
             _give_back(Allocation(seen[0], owned=True), record)
         if why == "stop":
-            raise Interrupted()
+            raise AllocationWaitStopped()
         pending = f"{seen[0]} " if seen else ""
         raise LaunchError(f"slurm: allocation {pending}not granted within launch_timeout "
                           f"({timeout:g}s); the pending request was cancelled")
@@ -368,7 +368,7 @@ def wait_granted(allocation: Allocation, timeout: float,
         if info is None or state in _ENDED:
             return False
         if stop():
-            raise Interrupted()
+            raise AllocationWaitStopped()
         time.sleep(0.5)
     return False
 
@@ -396,7 +396,8 @@ def acquire(spec: JobSpec, name: str, saved: Mapping[str, Any] | None, *,
             ) -> Allocation:
     """The job's allocation: the recorded one (the user's own, or one a controller before
     this one requested), else a new one. A recorded allocation is never swapped for
-    another: its agents and workers run there. Raises LaunchError, SpecError, Interrupted."""
+    another: its agents and workers run there. Raises LaunchError, SpecError,
+    AllocationWaitStopped."""
     assert spec.slurm is not None
     if saved is not None:
         allocation = Allocation.from_dict(saved)

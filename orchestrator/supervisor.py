@@ -149,7 +149,7 @@ def _slurm_allocation(store: Store, job_id: str, spec: JobSpec) -> slurm.Allocat
                              record=record,
                              stop=lambda: bool(told) or store.job_state(job_id)[1],
                              exclude=held)
-    except slurm.Interrupted:
+    except slurm.AllocationWaitStopped:
         if store.job_state(job_id)[1]:
             store.set_state(job_id, JobState.CANCELLED)
         return None

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator import slurm
-from orchestrator.errors import LaunchError, SpecError
+from orchestrator.errors import AllocationRefused, LaunchError, SpecError
 from orchestrator.spec import parse_jobspec
 from orchestrator.transport.base import BOOTSTRAP
 from orchestrator.transport.slurm import srun_argv
@@ -102,8 +102,61 @@ def test_salloc_errors_name_the_setting():
                              "specification\n")
     assert isinstance(err, SpecError) and err.field == "slurm.gres"
     err = slurm.salloc_error(spec, "salloc: error: Something else went wrong\n")
-    assert isinstance(err, LaunchError) and str(err) == \
-        "slurm: salloc failed: Something else went wrong"
+    assert isinstance(err, AllocationRefused) and isinstance(err, LaunchError)
+    assert str(err) == "slurm: salloc failed: Something else went wrong"
+
+
+def _requests(monkeypatch, outcome):
+    """slurm.request with salloc replaced: ``outcome(exclude)`` raises or returns; the
+    excludes asked for are returned."""
+    asked: list[list[str]] = []
+
+    def fake(spec, name, timeout, record, stop, exclude):
+        asked.append(list(exclude))
+        return outcome(exclude)
+
+    monkeypatch.setattr(slurm, "require", lambda *commands: None)
+    monkeypatch.setattr(slurm, "slurm_nodes", lambda: {"n1", "n7"})
+    monkeypatch.setattr(slurm, "_request", fake)
+    return asked
+
+
+def test_a_refused_allocation_without_the_quarantined_nodes_is_asked_again_with_them(
+        monkeypatch):
+    spec = parse_jobspec(SLURM).slurm
+    assert spec is not None
+    granted = slurm.Allocation("42", owned=True, nodes=["n1", "n7", "n8"])
+
+    def refuse_with_exclude(exclude):
+        if exclude:
+            raise slurm.salloc_error(spec, "salloc: error: Requested node configuration is "
+                                     "not available\n")
+        return granted
+
+    asked = _requests(monkeypatch, refuse_with_exclude)
+    assert slurm.request(spec, "o", 5, record=lambda a: None, exclude=["n7"]) is granted
+    assert asked == [["n7"], []]
+
+
+def test_other_launch_errors_are_not_asked_again_whatever_their_text(monkeypatch):
+    spec = parse_jobspec(SLURM).slurm
+    assert spec is not None
+
+    def fail(exclude):  # not a refusal, though its text says "salloc failed"
+        raise LaunchError("slurm: allocation 42 is not running (salloc failed to start it)")
+
+    asked = _requests(monkeypatch, fail)
+    with pytest.raises(LaunchError, match="is not running"):
+        slurm.request(spec, "o", 5, record=lambda a: None, exclude=["n7"])
+    assert asked == [["n7"]]
+
+    def stopped(exclude):
+        raise slurm.AllocationWaitStopped()
+
+    asked = _requests(monkeypatch, stopped)
+    with pytest.raises(slurm.AllocationWaitStopped):
+        slurm.request(spec, "o", 5, record=lambda a: None, exclude=["n7"])
+    assert asked == [["n7"]]
 
 
 def test_scontrol_output():
