@@ -31,6 +31,7 @@ class Unavailable:
     gone: bool = False
     reason: str | None = None
     refused: str | None = None
+    cause: Exception | None = None  # what the connect raised (``check`` reports by its type)
 
 
 @dataclass(frozen=True)

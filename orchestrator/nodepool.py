@@ -140,18 +140,18 @@ class NodePool:
             self.loop.post(E.Attached(node.index, channel))
             return
         except AgentGone as gone:
-            self.loop.post(E.Unavailable(node.index, str(gone), True, gone.reason))
+            self.loop.post(E.Unavailable(node.index, str(gone), True, gone.reason, cause=gone))
             return
         except (WrongVersion, ProtocolViolation) as exc:  # no use trying again
             refused = "version" if isinstance(exc, WrongVersion) else "protocol"
-            self.loop.post(E.Unavailable(node.index, str(exc), refused=refused))
+            self.loop.post(E.Unavailable(node.index, str(exc), refused=refused, cause=exc))
             return
         except OrchestratorError as exc:
-            error = str(exc)
+            error, cause = str(exc), exc
         except Exception as exc:  # a bug in a transport must not kill the job
-            error = f"{node.host}: {exc!r}"
+            error, cause = f"{node.host}: {exc!r}", None
         if not link.retry or self.closing:
-            self.loop.post(E.Unavailable(node.index, error))
+            self.loop.post(E.Unavailable(node.index, error, cause=cause))
             return
         log.info("%s: not reachable yet: %s", node.host, error)
         delay, link.reconnect_delay = link.reconnect_delay, min(RECONNECT_MAX,

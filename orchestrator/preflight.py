@@ -12,29 +12,31 @@ from __future__ import annotations
 import os
 import secrets
 import socket
-import threading
 import time
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from agents import commands as C
 from agents import protocol as P
+from orchestrator import events as E
 from orchestrator import healthcheck, netcheck
-from orchestrator.channel import Channel, R, ask
+from orchestrator.channel import Channel, R, ask_each
 from orchestrator.errors import (
+    AgentError,
     AuthenticationError,
     HostKeyChanged,
     HostKeyError,
     LaunchError,
-    OrchestratorError,
 )
 from orchestrator.loop import EventLoop
-from orchestrator.nodepool import CONNECT_FANOUT
+from orchestrator.nodebook import Node
+from orchestrator.nodepool import CONNECT_FANOUT, NodePool
 from orchestrator.plan import node_address, plan_attempt
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.transport import default_connect
-from orchestrator.transport.base import ConnectionFactory, NodeConnection, attach_agent
+from orchestrator.transport.base import ConnectionFactory
 
 AGENT_TIMEOUT = 15.0
 
@@ -85,41 +87,78 @@ class CheckReport:
                 "warnings": self.warnings}
 
 
-class _Session:
-    """A short-lived agent for preflight (its own job id, shut down at the end)."""
+class _Bringup:
+    """The job's own way to bring agents up, for a check: the node pool (its connects, the
+    handshake, the launch), channels read by one event loop, and requests whose replies
+    arrive while ``wait`` turns that loop. The agents belong to a job id of their own and
+    are shut down at the end."""
 
-    def __init__(self, conn: NodeConnection, node_index: int):
-        secret = secrets.token_hex(16)
-        hello, launched = attach_agent(conn, f"preflight-{secrets.token_hex(4)}", node_index,
-                                       secret, launch=C.Launch(secret, controller_grace=60),
-                                       timeout=AGENT_TIMEOUT)
-        self.channel = Channel(node_index, conn, node_index, hello, launched)
-        self.hello = hello
-
-    def ask(self, request: C.Request[R], within: float = AGENT_TIMEOUT) -> R:
-        reply = ask(self.channel, request, within)
-        if reply is None or isinstance(reply, P.Failed):
-            why = reply.error if isinstance(reply, P.Failed) else "did not answer"
-            raise LaunchError(f"{self.channel.conn.host}: agent {why} ({request.OP})")
-        return reply
-
-
-class _Reader:
-    """One thread that reads every session's channel (replies complete their requests)."""
-
-    def __init__(self) -> None:
+    def __init__(self, spec: JobSpec, connect: ConnectionFactory):
+        # An agent of a check whose controller vanished stops after a minute, whatever the
+        # job's own controller_grace.
+        spec = spec.model_copy(update={"health": spec.health.model_copy(
+            update={"controller_grace": 60.0})})
         self.loop = EventLoop()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="preflight")
-        self._thread.start()
+        self.pool = NodePool(f"preflight-{secrets.token_hex(4)}", spec, secrets.token_hex(16),
+                             connect, self.loop)
+        self.nodes = [Node(i, n) for i, n in enumerate(spec.nodes)]
+        self.failed: dict[int, E.Unavailable] = {}
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.loop.poll(0.1)
+    def up(self) -> None:
+        """Start every node's agent and wait for each outcome."""
+        for node in self.nodes:
+            self.pool.connect(node, launch=True)
+        self.wait(lambda: not any(n.connecting for n in self.nodes), None)
 
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
+    def wait(self, done: Callable[[], bool], timeout: float | None) -> bool:
+        """Turn the loop until ``done()`` (True) or ``timeout`` seconds (False)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            for event in self.loop.poll(0.05 if left is None else min(0.05, left)):
+                match event:
+                    case E.Attached(index, channel):
+                        self.pool.settled(self.nodes[index])
+                        self.pool.adopt(self.nodes[index], channel)
+                    case E.Unavailable():
+                        self.pool.settled(self.nodes[event.node])
+                        self.failed[event.node] = event
+                    case E.Closed(channel) | E.Rejected(channel, _):
+                        node = self.nodes[channel.node_index]
+                        if node.channel is channel:
+                            self.pool.drop_channel(node)
+        return True
+
+    def channels(self, indices: Iterable[int]) -> dict[int, Channel]:
+        return {i: c for i in indices if (c := self.nodes[i].channel) is not None}
+
+    def ask(self, requests: Mapping[int, C.Request[R]], within: float = AGENT_TIMEOUT
+            ) -> dict[int, R | LaunchError]:
+        """Every request at once; each node's reply, or the error that names it."""
+        channels = self.channels(requests)
+        replies = ask_each({i: (channels[i], requests[i]) for i in channels}, within,
+                           self.wait)
+        out: dict[int, R | LaunchError] = {}
+        for i, request in requests.items():
+            reply = replies.get(i)
+            if reply is None or isinstance(reply, P.Failed):
+                why = reply.error if isinstance(reply, P.Failed) else "did not answer"
+                out[i] = LaunchError(f"{self.nodes[i].host}: agent {why} ({request.OP})")
+            else:
+                out[i] = reply
+        return out
+
+    def down(self) -> None:
+        """Shut every agent down, wait (up to 5 s) for their channels to close, let go."""
+        attached = [n for n in self.nodes if n.channel is not None]
+        for node in attached:
+            self.pool.send(node, C.Shutdown())
+        self.wait(lambda: all(n.channel is None for n in attached), 5.0)
+        for node in attached:
+            self.pool.drop_channel(node)
+        self.pool.close()
         self.loop.close()
 
 
@@ -129,116 +168,50 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
     With ``health.node_check`` or ``health.min_free_bytes``, every node runs them too, as
     before an attempt (a synced job's tree is not there yet: they run in the home)."""
     reports = [NodeReport(i, n.host) for i, n in enumerate(spec.nodes)]
-    sessions: dict[int, _Session] = {}
     report_network: str | None = None
-
-    def open_one(i: int) -> None:
-        node, report = spec.nodes[i], reports[i]
-        conn = connect(node, spec)
-        try:
-            conn.open()
-        except HostKeyError as exc:
-            report.reachable, report.error = True, str(exc)
-            report.host_key = "changed" if isinstance(exc, HostKeyChanged) else "unknown"
-            return
-        except AuthenticationError as exc:
-            report.reachable, report.auth, report.error = True, False, str(exc)
-            report.host_key = "verified"
-            return
-        except OrchestratorError as exc:
-            report.error = str(exc)
-            return
-        report.reachable, report.auth = True, True
-        report.host_key = "n/a" if node.is_local else "verified"
-        try:
-            session = _Session(conn, i)
-        except OrchestratorError as exc:
-            report.error = str(exc)
-            conn.close()
-            return
-        reader.loop.call_later(0, lambda: reader.loop.watch(session.channel))
-        hello = session.hello
-        report.hostname, report.python, report.torch = hello.hostname, hello.python, hello.torch
-        report.gpus = hello.gpus
-        if spec.nproc_per_node == "gpu" and not report.gpus:
-            report.error = f"nproc_per_node: gpu, but {node.host} has no GPU"
-        sessions[i] = session
-
-    reader = _Reader()
-    with ThreadPoolExecutor(max_workers=min(CONNECT_FANOUT, len(spec.nodes))) as pool:
-        list(pool.map(open_one, range(len(spec.nodes))))
-
-    master = spec.nodes[0]
-    master_addr = spec.rendezvous.master_addr or node_address(master)
-    span = spec.rendezvous.port_range
-    wanted = list(range(span[0], span[1] + 1)) if span else [0]
-    master_port: int | None = None
-    ports: list[int] = []
-    busy: list[int] = []
+    bringup = _Bringup(spec, connect)
     try:
-        if 0 in sessions:
-            try:
-                listening = sessions[0].ask(C.Listen(ports=tuple(wanted)))
+        bringup.up()
+        for node in bringup.nodes:
+            _connected(spec, node, bringup.failed.get(node.index), reports[node.index])
+        up = sorted(bringup.channels(range(len(spec.nodes))))
+        master = spec.nodes[0]
+        master_addr = spec.rendezvous.master_addr or node_address(master)
+        span = spec.rendezvous.port_range
+        wanted = list(range(span[0], span[1] + 1)) if span else [0]
+        master_port: int | None = None
+        ports: list[int] = []
+        busy: list[int] = []
+        if 0 in up:
+            listening = bringup.ask({0: C.Listen(ports=tuple(wanted))})[0]
+            if isinstance(listening, LaunchError):
+                reports[0].error = str(listening)
+            else:
                 ports, busy = list(listening.ports), list(listening.busy)
                 if ports:
                     master_port = ports[0]
                 else:
                     reports[0].error = (f"no free port in rendezvous.port "
                                         f"{spec.rendezvous.port}: {listening.error}")
-            except OrchestratorError as exc:
-                reports[0].error = str(exc)
-
-        def probe(i: int) -> None:
-            if not ports:
-                return
-            try:
-                answer = sessions[i].ask(C.Probe(master_addr, tuple(ports),
-                                                 3 if len(ports) == 1 else 1.5))
-            except OrchestratorError as exc:
-                reports[i].error = str(exc)
-                return
-            reports[i].interface = answer.interface
-            reports[i].master_port_reachable = answer.reachable
-            reports[i].unreachable_ports = list(answer.unreachable)
-            if not answer.reachable:
-                shown = ", ".join(map(str, reports[i].unreachable_ports[:10]))
-                reports[i].error = (f"cannot reach {master_addr} on port(s) {shown}: "
-                                    f"{answer.error}")
-
-        def health(i: int) -> None:
-            gpus = healthcheck.gpus_expected(spec.health, reports[i].gpus)
-            if not spec.health.checks_nodes and gpus is None:
-                return
-            plan = plan_attempt(spec, "preflight", node_indices=[i], spec_dir=spec_dir).nodes[0]
-            try:  # a synced job's tree is not there yet: the home instead of its workdir
-                answer = sessions[i].ask(
-                    healthcheck.check_command(spec, plan, gpus,
-                                              "~" if spec.sync is not None else None),
-                    spec.health.node_check_timeout + AGENT_TIMEOUT)
-            except OrchestratorError as exc:
-                reports[i].error = reports[i].error or str(exc)
-                return
-            if answer.problems:
-                reports[i].health, reports[i].health_tail = list(answer.problems), \
-                    list(answer.tail)
-                reports[i].error = reports[i].error or healthcheck.verdict(answer.problems)
-
-        with ThreadPoolExecutor(max_workers=min(CONNECT_FANOUT, len(spec.nodes))) as pool:
-            list(pool.map(probe, sorted(sessions)))
-            list(pool.map(health, sorted(sessions)))
+        if ports:
+            probe = C.Probe(master_addr, tuple(ports), 3 if len(ports) == 1 else 1.5)
+            for i, answer in bringup.ask({i: probe for i in up}).items():
+                if isinstance(answer, LaunchError):
+                    reports[i].error = str(answer)
+                    continue
+                reports[i].interface = answer.interface
+                reports[i].master_port_reachable = answer.reachable
+                reports[i].unreachable_ports = list(answer.unreachable)
+                if not answer.reachable:
+                    shown = ", ".join(map(str, reports[i].unreachable_ports[:10]))
+                    reports[i].error = (f"cannot reach {master_addr} on port(s) {shown}: "
+                                        f"{answer.error}")
+        _health(spec, spec_dir, bringup, up, reports)
         if spec.health.network_check is not None:
-            report_network = _network(spec, sessions, reports)
+            report_network = _network(spec, bringup, up, reports)
         outside = _reachable_from_here(spec, master_addr, master_port)
     finally:
-        for session in sessions.values():
-            session.channel.send(C.Shutdown())
-        deadline = time.monotonic() + 5.0  # until the agents have gone (channels closed)
-        while time.monotonic() < deadline and not all(s.channel.closed
-                                                      for s in sessions.values()):
-            time.sleep(0.05)
-        reader.close()
-        for session in sessions.values():
-            session.channel.conn.close()
+        bringup.down()
 
     report = CheckReport(master_addr, master_port, reports,
                          controller_grace=spec.health.controller_grace, ports=ports,
@@ -262,14 +235,66 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
     return report
 
 
-def _network(spec: JobSpec, sessions: dict[int, _Session], reports: list[NodeReport]) -> str:
+def _connected(spec: JobSpec, node: Node, failed: E.Unavailable | None,
+               report: NodeReport) -> None:
+    """What the connect said of a node: reachable, authenticated, its host key, its agent's
+    versions and GPUs, or the error that stopped it (by its type)."""
+    local = node.spec.is_local
+    channel = node.channel
+    if channel is None:
+        cause = failed.cause if failed is not None else None
+        report.error = failed.error if failed is not None else f"{node.host}: not reached"
+        if isinstance(cause, HostKeyError):
+            report.reachable = True
+            report.host_key = "changed" if isinstance(cause, HostKeyChanged) else "unknown"
+        elif isinstance(cause, AuthenticationError):
+            report.reachable, report.auth, report.host_key = True, False, "verified"
+        elif isinstance(cause, AgentError):  # the login worked; the agent did not
+            report.reachable, report.auth = True, True
+            report.host_key = "n/a" if local else "verified"
+        return
+    report.reachable, report.auth = True, True
+    report.host_key = "n/a" if local else "verified"
+    hello = channel.hello
+    report.hostname, report.python, report.torch = hello.hostname, hello.python, hello.torch
+    report.gpus = hello.gpus
+    if spec.nproc_per_node == "gpu" and not report.gpus:
+        report.error = f"nproc_per_node: gpu, but {node.host} has no GPU"
+
+
+def _health(spec: JobSpec, spec_dir: str, bringup: _Bringup, up: list[int],
+            reports: list[NodeReport]) -> None:
+    """Each node's health checks, as before an attempt, all at once."""
+    asked = {}
+    for i in up:
+        gpus = healthcheck.gpus_expected(spec.health, reports[i].gpus)
+        if not spec.health.checks_nodes and gpus is None:
+            continue
+        plan = plan_attempt(spec, "preflight", node_indices=[i], spec_dir=spec_dir).nodes[0]
+        # A synced job's tree is not there yet: the home instead of its workdir.
+        asked[i] = healthcheck.check_command(spec, plan, gpus,
+                                             "~" if spec.sync is not None else None)
+    answers = bringup.ask(asked, spec.health.node_check_timeout + AGENT_TIMEOUT)
+    for i, answer in answers.items():
+        if isinstance(answer, LaunchError):
+            reports[i].error = reports[i].error or str(answer)
+        elif answer.problems:
+            reports[i].health, reports[i].health_tail = list(answer.problems), \
+                list(answer.tail)
+            reports[i].error = reports[i].error or healthcheck.verdict(answer.problems)
+
+
+def _network(spec: JobSpec, bringup: _Bringup, up: list[int],
+             reports: list[NodeReport]) -> str:
     """The pairwise network check among the nodes that passed so far (orchestrator/netcheck.py);
     an unhealthy node's report says why. Returns the summary line."""
     assert spec.health.network_check is not None
-    passed = [i for i in sorted(sessions) if reports[i].error is None]
-    unhealthy, summary = netcheck.run(  # the reader thread completes the replies
-        [sessions[i].channel for i in passed], [node_address(spec.nodes[i]) for i in passed],
-        [f"node {i} ({spec.nodes[i].host})" for i in passed], spec.health.network_check, None)
+    passed = [i for i in up if reports[i].error is None]
+    channels = bringup.channels(passed)
+    unhealthy, summary = netcheck.run(
+        [channels.get(i) for i in passed], [node_address(spec.nodes[i]) for i in passed],
+        [f"node {i} ({spec.nodes[i].host})" for i in passed], spec.health.network_check,
+        bringup.wait)
     for position, problem in unhealthy.items():
         report = reports[passed[position]]
         report.health.append(problem)

@@ -61,8 +61,8 @@ def test_check_shows_the_network_checks_verdict_in_one_line(monkeypatch):
     reports = [NodeReport(0, "local"), NodeReport(1, "local", error="cannot reach it")]
     monkeypatch.setattr(preflight.netcheck, "run", lambda *args: (
         {0: "network check: every link of this node is slow"}, "network check: summary"))
-    sessions = {0: SimpleNamespace(channel=None), 1: SimpleNamespace(channel=None)}
-    assert preflight._network(spec, sessions, reports) == "network check: summary"  # type: ignore[arg-type]
+    bringup = SimpleNamespace(channels=lambda indices: {}, wait=None)
+    assert preflight._network(spec, bringup, [0, 1], reports) == "network check: summary"  # type: ignore[arg-type]
     assert reports[0].error == "unhealthy: network check: every link of this node is slow"
     assert reports[0].health == ["network check: every link of this node is slow"]
     assert reports[1].error == "cannot reach it" and reports[1].health == []
