@@ -67,3 +67,32 @@ def test_check_shows_the_network_checks_verdict_in_one_line(monkeypatch):
     assert reports[0].health == ["network check: every link of this node is slow"]
     assert reports[1].error == "cannot reach it" and reports[1].health == []
 
+
+
+def test_check_reports_a_node_it_could_not_bring_up_by_the_errors_type():
+    """check brings agents up through the node pool: what stopped a node arrives as the
+    exception its connect raised, and the report says how far it got by that type."""
+    from orchestrator import events as E
+    from orchestrator.errors import (
+        AgentError,
+        AuthenticationError,
+        ConnectError,
+        HostKeyChanged,
+        HostKeyUnknown,
+    )
+
+    spec = parse_jobspec("nodes: [{host: a}]\ncommand: [python, t.py]\n")
+    node = Node(0, spec.nodes[0])
+    seen = {}
+    for cause in (ConnectError("a", "timed out"), AuthenticationError("a", "denied"),
+                  HostKeyUnknown("a", "not known"), HostKeyChanged("a", "changed!"),
+                  AgentError("a", "the agent did not start")):
+        report = NodeReport(0, "a")
+        preflight._connected(spec, node, E.Unavailable(0, str(cause), cause=cause), report)
+        assert report.error == str(cause) and not report.ok
+        seen[type(cause).__name__] = (report.reachable, report.auth, report.host_key)
+    assert seen == {"ConnectError": (False, None, "n/a"),
+                    "AuthenticationError": (True, False, "verified"),
+                    "HostKeyUnknown": (True, None, "unknown"),
+                    "HostKeyChanged": (True, None, "changed"),
+                    "AgentError": (True, True, "verified")}
