@@ -47,7 +47,7 @@ class NodeRecord:
     acked_seq: int = 0
     heard_at: float | None = None
     longest_silence: float | None = None  # seconds unheard at most, while attached
-    history: list[NodeEvent] = field(default_factory=list)  # its last changes (Store.HISTORY)
+    history: list[NodeEvent] = field(default_factory=list)  # its last changes (storenodes.HISTORY)
     entered: dict[str, int] = field(default_factory=dict)  # state -> times it entered it
 
 
