@@ -17,10 +17,13 @@ def connect_all(engine: Engine) -> Failure | None:
     """Start (or find) every node's agent in parallel and wait for their hello. Fewer than
     ``min_nodes`` answering fails the launch, naming the first node that did not."""
     nodes, spec = engine.nodes, engine.spec
+    engine.timeline.mark("connect")
     for node in nodes:
         engine.pool.connect(node, launch=True)
-    if not engine.wait(lambda: all(n.state != NodeState.PENDING for n in nodes),
-                       spec.launch_timeout):
+    answered = engine.wait(lambda: all(n.state != NodeState.PENDING for n in nodes),
+                           spec.launch_timeout)
+    engine.timeline.mark("hello")
+    if not answered:
         if engine.stop is not None or engine.launch_failure is not None:
             return engine.launch_failure
         for n in nodes:

@@ -108,6 +108,7 @@ class Controller:
         is set and a fresh controller carries on. Told to exit, the job stays with its
         agents."""
         engine = self.engine
+        engine.timeline.mark("controller")
         engine.pool.start_pinger()
         try:
             outcome = self._supervise()
@@ -133,6 +134,7 @@ class Controller:
         # Agents are shut down before the terminal state is written: whoever sees the job
         # ended also sees every reachable node done.
         self._guarded(lambda: engine.shutdown(SHUTDOWN_WAIT))
+        engine.timeline.mark("teardown")
         if self._on_end is not None:
             self._guarded(self._on_end)  # the job's end must still be recorded
         self._record_end(final, fields)
@@ -147,6 +149,7 @@ class Controller:
         """Write the end, once; while the home cannot be written (the agents are gone and
         nothing else waits) it is tried again every second."""
         said = False
+        self.engine.timeline.mark("state_written")
         while True:
             try:
                 self.engine.set_state(final, **fields)
@@ -296,6 +299,7 @@ class Controller:
         engine.wait(lambda: not any(n.preparing for n in self.nodes))  # sync and setup
         if engine.launch_failure is not None:
             return engine.launch_failure
+        engine.timeline.mark("prepared", self.attempt + 1)
         engine.wait(lambda: (sum(n.usable for n in self.nodes) >= self.spec.min_nodes
                              or not any(n.connecting or n.draining is not None or n.preparing
                                         for n in self.nodes)), self.spec.launch_timeout)
@@ -309,18 +313,15 @@ class Controller:
                 return checked
             healthy = checked
         healthy = healthcheck.leave_out_quarantined(engine, healthy)
+        engine.timeline.mark("checked", self.attempt + 1)
         return choose_participants(healthy, self.engine.current or self.placed,
                                    self.spec.max_nodes)
 
     def _keep_reputation(self, failure: Failure) -> None:
         """An infrastructure failure counts against the node it happened on, across jobs."""
-        if (failure.failure_class != "infrastructure" or failure.node_index is None
-                or failure.cause == FailureCause.CONTROLLER_LOST):
-            return
-        host = self.nodes[failure.node_index].host
-        held = reputation.record(self.store, host, self.job_id, failure.cause.value,
-                                 failure.evidence or failure.message)
-        if held is not None:
+        host = None if failure.node_index is None else self.nodes[failure.node_index].host
+        held = reputation.count_failure(self.store, self.job_id, host, failure)
+        if held is not None and host is not None:
             log.warning("node %s quarantined until %s: %s", host,
                         time.strftime("%H:%M:%S", time.localtime(held["until"])), held["reason"])
             self.notifier.event("quarantined", f"node {host} quarantined: {held['reason']}",
@@ -359,6 +360,7 @@ class Controller:
             node = self.nodes[node_plan.node_index]
             engine.book.place(node, node_plan.node_rank, NodeState.RUNNING)
             engine.send_start(node)
+        engine.timeline.mark("start", self.attempt)
         warm_spares(self, participants, port)
         return self._watch(attempt)
 
@@ -393,6 +395,7 @@ class Controller:
                         f"within launch_timeout ({self.spec.launch_timeout:g}s)"))
                     result = attempt.result()
             if result is not None:
+                engine.timeline.mark("exit", attempt.number)
                 return result
             if engine.stop is not None:
                 return None

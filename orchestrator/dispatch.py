@@ -71,6 +71,9 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
                 engine.pool.drop_channel(node)
                 engine.pool.connect(node, launch=True, retry=True)
             return
+    if isinstance(message, P.Output) and engine.current is not None and \
+            message.attempt == engine.current.number:
+        engine.timeline.mark("first_output", message.attempt)
     if isinstance(message, P.AgentError):
         log.warning("%s: agent error: %s", node.host, message.message)
         return
@@ -93,6 +96,8 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
         if problem is not None:
             engine.reject(node, problem)
             return
+        if isinstance(message, P.Started) and attempt is engine.current and attempt.all_started:
+            engine.timeline.mark("started", attempt.number)
 
 
 def _on_attached(engine: Engine, node: Node, channel: Channel) -> None:

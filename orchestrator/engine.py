@@ -40,6 +40,7 @@ from orchestrator.prepare import Preparer
 from orchestrator.spec import JobSpec
 from orchestrator.state import FailureCause, JobState, NodeState
 from orchestrator.store import Store
+from orchestrator.timeline import Timeline
 from orchestrator.transport.base import ConnectionFactory
 
 K = TypeVar("K")
@@ -102,6 +103,8 @@ class Engine:
         self.deadline: float | None = None  # wall clock: max_duration after the start
         self.launch_failure: Failure | None = None  # the job's own setup failed
         self.phase = Phase.RESUMING if resuming else Phase.RUNNING
+        submitted, marks = store.timeline(job_id)  # a resumed controller carries them on
+        self.timeline = Timeline.from_json(marks, submitted)
         self._handle = handle
         self._setup_sink: LogSink | None = None
         self.on_attached: Callable[[Node, Channel], None] | None = None  # for benchmarks
@@ -145,6 +148,8 @@ class Engine:
     def flush(self) -> None:
         """The node and rank changes of this turn, in one transaction each."""
         self.book.flush()
+        if self.timeline.dirty:
+            self.store.update_job(self.job_id, timeline_json=self.timeline.to_json())
         for attempt in (self.previous, self.current):
             if attempt is not None:
                 attempt.flush_ranks()
@@ -212,6 +217,8 @@ class Engine:
 
     def set_state(self, new: JobState, **fields: Any) -> None:
         self.flush()  # whoever reads a job state also sees the node states that led to it
+        if self.timeline.dirty:
+            fields["timeline_json"] = self.timeline.to_json()
         self.store.set_state(self.job_id, new, **fields)
         self.state = new
         log.info("job %s -> %s", self.job_id, new.value)

@@ -14,7 +14,7 @@ import socket
 from datetime import datetime, timezone
 from typing import Any
 
-from orchestrator import pids, timelost
+from orchestrator import pids, timeline, timelost
 from orchestrator.pids import pid_namespace
 from orchestrator.state import AttemptOutcome, JobState
 from orchestrator.store import JobRecord
@@ -121,6 +121,7 @@ def status_dict(job: JobRecord) -> dict[str, Any]:
         "free_restarts": job.free_restarts,
         "infra_restarts": job.infra_restarts,
         "controller": controller,
+        "timeline": timeline.shown(job.timeline_json, job.submitted_at),
         "paused": None if job.paused is None or job.state.is_terminal() else {
             "since": iso(job.paused.get("since")), "reason": job.paused.get("reason")},
         "controller_grace": json.loads(job.spec_json).get("health", {}).get("controller_grace"),

@@ -120,6 +120,7 @@ class JobRecord:
     paused: dict[str, Any] | None = None  # {since, reason}: the home cannot be written
     failing: dict[str, Any] | None = None  # the controller keeps failing (supervisor.py)
     resume_requested_at: float | None = None  # `resume` asked a failing job to try again
+    timeline_json: str | None = None  # the phases reached (orchestrator/timeline.py)
     nodes: list[NodeRecord] = field(default_factory=list)
     ranks: list[RankRecord] = field(default_factory=list)
     attempts: list[AttemptRecord] = field(default_factory=list)

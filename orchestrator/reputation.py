@@ -19,8 +19,10 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
+from orchestrator.attempt import Failure
 from orchestrator.errors import OrchestratorError
 from orchestrator.specparts import split_host
+from orchestrator.state import FailureCause
 from orchestrator.store import Store
 
 SETTING = "quarantine."  # the settings' names in the store: quarantine.after, ...
@@ -117,6 +119,17 @@ def record(store: Store, spec_host: str, job_id: str, kind: str, detail: str,
               f"(last: {kind} in job {job_id}: {detail[:200]})")
     store.set_quarantine(host, now, until, level, reason)
     return {"host": host, "until": until, "level": level, "reason": reason}
+
+
+def count_failure(store: Store, job_id: str, host: str | None,
+                  failure: Failure) -> dict[str, Any] | None:
+    """An infrastructure failure counts against the node it happened on (``host``), across
+    jobs; a controller that was gone is nobody's fault. The hold, when it quarantines the
+    host."""
+    if (failure.failure_class != "infrastructure" or host is None
+            or failure.cause == FailureCause.CONTROLLER_LOST):
+        return None
+    return record(store, host, job_id, failure.cause.value, failure.evidence or failure.message)
 
 
 def quarantined(store: Store, now: float | None = None) -> dict[str, dict[str, Any]]:

@@ -434,6 +434,10 @@ class Store:
         requested, a stacks request not answered yet)."""
         return storejobs.requests(self._db, job_id)
 
+    def timeline(self, job_id: str) -> tuple[float, str | None]:
+        """When the job was submitted, and the phases its controllers marked (JSON)."""
+        return storejobs.timeline(self._db, job_id)
+
     def job_attempt(self, job_id: str) -> tuple[JobState, int]:
         """The state and the current attempt: what a follower of the logs polls."""
         return storejobs.job_attempt(self._db, job_id)

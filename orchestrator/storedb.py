@@ -57,7 +57,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     supervisor_ident TEXT,
     paused_json TEXT,
     failing_json TEXT,
-    resume_requested_at REAL
+    resume_requested_at REAL,
+    timeline_json TEXT
 );
 CREATE TABLE IF NOT EXISTS nodes (
     job_id TEXT NOT NULL,
@@ -162,7 +163,8 @@ _ADDED_COLUMNS = {
              "controller_pidns": "TEXT", "stacks_requested_at": "REAL",
              "stacks_json": "TEXT", "stacks_at": "REAL", "slurm_json": "TEXT",
              "world_json": "TEXT", "controller_ident": "TEXT", "supervisor_ident": "TEXT",
-             "paused_json": "TEXT", "failing_json": "TEXT", "resume_requested_at": "REAL"},
+             "paused_json": "TEXT", "failing_json": "TEXT", "resume_requested_at": "REAL",
+             "timeline_json": "TEXT"},
     "nodes": {"acked_seq": "INTEGER NOT NULL DEFAULT 0", "heard_at": "REAL",
               "longest_silence": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",

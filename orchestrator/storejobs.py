@@ -137,6 +137,11 @@ def job_attempt(db: sqlite3.Connection, job_id: str) -> tuple[JobState, int]:
     return JobState(row["state"]), int(row["attempt"])
 
 
+def timeline(db: sqlite3.Connection, job_id: str) -> tuple[float, str | None]:
+    row = _row(db, "submitted_at, timeline_json", job_id)
+    return float(row["submitted_at"]), row["timeline_json"]
+
+
 def job_state(db: sqlite3.Connection, job_id: str) -> tuple[JobState, bool]:
     row = _row(db, "state, cancel_requested", job_id)
     return JobState(row["state"]), bool(row["cancel_requested"])
@@ -161,4 +166,5 @@ def record(row: sqlite3.Row) -> JobRecord:
         paused=storedb.json_or_none(row["paused_json"]),
         failing=storedb.json_or_none(row["failing_json"]),
         resume_requested_at=row["resume_requested_at"],
+        timeline_json=row["timeline_json"],
     )
