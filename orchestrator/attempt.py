@@ -29,7 +29,7 @@ def start_command(number: int, node_plan: NodePlan, stop_grace: float, flight_re
     for it); ``warm_imports`` (None: cold starts only) is what its standbys import besides
     torch (agents/standby.py)."""
     return kind(number, node_plan.workdir, dict(node_plan.env), dict(node_plan.defaults),
-                node_plan.route_to, tuple(w.to_command() for w in node_plan.workers),
+                node_plan.route_to, node_plan.workers,
                 stop_grace, flight_recorder,
                 None if warm_imports is None else C.WarmImports(tuple(warm_imports)))
 

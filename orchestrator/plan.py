@@ -24,17 +24,9 @@ TORCHRUN_LINE_PREFIX = "[orc-rank ${rank}]:"
 TORCHRUN_LINE_RE = re.compile(r"^\[orc-rank (\d+)\]:\s?")
 
 
-@dataclass(frozen=True)
-class WorkerPlan:
-    """One process an agent starts. ``rank`` is None when torch's rendezvous assigns ranks."""
-
-    rank: int | None
-    local_rank: int
-    argv: tuple[str, ...]
-    env: dict[str, str]
-
-    def to_command(self) -> C.WorkerStart:
-        return C.WorkerStart(self.rank, self.local_rank, tuple(self.argv), dict(self.env))
+#: One process an agent starts (``rank`` None when torch's rendezvous assigns ranks): the
+#: worker of a ``start`` command as it is sent.
+WorkerPlan = C.WorkerStart
 
 
 @dataclass(frozen=True)

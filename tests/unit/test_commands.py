@@ -13,6 +13,7 @@ import json
 import pathlib
 import threading
 import typing
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -104,17 +105,9 @@ def test_what_the_agent_replies_parses_at_the_controllers_door_as_itself():
 
 
 def test_a_reply_of_the_wrong_type_fails_the_request_instead_of_reaching_its_caller():
-    sent = []
-
-    class Conn:
-        host = "h"
-
-        def send(self, message):
-            sent.append(message)
-
-    hello = P.parse({"type": "hello", "protocol": P.VERSION, "pid": 1, "attempt": 0,
-                     "workers": []})
-    channel = Channel(0, Conn(), 1, hello, False)
+    sent: list[dict] = []
+    channel = Channel(0, SimpleNamespace(host="h", send=sent.append), 1,  # type: ignore[arg-type]
+                      P.Hello(P.VERSION, 1, 0), False)
     threading.Timer(0.05, lambda: channel.resolve(P.Listening(sent[-1]["req"], (1,)))).start()
     answer = ask(channel, C.FreePort(), 5.0)
     assert isinstance(answer, P.Failed) and "Listening, not PortReply" in answer.error

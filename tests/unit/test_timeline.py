@@ -3,36 +3,13 @@ between submit and the first line of output (orchestrator/timeline.py)."""
 
 from __future__ import annotations
 
-from orchestrator.controller import Controller
 from orchestrator.jobview import status_dict
-from orchestrator.spec import parse_jobspec
-from orchestrator.store import Store
 from orchestrator.timeline import PHASES, Timeline, shown
-from orchestrator.transport.fake import FakeAgent
-
-SPEC = """
-name: fake
-nodes: [{host: a}, {host: b}]
-nproc_per_node: 2
-command: [train]
-max_restarts: 1
-restart_backoff: {initial: 0.01, max: 0.01}
-health: {heartbeat_interval: 1, node_timeout: 30}
-"""
-
-
-def _run(tmp_path, exits: dict) -> tuple[Store, str]:
-    spec = parse_jobspec(SPEC)
-    store = Store(tmp_path / "home")
-    store.create_job("fake-000001", spec.name, spec.model_dump_json(), str(tmp_path),
-                     spec.max_restarts, [n.host for n in spec.nodes])
-    Controller(store, "fake-000001", spec, str(tmp_path),
-               lambda node, _s: FakeAgent(node.host, exits.get(node.host, {}), [])).run()
-    return store, "fake-000001"
+from tests.unit.test_controller import SPEC, run_job
 
 
 def test_status_shows_every_phase_of_a_run_in_order_and_in_time(tmp_path):
-    store, job_id = _run(tmp_path, {"b": {1: {2: 3}}})  # attempt 1 fails on rank 2
+    store, job_id, _ = run_job(tmp_path, SPEC, {"b": {1: {2: 3}}})  # attempt 1: rank 2 fails
     marks = status_dict(store.get_job(job_id))["timeline"]
     phases = [(m["phase"], m["attempt"]) for m in marks]
     # Every worker started, and a first line came, in whichever order the nodes' channels
