@@ -344,6 +344,10 @@ class Attempt:
             "stderr": {k: list(v) for k, v in self.sink.stderr.items()},
         }
 
+    def forgive(self, seconds: float, now: float) -> None:
+        """The controller was not looking for ``seconds``: no hang counts that time."""
+        self.last_activity = min(self.last_activity + seconds, now)
+
     def stop(self) -> None:
         """Its workers are being stopped: exits from here on are our doing."""
         self.stopping = True

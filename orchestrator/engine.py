@@ -239,7 +239,7 @@ class Engine:
         self.book.forgive(stalled, now)
         for attempt in (self.current, self.previous):
             if attempt is not None:  # nor a hang's
-                attempt.last_activity = min(attempt.last_activity + stalled, now)
+                attempt.forgive(stalled, now)
 
     # --- the checks of every turn ----------------------------------------------------------
     def _checks(self) -> None:
@@ -349,10 +349,8 @@ class Engine:
         # A checkpoint fsyncs every log written since the last one: with thousands of ranks
         # that is most of them, so checkpoints may take at most a fifth of the loop's time.
         self._checkpoint_every = max(CHECKPOINT_EVERY, 4 * (self._checkpointed - now))
-        for node in self.nodes:
-            if node.received > node.acked:
-                node.acked = node.received
-                self.pool.send(node, C.Ack(node.acked))
+        for node in self.book.kept():  # what the checkpoint holds, the agents may forget
+            self.pool.send(node, C.Ack(node.acked))
 
     def stop_attempt(self, margin: float, drain_limit: float) -> None:
         """Stop every worker of the current attempt on every node and wait until they are

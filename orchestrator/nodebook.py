@@ -325,6 +325,16 @@ class NodeBook:
                                     and not stale and not start) else None,
             prepare=prepare)
 
+    def kept(self) -> list[Node]:
+        """A checkpoint holds every message handled: the nodes with messages not yet
+        acknowledged, now acknowledged (``acked``: tell their agents)."""
+        out = []
+        for node in self.nodes:
+            if node.received > node.acked:
+                node.acked = node.received
+                out.append(node)
+        return out
+
     # --- preparing (sync, setup) ---------------------------------------------------------
     @staticmethod
     def preparing(node: Node) -> None:
