@@ -10,7 +10,6 @@ import dataclasses
 import os
 import secrets
 import signal
-import subprocess
 import sys
 import time
 from collections import deque
@@ -26,17 +25,23 @@ from orchestrator import (
     reputation,
     retention,
     slurm,
+    spawn,
     sync,
 )
 from orchestrator.errors import JobEndedError, LaunchError, OrchestratorError, StoreUnwritable
-from orchestrator.jobview import controller_view, is_controller, iso, shown_state, status_dict
+from orchestrator.jobview import (
+    SupervisorExit,
+    controller_view,
+    is_controller,
+    iso,
+    shown_state,
+    status_dict,
+)
 from orchestrator.plan import LaunchPlan, plan_attempt
 from orchestrator.spec import JobSpec, load_jobspec
 from orchestrator.state import FailureCause, JobState
 from orchestrator.store import JobRecord, Store, check_job_id
 from orchestrator.world import UserWorld
-
-_PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
 def _load(spec: str | os.PathLike[str] | JobSpec, spec_dir: str | None,
@@ -80,7 +85,7 @@ def check(spec: str | os.PathLike[str] | JobSpec) -> dict[str, Any]:
 
 def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = None,
            home: str | os.PathLike[str] | None = None, env: dict[str, str] | None = None,
-           overrides: list[str] | None = None) -> str:
+           overrides: list[str] | None = None, fork: bool = False) -> str:
     """Validate a spec, record the job, start its detached controller; return the job id.
 
     ``spec`` is a path to a YAML spec or a loaded :class:`JobSpec` (then relative workdirs
@@ -88,7 +93,9 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
     answer on its port, or whose host key is unknown, fails here (LaunchError, naming it)
     before anything is recorded or started. ``env`` adds variables and ``overrides``
     (``field.path=value``) change fields of a spec file for this job only; both are
-    validated like the file.
+    validated like the file. ``fork``: the supervisor is a fork of this process (a third of
+    a second sooner: orchestrator/spawn.py), for a caller that holds nothing a fork must not
+    inherit (the orchestrator command).
     """
     world = UserWorld.capture()  # first: what torchrun run from here would pass on
     job_spec, directory = _load(spec, spec_dir, env, overrides)
@@ -119,7 +126,7 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
         if manifest is not None:  # hashed once: the controller ships this very tree
             manifest.save(store.job_dir(job_id) / sync.MANIFEST_FILE)
         try:
-            _start_controller(store, job_id, resume=False)
+            spawn.start_supervisor(store, job_id, resume=False, fork=fork)
         except OSError as exc:
             store.set_state(job_id, JobState.FAILED,
                             failure={"cause": FailureCause.LAUNCH_FAILED.value,
@@ -139,30 +146,6 @@ def _check_free_space(store: Store, min_free: int) -> None:
                           "free some space, or lower logs.min_free_bytes")
 
 
-def _start_controller(store: Store, job_id: str, *, resume: bool) -> int:
-    """Start the job's supervised controller, detached; return the supervisor's pid."""
-    log_path = store.job_dir(job_id) / "controller.log"
-    # The controller's own settings: none of them reaches a worker, which starts from the
-    # world kept with the job (orchestrator/world.py).
-    env = dict(os.environ)
-    env["ORCHESTRATOR_HOME"] = str(store.home)
-    # It must import this very package, installed or not, and nothing from the current
-    # directory (a queue.py beside the spec).
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-    env["PYTHONSAFEPATH"] = "1"
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "orchestrator.supervisor", job_id, "--supervise",
-             *(["--resume"] if resume else [])],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env=env, cwd=str(store.home),
-            start_new_session=True,  # outlives the terminal that submitted it
-        )
-    store.claim_supervisor(job_id, proc.pid)
-    return proc.pid
-
-
 def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Start a new controller for a job whose controller is gone (or, when its controller
     keeps failing, have its supervisor try again now): it reattaches to the same agents and
@@ -180,7 +163,7 @@ def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
             return {"job_id": job_id, "resumed": True, "controller": view}
         if view["alive"] is not False:
             return {"job_id": job_id, "resumed": False, "controller": view}
-        _start_controller(store, job_id, resume=True)
+        spawn.start_supervisor(store, job_id, resume=True)
         return {"job_id": job_id, "resumed": True,
                 "controller": controller_view(store.get_job(job_id))}
     finally:
@@ -328,6 +311,7 @@ def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,
     store = Store(home)
     deadline = None if timeout is None else time.monotonic() + timeout
     next_liveness_check = time.monotonic() + 2.0
+    ended = SupervisorExit()  # it exits right after the end is recorded: wake then
     try:
         while True:
             state, _ = store.job_state(check_job_id(job_id))  # the cheap read, every poll
@@ -338,8 +322,12 @@ def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,
             if time.monotonic() >= next_liveness_check:
                 _ensure_controller(store, job_id)
                 next_liveness_check = time.monotonic() + 2.0
-            time.sleep(poll)
+                ended.close()  # a new supervisor, perhaps: watched from the next look on
+            if not ended.watching:
+                ended.watch(store.get_job(job_id))
+            ended.sleep(poll)
     finally:
+        ended.close()
         store.close()
 
 
@@ -447,7 +435,7 @@ def _ensure_controller(store: Store, job_id: str) -> None:
     """Resume the job if its controller and supervisor are known to be dead."""
     job = store.get_job(job_id)
     if not job.state.is_terminal() and controller_view(job)["alive"] is False:
-        _start_controller(store, job_id, resume=True)
+        spawn.start_supervisor(store, job_id, resume=True)
 
 
 

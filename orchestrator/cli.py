@@ -97,7 +97,7 @@ def submit(
         else:
             typer.echo(describe(plan))
         return
-    job_id = _call(lambda: api.submit(spec, env=extra_env, overrides=sets))
+    job_id = _call(lambda: api.submit(spec, env=extra_env, overrides=sets, fork=True))
     if not (wait or follow):
         if as_json:
             _print_json({"job_id": job_id})
@@ -416,5 +416,19 @@ def ui(
 
 
 def main() -> None:
-    """Console-script entry point."""
-    app()
+    """Console-script entry point. It leaves without the interpreter's teardown (tens of
+    milliseconds with pydantic, paramiko and sqlite loaded, after the answer is known):
+    what it wrote is flushed first, and no thread of it must finish."""
+    code = 0
+    try:
+        app()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if not isinstance(exc.code, int) and exc.code is not None:
+            print(exc.code, file=sys.stderr)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            code = code or 1  # stdout closed early (a pipe to head): as Python would say
+    os._exit(code)

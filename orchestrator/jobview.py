@@ -10,7 +10,10 @@ store's records; called by ``api.py``.
 from __future__ import annotations
 
 import json
+import os
+import select
 import socket
+import time
 from datetime import datetime, timezone
 from typing import Any
 
@@ -63,11 +66,52 @@ def is_controller(pid: int, ident: str | None, job_id: str) -> bool:
     pid, not another user's controller of a job with the same id) and this job's controller?"""
     if not pids.is_ours(pid, ident):
         return False
+    if ident is not None:  # the very process recorded (its uid and start time): a forked
+        return True        # supervisor has the submitting command's argv (spawn.py)
     argv = pids.argv(pid)
-    # orchestrator.controller: what started controllers before the supervisor was the entry
-    # (a job submitted before an upgrade keeps its controller).
+    # A record without an identity (an older version's): its command line, as started then.
     return (b"orchestrator.supervisor" in argv or b"orchestrator.controller" in argv) and \
         job_id.encode() in argv
+
+
+class SupervisorExit:
+    """A waiter's sleep, cut short when the job's supervisor exits (it exits right after the
+    end is recorded, so a waiter sees the end at once instead of up to a poll later). A
+    pidfd (Linux 5.3) pins the recorded process; without one, or for a supervisor on another
+    host or in another PID namespace, a plain sleep."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self.watching = False  # looked (found one or not) since the last close
+
+    def watch(self, job: JobRecord) -> None:
+        self.watching = True
+        pid, ident = job.supervisor_pid, job.supervisor_ident
+        if not pid or job.controller_host not in (None, socket.gethostname()) or \
+                job.controller_pidns not in (None, pid_namespace()):
+            return
+        try:
+            fd = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            return
+        if is_controller(pid, ident, job.job_id):  # checked once pinned: not a reused pid
+            self._fd = fd
+        else:
+            os.close(fd)
+
+    def sleep(self, seconds: float) -> None:
+        if self._fd is None:
+            time.sleep(seconds)
+            return
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        if poller.poll(seconds * 1000):  # it exited: the next look finds who is next, if any
+            self.close()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self.watching = None, False
 
 
 def iso(ts: Any) -> str | None:
