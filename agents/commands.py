@@ -27,12 +27,13 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 from agents import protocol as P
-from agents.fields import MAX_COUNT, MAX_RANK, Fields, ProtocolError
+from agents.fields import MAX_COUNT, MAX_ITEMS, MAX_RANK, Fields, ProtocolError
 
 R = TypeVar("R", bound=P.Reply)
 
 MAX_PORT = 65535
 MAX_ARG = 1 << 20  # one argument, path, script or variable
+MAX_FILES = 1 << 22  # files of a synced tree
 
 
 class _Read(Fields):
@@ -50,9 +51,10 @@ class _Read(Fields):
             self.text(name, MAX_ARG, value=value)
         return dict(v)
 
-    def words(self, name: str, optional: bool = True, limit: int = MAX_ARG
-              ) -> tuple[str, ...]:
-        return tuple(self.text(name, limit, value=v) for v in self.array(name, optional))
+    def words(self, name: str, optional: bool = True, limit: int = MAX_ARG,
+              items: int = MAX_ITEMS) -> tuple[str, ...]:
+        return tuple(self.text(name, limit, value=v)
+                     for v in self.array(name, optional, limit=items))
 
     def ports(self, name: str) -> tuple[int, ...]:
         return tuple(self.integer(name, 0, MAX_PORT, value=p)
@@ -327,7 +329,7 @@ class MissingBlobs(Request[P.SyncMissing]):
 
     @classmethod
     def read(cls, f: _Read) -> MissingBlobs:
-        return cls(f.words("blobs", optional=False, limit=64))
+        return cls(f.words("blobs", optional=False, limit=64, items=MAX_FILES))
 
 
 @dataclass(frozen=True)
@@ -361,7 +363,7 @@ class BuildTree(Request[P.SyncBuilt]):
     @classmethod
     def read(cls, f: _Read) -> BuildTree:
         files = []
-        for item in f.array("files", limit=1 << 22):
+        for item in f.array("files", limit=MAX_FILES):
             if not (isinstance(item, list) and len(item) == 3 and isinstance(item[2], bool)):
                 raise f.bad("files", item)
             files.append((f.text("files", 4096, value=item[0]),

@@ -208,3 +208,10 @@ def test_no_module_reads_a_raw_message_field_outside_the_protocol():
     assert len(speakers) > 30
     reads = [r for path in speakers for r in _raw_reads(path)]
     assert reads == []
+
+
+def test_a_synced_tree_of_more_files_than_a_mapping_may_hold_still_passes_the_door():
+    blobs = C.MissingBlobs(tuple(f"{i:064x}" for i in range(70_000)))
+    assert C.parse(_line(blobs, 1)) == (blobs, 1)
+    tree = C.BuildTree("ab" * 32, tuple((f"f{i}.py", f"{i:064x}", False) for i in range(70_000)))
+    assert C.parse(_line(tree, 2)) == (tree, 2)
