@@ -456,7 +456,11 @@ class Dropped(Sequenced):
 
 
 @dataclass(frozen=True)
-class AgentError(Sequenced):
+class ErrorReport(Sequenced):
+    """The agent reports an error of its own (a command it refused or that failed without
+    a request to answer): ``type: error``. Not orchestrator.errors.AgentError, the
+    controller's exception for an agent that did not start."""
+
     message: str
 
 
@@ -494,7 +498,7 @@ _SEQUENCED: dict[str, Callable[[Fields], Sequenced]] = {
     STOPPED: lambda f: Stopped(_seq(f), f.integer("attempt")),
     DROPPED: lambda f: Dropped(_seq(f), f.integer("attempt"), _rank(f), _stream(f),
                                f.integer("lines", 0, MAX_COUNT)),
-    ERROR: lambda f: AgentError(_seq(f), f.integer("attempt", optional=True) or 0,
+    ERROR: lambda f: ErrorReport(_seq(f), f.integer("attempt", optional=True) or 0,
                                 f.text("message", MAX_TEXT)),
 }
 

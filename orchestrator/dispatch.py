@@ -74,7 +74,7 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
     if isinstance(message, P.Output) and engine.current is not None and \
             message.attempt == engine.current.number:
         engine.timeline.mark("first_output", message.attempt)
-    if isinstance(message, P.AgentError):
+    if isinstance(message, P.ErrorReport):
         log.warning("%s: agent error: %s", node.host, message.message)
         return
     if isinstance(message, P.SetupOutput):

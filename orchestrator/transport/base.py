@@ -228,7 +228,7 @@ def attach_agent(conn: NodeConnection, job_id: str, node_index: int, secret: str
             raise AgentGone(conn.host, reply)
         if not isinstance(reply, P.Relay):
             tail = list(conn.framer.noise)[-3:]
-            what = reply.message if isinstance(reply, P.AgentError) else \
+            what = reply.message if isinstance(reply, P.ErrorReport) else \
                 "the agent's relay exited"
             raise AgentError(conn.host, f"{what}" + (": " + " | ".join(tail) if tail else ""))
         conn.send(C.wire(C.Attach(secret, ack)))
