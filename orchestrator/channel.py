@@ -133,8 +133,9 @@ def ask_each(requests: Mapping[K, tuple[Channel, C.Request[R]]], within: float |
     futures = {key: (ch, ch.request(request)) for key, (ch, request) in requests.items()}
     if wait is not None:
         wait(lambda: all(f.done() for _, f in futures.values()), within)
-    else:
-        wait_futures([f for _, f in futures.values()], within)
+    else:  # a wait beyond what a lock can wait (a spec's huge timeout) is no limit
+        wait_futures([f for _, f in futures.values()],
+                     None if within is None or within >= threading.TIMEOUT_MAX else within)
     out: dict[K, Answer[R]] = {}
     for key, (channel, future) in futures.items():
         if future.done():

@@ -215,3 +215,13 @@ def test_a_synced_tree_of_more_files_than_a_mapping_may_hold_still_passes_the_do
     assert C.parse(_line(blobs, 1)) == (blobs, 1)
     tree = C.BuildTree("ab" * 32, tuple((f"f{i}.py", f"{i:064x}", False) for i in range(70_000)))
     assert C.parse(_line(tree, 2)) == (tree, 2)
+
+
+def test_a_wait_longer_than_a_lock_can_wait_is_no_limit_not_an_error():
+    """A spec's huge timeout (network_check.timeout: 9223372032) once reached a lock's
+    wait as an OverflowError (found by test_fuzz)."""
+    sent: list[dict] = []
+    channel = Channel(0, SimpleNamespace(host="h", send=sent.append), 1,  # type: ignore[arg-type]
+                      P.Hello(P.VERSION, 1, 0), False)
+    threading.Timer(0.05, lambda: channel.resolve(P.PortReply(sent[-1]["req"], 7, True))).start()
+    assert ask(channel, C.FreePort(), 9_223_372_032.0) == P.PortReply(sent[-1]["req"], 7, True)
