@@ -321,7 +321,7 @@ def quick_check(spec: JobSpec) -> None:
     remote = [n for n in spec.nodes if not n.is_local]
     if not remote:
         return
-    from orchestrator.transport.ssh import known_host_names, resolve_target
+    from orchestrator.transport.hosts import known_host_names, resolve_target
 
     def one(node: NodeSpec) -> str | None:
         target = resolve_target(node, spec)

@@ -35,6 +35,7 @@ from orchestrator.errors import (
 )
 from orchestrator.spec import JobSpec, NodeSpec
 from orchestrator.transport.base import AGENT_PYTHON_FLAGS, BOOTSTRAP, Framer, agent_payload
+from orchestrator.transport.hosts import known_hosts_path, resolve_target
 
 _known_hosts_lock = threading.Lock()
 
@@ -77,48 +78,6 @@ class _RejectUnknown(paramiko.MissingHostKeyPolicy):
                          key: paramiko.PKey) -> None:
         raise HostKeyUnknown(self.host, f"host key for {hostname} is not in known_hosts "
                                         "(add it, or set ssh.host_key_policy: accept-new)")
-
-
-def resolve_target(node: NodeSpec, spec: JobSpec) -> dict[str, Any]:
-    """Hostname, port, user and identity for a node: the spec first, then ~/.ssh/config."""
-    user, hostname, port = node.resolved(spec.ssh)
-    identity = node.identity_file or spec.ssh.identity_file
-    config_path = os.path.expanduser("~/.ssh/config")
-    if os.path.exists(config_path):
-        entry = paramiko.SSHConfig.from_path(config_path).lookup(hostname)
-        hostname = entry.get("hostname", hostname)
-        if user is None and entry.get("user"):
-            user = entry["user"]
-        if node.explicit_port is None and entry.get("port"):
-            port = int(entry["port"])
-        if identity is None and entry.get("identityfile"):
-            identity = entry["identityfile"][0]
-    return {
-        "hostname": hostname,
-        "port": port,
-        "username": user or _local_user(),
-        "key_filename": os.path.expanduser(identity) if identity else None,
-    }
-
-
-def known_hosts_path(spec: JobSpec) -> str:
-    return os.path.expanduser(spec.ssh.known_hosts or "~/.ssh/known_hosts")
-
-
-def known_host_names(spec: JobSpec, hostname: str, port: int) -> bool:
-    """Does known_hosts hold a key for this host (as ssh names it: ``[host]:port`` if not 22)?"""
-    try:
-        keys = paramiko.HostKeys(known_hosts_path(spec))
-    except (OSError, paramiko.SSHException):
-        return False
-    name = hostname if port == 22 else f"[{hostname}]:{port}"
-    return keys.lookup(name) is not None
-
-
-def _local_user() -> str:
-    import getpass
-
-    return getpass.getuser()
 
 
 class SSHConnection:
