@@ -99,6 +99,25 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
     """
     world = UserWorld.capture()  # first: what torchrun run from here would pass on
     job_spec, directory = _load(spec, spec_dir, env, overrides)
+    # The supervisor starts now (no database is open yet) and imports what it lacks while
+    # the checks run; it is told its job once it is recorded (orchestrator/spawn.py).
+    early = _fork_supervisor() if fork else None
+    try:
+        return _submit(job_spec, directory, world, home, early)
+    finally:
+        if early is not None:
+            early.abandon()  # told nothing (a check failed): it exits, having done nothing
+
+
+def _fork_supervisor() -> spawn.Forked | None:
+    try:
+        return spawn.Forked.start()
+    except OSError:
+        return None  # a fresh interpreter then
+
+
+def _submit(job_spec: JobSpec, directory: str, world: UserWorld,
+            home: str | os.PathLike[str] | None, early: spawn.Forked | None) -> str:
     preflight.quick_check(job_spec)
     allocation, hosts = None, [n.host for n in job_spec.nodes]
     if job_spec.slurm is not None:  # no salloc, no such partition: said now, not later
@@ -126,7 +145,10 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
         if manifest is not None:  # hashed once: the controller ships this very tree
             manifest.save(store.job_dir(job_id) / sync.MANIFEST_FILE)
         try:
-            spawn.start_supervisor(store, job_id, resume=False, fork=fork)
+            if early is not None:
+                early.go(store, job_id)
+            else:
+                spawn.start_supervisor(store, job_id, resume=False)
         except OSError as exc:
             store.set_state(job_id, JobState.FAILED,
                             failure={"cause": FailureCause.LAUNCH_FAILED.value,

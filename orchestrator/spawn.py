@@ -8,13 +8,15 @@ Two ways, the same process afterwards:
 
 - a fresh interpreter, ``python -m orchestrator.supervisor JOB --supervise``: for API
   callers, whose process may hold threads, connections and state of their own;
-- a fork of the calling process (``fork=True``: the orchestrator command), which has
-  imported most of what a controller needs already (pydantic's spec models, the store):
-  a third of a second sooner on every ``submit``. Taken only from a process with one
-  thread, with the store's connection closed across it (SQLite's locks and connections
-  must not cross a fork); the fork is detached twice, its descriptors closed but its log,
-  its inherited objects frozen (nothing of its parent's is finalized in it), and it never
-  returns into its parent's code.
+- a fork of the calling process (``Forked``: the orchestrator command), which has imported
+  most of what a controller needs already (pydantic's spec models, the store): a third of
+  a second sooner on every ``submit``. ``submit`` forks it as soon as the spec is valid,
+  before its checks and before any database is open (SQLite's locks and connections must
+  not cross a fork), and it imports the rest (paramiko, the controller) meanwhile; once the
+  job is recorded it is told to go, and a submit that fails tells it nothing: it exits
+  having done nothing. Taken only from a process with one thread; the fork is detached
+  twice, its descriptors closed, its inherited objects frozen (nothing of its parent's is
+  finalized in it), and it never returns into its parent's code.
 
 Called by the API (``submit``, ``resume``, and when a waiter finds the controller gone). It
 may call the store and the supervisor.
@@ -23,47 +25,104 @@ may call the store and the supervisor.
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 from orchestrator.store import Store
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
 
-def start_supervisor(store: Store, job_id: str, *, resume: bool, fork: bool = False) -> int:
-    """Start the job's supervised controller, detached; record and return its pid."""
-    log_path = store.job_dir(job_id) / "controller.log"
-    env = {"ORCHESTRATOR_HOME": str(store.home),
-           # It must import this very package, installed or not, and nothing from the
-           # current directory (a queue.py beside the spec).
-           "PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH"))
-                                         if p),
-           "PYTHONSAFEPATH": "1"}
-    argv = [job_id, "--supervise", *(["--resume"] if resume else [])]
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+def start_supervisor(store: Store, job_id: str, *, resume: bool) -> int:
+    """Start the job's supervised controller in a fresh interpreter, detached; record and
+    return its pid."""
+    fd = os.open(_log(store, job_id), os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,
+                 0o600)
     try:
-        if fork and _one_thread():
-            store.close()  # no SQLite connection may cross the fork
-            try:
-                pid = _fork(fd, env, argv, str(store.home))
-            finally:
-                store.reopen()
-        else:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "orchestrator.supervisor", *argv],
-                stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
-                env={**os.environ, **env}, cwd=str(store.home),
-                start_new_session=True)  # outlives the terminal that submitted it
-            pid = proc.pid
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "orchestrator.supervisor", *_argv(job_id, resume)],
+            stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.STDOUT,
+            env={**os.environ, **_env(store)}, cwd=str(store.home),
+            start_new_session=True)  # outlives the terminal that submitted it
     finally:
         os.close(fd)
-    store.claim_supervisor(job_id, pid)
-    return pid
+    store.claim_supervisor(job_id, proc.pid)
+    return proc.pid
+
+
+def _log(store: Store, job_id: str) -> str:
+    return str(store.job_dir(job_id) / "controller.log")
+
+
+def _argv(job_id: str, resume: bool) -> list[str]:
+    return [job_id, "--supervise", *(["--resume"] if resume else [])]
+
+
+def _env(store: Store) -> dict[str, str]:
+    # It must import this very package, installed or not, and nothing from the current
+    # directory (a queue.py beside the spec).
+    return {"ORCHESTRATOR_HOME": str(store.home),
+            "PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH"))
+                                          if p),
+            "PYTHONSAFEPATH": "1"}
+
+
+class Forked:
+    """A supervisor forked from this process, waiting to be told which job is its own."""
+
+    def __init__(self, pid: int, pipe: int):
+        self.pid = pid
+        self._pipe: int | None = pipe
+
+    @classmethod
+    def start(cls) -> Forked | None:
+        """Fork it now (None: this process has threads, and a fresh interpreter it is)."""
+        if not _one_thread():
+            return None
+        go_r, go_w = os.pipe()
+        pid_r, pid_w = os.pipe()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        gc.collect()  # what is garbage now is finalized here, not in the child
+        child = os.fork()
+        if child == 0:  # pragma: no cover (the child's exit code is all it says)
+            _child(go_r, pid_w)
+        os.close(go_r)
+        os.close(pid_w)
+        os.waitpid(child, 0)  # the first child exits at once: nothing left to reap
+        with os.fdopen(pid_r, "rb") as said:
+            pid = said.read(32)
+        if not pid:
+            os.close(go_w)
+            raise OSError("the supervisor's fork did not start")
+        return cls(int(pid), go_w)
+
+    def go(self, store: Store, job_id: str, *, resume: bool = False) -> int:
+        """Tell it its job (recorded by now); record and return its pid."""
+        pipe, self._pipe = self._pipe, None
+        assert pipe is not None
+        order = json.dumps({"argv": _argv(job_id, resume), "env": _env(store),
+                            "home": str(store.home), "log": _log(store, job_id)}).encode()
+        try:
+            with os.fdopen(pipe, "wb") as f:
+                f.write(order)
+        except OSError as exc:
+            raise OSError(exc.errno, "the supervisor exited before it was told its job") \
+                from exc
+        store.claim_supervisor(job_id, self.pid)
+        return self.pid
+
+    def abandon(self) -> None:
+        """No job for it (a check failed): it reads the end of its pipe and exits."""
+        pipe, self._pipe = self._pipe, None
+        if pipe is not None:
+            os.close(pipe)
 
 
 def _one_thread() -> bool:
@@ -73,49 +132,54 @@ def _one_thread() -> bool:
         return False
 
 
-def _fork(log: int, env: dict[str, str], argv: list[str], home: str) -> int:
-    """The supervisor as a detached fork of this process; its pid."""
-    pid_r, pid_w = os.pipe()
-    for stream in (sys.stdout, sys.stderr):
-        stream.flush()
-    gc.collect()  # what is garbage now is finalized here, not in the child
-    child = os.fork()
-    if child == 0:  # pragma: no cover (the child's exit code is all it says)
-        code = 1
-        leave: Callable[[int], object] = os._exit
-        try:
-            gc.freeze()  # never finalize what the parent holds (its store, its files)
-            os.setsid()
-            if os.fork() != 0:
-                os._exit(0)
-            os.write(pid_w, b"%d" % os.getpid())
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd, target in ((null, 0), (log, 1), (log, 2)):
-                os.dup2(fd, target)
-            os.closerange(3, _fd_limit())
-            os.environ.update(env)
-            os.chdir(home)
-            # As a fresh ``python -m`` with PYTHONSAFEPATH would have it: this package first,
-            # the user's PYTHONPATH after it, no script or current directory.
-            sys.path[:] = [PACKAGE_ROOT, *(p for p in sys.path[1:] if p and p != PACKAGE_ROOT)]
-            sys.argv = ["orchestrator.supervisor", *argv]
-            from orchestrator import supervisor
+def _child(go: int, said: int) -> NoReturn:  # pragma: no cover (a forked child)
+    """The forked supervisor: detached, it imports what a controller needs, waits for its
+    job, and runs it as ``python -m orchestrator.supervisor`` would."""
+    code = 1
+    leave: Callable[[int], object] = os._exit
+    try:
+        gc.freeze()  # never finalize what the parent holds
+        os.setsid()
+        if os.fork() != 0:
+            os._exit(0)
+        os.write(said, b"%d" % os.getpid())
+        null = os.open(os.devnull, os.O_RDWR)
+        for target in (0, 1, 2):
+            os.dup2(null, target)
+        os.closerange(3, go)
+        os.closerange(go + 1, _fd_limit())
+        os.chdir("/")
+        from orchestrator import supervisor
+        from orchestrator.transport import ssh  # noqa: F401 (paramiko, for the connects)
 
-            leave = supervisor.leave
-            code = supervisor.main(argv)
-        except BaseException:
-            import traceback
+        leave = supervisor.leave
+        with os.fdopen(go, "rb") as pipe:
+            order = pipe.read()
+        if not order:  # no job: the submit failed its checks
+            code = 0
+            raise SystemExit(0)
+        told = json.loads(order)
+        log = os.open(told["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW,
+                      0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.environ.update(told["env"])
+        os.chdir(told["home"])
+        # As a fresh ``python -m`` with PYTHONSAFEPATH would have it: this package first, the
+        # user's PYTHONPATH after it, no script or current directory.
+        sys.path[:] = [PACKAGE_ROOT, *(p for p in sys.path[1:] if p and p != PACKAGE_ROOT)]
+        sys.argv = ["orchestrator.supervisor", *told["argv"]]
+        code = supervisor.main(told["argv"])
+    except SystemExit:
+        pass
+    except BaseException:
+        import traceback
 
-            traceback.print_exc()
-        finally:
-            leave(code)
-    os.close(pid_w)
-    os.waitpid(child, 0)  # the first child exits at once: nothing left to reap
-    with os.fdopen(pid_r, "rb") as said:
-        pid = said.read(32)
-    if not pid:
-        raise OSError("the supervisor's fork did not start")
-    return int(pid)
+        traceback.print_exc()
+    finally:
+        leave(code)
+    os._exit(code)
 
 
 def _fd_limit() -> int:

@@ -97,7 +97,6 @@ class Store:
     def __init__(self, home: str | os.PathLike[str] | None = None, *, durable: bool = False):
         self.home = Path(home) if home is not None else default_home()
         self.jobs_dir = self.home / "jobs"
-        self._durable = durable
         # The database holds each job's secret and env: nobody else may read it (nor its WAL
         # and SHM files, which SQLite creates later with the process umask).
         old_umask = os.umask(0o077)
@@ -118,16 +117,6 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
-
-    def reopen(self) -> None:
-        """A new connection in place of the closed one (SQLite's connections must not cross
-        a fork: orchestrator/spawn.py closes the store first)."""
-        old_umask = os.umask(0o077)
-        try:
-            self._db, self.journal, self.journal_why = storedb.connect(
-                self.home, durable=self._durable)
-        finally:
-            os.umask(old_umask)
 
     def _transaction(self) -> AbstractContextManager[sqlite3.Connection]:
         """One write transaction. A database that cannot be written now (a full disk, a
