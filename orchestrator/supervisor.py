@@ -426,10 +426,7 @@ class _Forked:
                     if report is not None:
                         os.write(write_end, json.dumps(report).encode()[:60000])
                 finally:
-                    logging.shutdown()
-                    for stream in (sys.stdout, sys.stderr):
-                        stream.flush()
-                    os._exit(code)
+                    leave(code)
         os.close(write_end)
         self._report_fd = read_end
         self._started = time.monotonic()
