@@ -9,7 +9,7 @@ Stdlib only, never imports torch, and shipped by the controller over the channel
 - ``holder`` (agents/holder.py): on Slurm, the step each node's agent lives in.
 - ``agent`` (agents/agent.py): the daemon that owns the workers: ``outbox`` (numbering,
   spooling, replay), ``workers`` (their world, start, output, exit), ``standby`` (warm
-  restarts), ``processes`` (no
+  restarts), ``checkpoints`` (the node's checkpoint memory), ``processes`` (no
   orphans), ``cache`` (synced trees, blobs, setup), ``stacks``, ``netinfo``, ``paths``.
 
 The protocol between controller and agent is ``agents/protocol.py`` (what nodes say) and
@@ -28,6 +28,8 @@ MODULES = ("agents", "agents.fields", "agents.protocol", "agents.commands", "age
            "agents.cache", "agents.setup", "agents.gpucheck", "agents.netcheck",
            "agents.rankfiles", "agents.shims",
            "agents.shims.sitecustomize", "agents.shims.orchestrator_worker",
+           "agents.shims.orchestrator_checkpoint_format",
+           "agents.shims.orchestrator_checkpoint", "agents.checkpoints",
            "agents.shims.standby_boot", "agents.workers", "agents.standby", "agents.stacks",
            "agents.ops", "agents.agent", "agents.daemon", "agents.holder", "agents.relay",
            "agents.main")

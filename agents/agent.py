@@ -30,9 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agents import cache, leases, ops, rankfiles
+from agents import cache, leases, ops
 from agents import commands as C
 from agents import protocol as P
+from agents.checkpoints import Store
 from agents.netinfo import gpu_count, torch_version
 from agents.outbox import Outbox
 from agents.paths import alive_path, bind_unix, close_socket, private_base
@@ -84,10 +85,12 @@ class Agent:
         self._touched = 0.0
         self.standbys = Standbys(self.token, directory)
         self.sockets = ops.Sockets()  # what the checks' commands hold open (agents/ops.py)
+        self.checkpoints = Store(self.job_id, self.node_index, self.outbox)
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
-        start_watchdog(self.token, self.directory)  # first: it must inherit no socket
+        # First: it must inherit no socket.
+        start_watchdog(self.token, self.directory, self.checkpoints.root)
         # Held for life (the kernel lets go when the agent dies): relays know it lives.
         self.alive = os.open(alive_path(self.job_id, self.node_index),
                              os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -265,6 +268,7 @@ class Agent:
         running = [w.rank for w in self.workers if w.proc.poll() is None]
         self.stop_workers(grace=self.stop_grace)
         self.standbys.close()
+        self.checkpoints.close()
         if reason is not None:
             outcome = {"reason": reason, "at": time.time(), "attempt": self.attempt,
                        "stopped_ranks": running, "last_seq": self.outbox.seq}
@@ -290,55 +294,15 @@ class Agent:
             pass
 
     def _worker_progress(self) -> tuple[bool, dict[str, Any]]:
-        """Whether any worker called heartbeat() since the last look; the step and metrics
-        those that gave them wrote (see agents/shims/orchestrator_worker.py), and new sampler
-        reports. A file the agent cannot use is that rank's problem: a line in its log."""
+        """Whether any worker called heartbeat() since the last look, and each rank's news
+        (Worker.news)."""
         touched, ranks = False, dict[str, dict[str, Any]]()
         for w in list(self.workers):
-            if w.rank is not None:
-                waits = self._waits(w)
-                if waits is not None:  # not a sign of life: a hung rank's sampler goes on
-                    ranks.setdefault(str(w.rank), {})["waits"] = waits
-            try:
-                st = os.stat(w.heartbeat_file)
-            except OSError:
-                continue
-            # The change time, not the mtime: a worker can set its file's mtime to anything
-            # (utime), while the kernel sets the change time to the node's clock.
-            if st.st_ctime == w.heartbeat_seen:
-                continue
-            w.heartbeat_seen, touched = st.st_ctime, True
-            if st.st_size and w.rank is not None:
-                record, problems = rankfiles.heartbeat(w.heartbeat_file)
-                for problem in problems:
-                    self._rank_problem(w, problem)
-                if record is not None:
-                    at = min(max(st.st_ctime, 0.0), time.time())
-                    ranks.setdefault(str(w.rank), {}).update(record, at=at)
+            beat, news = w.news(self.directory)
+            touched = touched or beat
+            if news:
+                ranks[str(w.rank)] = news
         return touched, ranks
-
-    def _waits(self, w: Worker) -> list[int] | None:
-        """[samples, of them waiting in a collective] from the rank's sampler, when new."""
-        path = os.path.join(self.directory, f"attempt-{w.attempt}", f"waits-{w.rank}.json")
-        try:
-            mtime = os.stat(path).st_mtime
-        except OSError:
-            return None
-        if mtime <= w.waits_seen:
-            return None
-        w.waits_seen = mtime
-        waits, problem = rankfiles.waits(path)
-        if problem is not None:
-            self._rank_problem(w, problem)
-        return waits
-
-    def _rank_problem(self, w: Worker, problem: str) -> None:
-        """Say once per attempt, in the rank's own log, what of its files was not used."""
-        kind = problem.split(" ", 2)[:2]
-        key = " ".join(kind)
-        if key not in w.problems_said:
-            w.problems_said.add(key)
-            self.outbox.add_lines(w.attempt, w.rank, "stderr", [f"[orchestrator] {problem}"])
 
     def reply(self, reply: P.Reply) -> None:
         self.outbox.put(P.reply_wire(reply, self.attempt))
@@ -382,6 +346,12 @@ class Agent:
         self.workdir = workdir
         base_env, self.traces_dir = worker_env(start, self.token, self.directory, self.job_id,
                                                workdir)
+        for key, value in self.checkpoints.configure(start.checkpoint, workdir, attempt,
+                                                     len(start.workers)).items():
+            if value is None:
+                base_env.pop(key, None)
+            else:
+                base_env[key] = value
         attempt_dir = os.path.join(self.directory, f"attempt-{attempt}")
         imports = start.warm.imports if start.warm is not None else ()
         refills = []
@@ -429,6 +399,7 @@ class Agent:
 
     def _stop_and_report(self, attempt: int, grace: float) -> None:
         self.stop_workers(grace)
+        self.checkpoints.report_now()  # the next attempt's step is chosen on what is here
         self.outbox.put({"type": P.STOPPED, "attempt": attempt})
 
     def stop_workers(self, grace: float) -> None:

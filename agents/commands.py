@@ -27,44 +27,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 from agents import protocol as P
-from agents.fields import MAX_COUNT, MAX_ITEMS, MAX_RANK, Fields, ProtocolError
+from agents.fields import MAX_ARG, MAX_COUNT, MAX_PORT, MAX_RANK, ProtocolError, plain
+from agents.fields import CommandFields as _Read
 
 R = TypeVar("R", bound=P.Reply)
 
-MAX_PORT = 65535
-MAX_ARG = 1 << 20  # one argument, path, script or variable
 MAX_FILES = 1 << 22  # files of a synced tree
-
-
-class _Read(Fields):
-    """Fields of a command: ``kind`` is its op (a reply's is its type)."""
-
-    def __init__(self, raw: dict[str, Any], op: str):
-        super().__init__(raw)
-        self.kind = op
-
-    def strings(self, name: str, optional: bool = True) -> dict[str, str]:
-        """A mapping of text to text (an environment)."""
-        v = self.mapping(name, optional)
-        for key, value in v.items():
-            self.text(name, 4096, value=key)
-            self.text(name, MAX_ARG, value=value)
-        return dict(v)
-
-    def words(self, name: str, optional: bool = True, limit: int = MAX_ARG,
-              items: int = MAX_ITEMS) -> tuple[str, ...]:
-        return tuple(self.text(name, limit, value=v)
-                     for v in self.array(name, optional, limit=items))
-
-    def ports(self, name: str) -> tuple[int, ...]:
-        return tuple(self.integer(name, 0, MAX_PORT, value=p)
-                     for p in self.array(name, optional=True))
-
-    def seconds(self, name: str, optional: bool = False) -> Any:
-        v = self.number(name, optional)
-        if v is not None and not 0 <= v < MAX_COUNT:
-            raise self.bad(name, v)
-        return v
 
 
 @dataclass(frozen=True)
@@ -207,6 +175,28 @@ class WarmImports:
 
 
 @dataclass(frozen=True)
+class CheckpointConfig:
+    """The job's ``checkpoint`` section as a node needs it (agents/checkpoints.py), and the
+    step the controller found every rank of this attempt holding (None: start fresh)."""
+
+    dir: str | None = None  # persisted copies, relative to the workdir (None: memory only)
+    persist_every: int = 10
+    keep: int = 2
+    memory: int | None = None  # bytes of the node's memory for its ranks' saves
+    restore_step: int | None = None
+
+    @classmethod
+    def read(cls, f: _Read) -> CheckpointConfig:
+        return cls(f.text("dir", MAX_ARG, True), f.integer("persist_every", 1, MAX_COUNT),
+                   f.integer("keep", 1, MAX_COUNT),
+                   f.integer("memory", 1, MAX_COUNT, optional=True),
+                   f.integer("restore_step", 0, MAX_COUNT, optional=True))
+
+
+NO_CHECKPOINT = CheckpointConfig()  # the defaults, and no step to resume
+
+
+@dataclass(frozen=True)
 class Start(Command):
     """Start attempt ``attempt``'s workers here. Workers start from the agent's own
     environment (the node's: the login's over SSH, the step's on Slurm, the submitter's on a
@@ -225,6 +215,7 @@ class Start(Command):
     stop_grace: float = 5.0
     flight_recorder: int = 0
     warm: WarmImports | None = None
+    checkpoint: CheckpointConfig = NO_CHECKPOINT
 
     @classmethod
     def read(cls, f: _Read) -> Start:
@@ -239,7 +230,9 @@ class Start(Command):
                    tuple(workers), f.seconds("stop_grace", True) or 5.0,
                    f.integer("flight_recorder", 0, MAX_COUNT, optional=True) or 0,
                    WarmImports(_Read(warm, f"{f.kind}.warm").words("imports"))
-                   if "warm" in f.raw and f.raw["warm"] is not None else None)
+                   if "warm" in f.raw and f.raw["warm"] is not None else None,
+                   CheckpointConfig.read(_Read(f.mapping("checkpoint"), f"{f.kind}.checkpoint"))
+                   if f.raw.get("checkpoint") is not None else NO_CHECKPOINT)
 
 
 @dataclass(frozen=True)
@@ -528,7 +521,7 @@ def wire(command: Command, req: int | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"op": command.OP}
     if req is not None:
         out["req"] = req
-    out.update(P.plain(command))
+    out.update(plain(command))
     return out
 
 
@@ -574,7 +567,7 @@ def parse_holder_start(raw: dict[str, Any] | None) -> HolderStart:
 
 
 def holder_started(started: HolderStarted) -> dict[str, Any]:
-    return P.plain(started)
+    return plain(started)
 
 
 def parse_holder_started(raw: dict[str, Any] | None) -> HolderStarted:

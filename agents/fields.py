@@ -1,14 +1,19 @@
 """Reading the fields of one raw message from a node, each checked for its type and its
-bounds: the first bad one raises ProtocolError naming it (agents/protocol.py uses these)."""
+bounds: the first bad one raises ProtocolError naming it (agents/protocol.py uses these);
+and ``plain``, a message or command as the JSON values that carry it."""
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import math
 from typing import Any
 
 MAX_COUNT = 1 << 62  # sequence numbers, attempts, sizes, steps
 MAX_ITEMS = 1 << 16  # entries of one list or mapping
 MAX_RANK = 1 << 24  # global ranks
+MAX_ARG = 1 << 20  # one argument, path, script or variable of a command
+MAX_PORT = 65535
 MAX_MESSAGE = 4 * 1024 * 1024  # one JSON line (a line count is bounded by it too)
 # Unix times a node may report (a heartbeat, an exit): 1970 to 2100. Readers turn them into
 # dates, and a worker sets its heartbeat file's mtime to anything it likes.
@@ -97,8 +102,9 @@ class Fields:
             raise self.bad(name, v)
         return v
 
-    def array(self, name: str, optional: bool = False, limit: int = MAX_ITEMS) -> Any:
-        v = self.raw.get(name)
+    def array(self, name: str, optional: bool = False, limit: int = MAX_ITEMS,
+              value: Any = ...) -> Any:
+        v = self.raw.get(name) if value is ... else value
         if v is None and optional:
             return []
         if not isinstance(v, list) or len(v) > limit:
@@ -130,3 +136,48 @@ class Fields:
         if not isinstance(key, str) or not key.isdigit() or len(key) > 9:
             raise ProtocolError(self.kind, name, key)
         return self.integer(name, 0, MAX_RANK, value=int(key))
+
+
+class CommandFields(Fields):
+    """Fields of a command: ``kind`` is its op (a reply's is its type)."""
+
+    def __init__(self, raw: dict[str, Any], op: str):
+        super().__init__(raw)
+        self.kind = op
+
+    def strings(self, name: str, optional: bool = True) -> dict[str, str]:
+        """A mapping of text to text (an environment)."""
+        v = self.mapping(name, optional)
+        for key, value in v.items():
+            self.text(name, 4096, value=key)
+            self.text(name, MAX_ARG, value=value)
+        return dict(v)
+
+    def words(self, name: str, optional: bool = True, limit: int = MAX_ARG,
+              items: int = MAX_ITEMS) -> tuple[str, ...]:
+        return tuple(self.text(name, limit, value=v)
+                     for v in self.array(name, optional, limit=items))
+
+    def ports(self, name: str) -> tuple[int, ...]:
+        return tuple(self.integer(name, 0, MAX_PORT, value=p)
+                     for p in self.array(name, optional=True))
+
+    def seconds(self, name: str, optional: bool = False) -> Any:
+        v = self.number(name, optional)
+        if v is not None and not 0 <= v < MAX_COUNT:
+            raise self.bad(name, v)
+        return v
+
+def plain(value: Any) -> Any:
+    """A message or command as JSON values: dataclasses as objects (their None fields left
+    out, which the door reads as absent), tuples as lists, bytes as base64."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None}
+    if isinstance(value, (tuple, list)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, bytes):
+        return base64.b64encode(value).decode()
+    return value

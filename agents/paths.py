@@ -83,6 +83,19 @@ def alive_path(job_id: str, node_index: int) -> str:
     return os.path.join(base, f"{job_id}.{node_index}.alive")
 
 
+def memory_root(job_id: str, node_index: int) -> str:
+    """The agent's checkpoint memory (agents/checkpoints.py): on the node's shared memory in
+    a directory of this user's that nobody else can enter (``/dev/shm`` is everyone's: a
+    name there could have been taken first), else in the private runtime base."""
+    if not JOB_ID_RE.match(job_id) or not isinstance(node_index, int) or node_index < 0:
+        raise ValueError(f"bad job id or node index: {job_id!r} {node_index!r}")
+    base = f"/dev/shm/orchestrator-{os.getuid()}"
+    if not os.path.isdir("/dev/shm") or _problem(base, create=True) is not None:
+        base = os.path.join(private_base(), "memory")
+        os.makedirs(base, mode=0o700, exist_ok=True)
+    return os.path.join(base, f"{job_id}.{node_index}")
+
+
 def is_locked(path: str) -> bool:
     """Does a live process hold an flock on ``path``?"""
     try:

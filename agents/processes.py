@@ -95,9 +95,11 @@ def standby_token(token: str) -> str:
     return token + "-standby"
 
 
-def start_watchdog(token: str, directory: str | None = None) -> None:
+def start_watchdog(token: str, directory: str | None = None,
+                   memory: str | None = None) -> None:
     """Fork a process that kills this agent's workers and standbys once the agent is gone,
-    however it died, and removes the agent's directory if no new agent took it meanwhile."""
+    however it died, and removes the agent's directory and its checkpoint memory if no new
+    agent took them meanwhile."""
     agent_pid = os.getpid()
     if os.fork() != 0:
         return
@@ -120,6 +122,8 @@ def start_watchdog(token: str, directory: str | None = None) -> None:
                 probe = connect_unix(os.path.join(directory, "agent.sock"))
                 if probe is None:  # nobody serves there: the dead agent's leftovers
                     shutil.rmtree(directory, ignore_errors=True)
+                    if memory:
+                        shutil.rmtree(memory, ignore_errors=True)
                 else:
                     probe.close()
         except OSError:

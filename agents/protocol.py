@@ -31,18 +31,17 @@ from __future__ import annotations
 
 import base64
 import binascii
-import dataclasses
 import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
-from agents.fields import MAX_COUNT, MAX_RANK, Fields, finite, unicode
+from agents.fields import MAX_COUNT, MAX_RANK, Fields, finite, plain, unicode
 from agents.fields import MAX_MESSAGE as MAX_MESSAGE  # part of this module's surface
 from agents.fields import ProtocolError as ProtocolError
 
-VERSION = 5  # 5: commands typed at the door (agents/commands.py)
+VERSION = 6  # 6: checkpoints (held, start.checkpoint); 5: commands typed at the door
 
 # Relay -> controller.
 RELAY = "relay"
@@ -53,6 +52,7 @@ GONE = "gone"
 HELLO = "hello"
 HEARTBEAT = "heartbeat"
 PROGRESS = "progress"
+HELD = "held"
 PORT = "port"
 LISTENING = "listening"
 PROBE_RESULT = "probe"
@@ -85,6 +85,7 @@ WINDOW_BYTES = 4 * 1024 * 1024  # unacknowledged bytes an agent may have in flig
 
 # Bounds of what a node may plausibly say (beyond them: out of protocol).
 MAX_LOCAL = 4096  # workers on one node
+MAX_HELD_STEPS = 64  # steps per rank in one ``held``
 MAX_PID = 1 << 31
 MAX_GPUS = 64  # more than any node has: hello.gpus is capped here
 MAX_TEXT = 1 << 20  # one text field (an error file, a stack)
@@ -233,6 +234,27 @@ def _progress(f: Fields) -> Progress:
             step if type(step) is int and abs(step) < MAX_COUNT else None, kept,
             r.timestamp("at", optional=True) if "at" in record else None, waits)
     return Progress(f.integer("attempt"), f.flag("beat", True), ranks)
+
+
+@dataclass(frozen=True)
+class Held:
+    """A node's checkpoints (agents/checkpoints.py): steps per rank in memory and in its
+    checkpoint.dir (``store``: that directory's id), and the memory they take."""
+
+    attempt: int
+    memory: dict[int, tuple[int, ...]]
+    persisted: dict[int, tuple[int, ...]]
+    bytes: int
+    store: str | None
+
+
+def _held(f: Fields) -> Held:
+    def steps(name: str) -> dict[int, tuple[int, ...]]:
+        return {f.rank_key(key, name): tuple(f.integer(name, value=v) for v in f.array(
+            name, value=value, limit=MAX_HELD_STEPS)) for key, value in
+            f.mapping(name, optional=True).items()}
+    return Held(f.integer("attempt"), steps("memory"), steps("persisted"),
+                f.integer("bytes", 0, MAX_COUNT), f.text("store", 64, True))
 
 
 @dataclass(frozen=True)
@@ -503,8 +525,8 @@ _SEQUENCED: dict[str, Callable[[Fields], Sequenced]] = {
 }
 
 # typing.Union, not "|": this module runs on the nodes' Python too, which may be 3.9.
-Message = Union[Relay, Gone, Holding, Hello, Heartbeat, Progress, SetupOutput,  # noqa: UP007
-                Reply, Sequenced]
+Message = Union[Relay, Gone, Holding, Hello, Heartbeat, Progress, Held,  # noqa: UP007
+                SetupOutput, Reply, Sequenced]
 
 
 def parse(raw: dict[str, Any]) -> Message:
@@ -521,6 +543,8 @@ def parse(raw: dict[str, Any]) -> Message:
         return Heartbeat(f.integer("attempt"))
     if kind == PROGRESS:
         return _progress(f)
+    if kind == HELD:
+        return _held(f)
     if kind == SETUP_OUTPUT:
         return SetupOutput(f.lines())
     if kind == HELLO:
@@ -543,21 +567,6 @@ def check(raw: dict[str, Any]) -> str | None:
         return "no message type" if exc.kind == "message" else str(exc)
     return None
 
-
-
-def plain(value: Any) -> Any:
-    """A message or command as JSON values: dataclasses as objects (their None fields left
-    out, which the door reads as absent), tuples as lists, bytes as base64."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if getattr(value, f.name) is not None}
-    if isinstance(value, (tuple, list)):
-        return [plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): plain(v) for k, v in value.items()}
-    if isinstance(value, bytes):
-        return base64.b64encode(value).decode()
-    return value
 
 
 _REPLY_TYPES = {Failed: FAILED, PortReply: PORT, Listening: LISTENING,

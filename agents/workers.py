@@ -15,7 +15,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from agents import commands as C
 from agents import protocol as P
@@ -124,6 +124,56 @@ class Worker:
             threading.Thread(target=self._read, args=(proc.stdout, "stdout"), daemon=True),
             threading.Thread(target=self._read, args=(proc.stderr, "stderr"), daemon=True),
         ]
+
+    def news(self, agent_dir: str) -> tuple[bool, dict[str, Any]]:
+        """Whether it called heartbeat() since the last look; the step and metrics it wrote
+        (see agents/shims/orchestrator_worker.py) and its sampler's new report. A file the
+        agent cannot use is this rank's problem: a line in its log."""
+        news: dict[str, Any] = {}
+        if self.rank is not None:
+            waits = self._waits(agent_dir)
+            if waits is not None:  # not a sign of life: a hung rank's sampler goes on
+                news["waits"] = waits
+        try:
+            st = os.stat(self.heartbeat_file)
+        except OSError:
+            return False, news
+        # The change time, not the mtime: a worker can set its file's mtime to anything
+        # (utime), while the kernel sets the change time to the node's clock.
+        if st.st_ctime == self.heartbeat_seen:
+            return False, news
+        self.heartbeat_seen = st.st_ctime
+        if st.st_size and self.rank is not None:
+            record, problems = rankfiles.heartbeat(self.heartbeat_file)
+            for problem in problems:
+                self._problem(problem)
+            if record is not None:
+                at = min(max(st.st_ctime, 0.0), time.time())
+                news.update(record, at=at)
+        return True, news
+
+    def _waits(self, agent_dir: str) -> list[int] | None:
+        """[samples, of them waiting in a collective] from the rank's sampler, when new."""
+        path = os.path.join(agent_dir, f"attempt-{self.attempt}", f"waits-{self.rank}.json")
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            return None
+        if mtime <= self.waits_seen:
+            return None
+        self.waits_seen = mtime
+        waits, problem = rankfiles.waits(path)
+        if problem is not None:
+            self._problem(problem)
+        return waits
+
+    def _problem(self, problem: str) -> None:
+        """Say once per attempt, in the rank's own log, what of its files was not used."""
+        key = " ".join(problem.split(" ", 2)[:2])
+        if key not in self.problems_said:
+            self.problems_said.add(key)
+            self.outbox.add_lines(self.attempt, self.rank, "stderr",
+                                  [f"[orchestrator] {problem}"])
 
     def start_threads(self) -> None:
         for t in self._readers:

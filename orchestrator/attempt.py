@@ -24,14 +24,16 @@ from orchestrator.state import AttemptOutcome, FailureCause, RankState
 
 def start_command(number: int, node_plan: NodePlan, stop_grace: float, flight_recorder: int,
                   warm_imports: tuple[str, ...] | None = None,
-                  kind: type[C.Start] = C.Start) -> C.Start:
+                  kind: type[C.Start] = C.Start,
+                  checkpoint: C.CheckpointConfig = C.NO_CHECKPOINT) -> C.Start:
     """The ``start`` of attempt ``number`` for one node (``kind`` C.Warm: a spare's standbys
     for it); ``warm_imports`` (None: cold starts only) is what its standbys import besides
     torch (agents/standby.py)."""
     return kind(number, node_plan.workdir, dict(node_plan.env), dict(node_plan.defaults),
                 node_plan.route_to, node_plan.workers,
                 stop_grace, flight_recorder,
-                None if warm_imports is None else C.WarmImports(tuple(warm_imports)))
+                None if warm_imports is None else C.WarmImports(tuple(warm_imports)),
+                checkpoint)
 
 
 @dataclass
@@ -87,8 +89,10 @@ class Attempt:
     """Attempt ``plan.attempt``: its ranks' states, exits and first failure."""
 
     def __init__(self, plan: LaunchPlan, sink: LogSink, hosts: dict[int, str],
-                 store: Any, job_id: str, nprocs: dict[int, int] | None = None):
+                 store: Any, job_id: str, nprocs: dict[int, int] | None = None,
+                 checkpoint: C.CheckpointConfig = C.NO_CHECKPOINT):
         self.plan = plan
+        self.checkpoint = checkpoint  # its nodes' settings, and the step its ranks resume
         self.nprocs = nprocs or {}  # workers per node, as planned (gpu|auto differ per node)
         self.number = plan.attempt
         self.sink = sink
@@ -130,7 +134,7 @@ class Attempt:
                       warm_imports: tuple[str, ...] | None = None) -> C.Start:
         """The ``start`` a participant's agent gets (agents/commands.py)."""
         return start_command(self.number, self.node_plans[node_index], stop_grace,
-                             flight_recorder, warm_imports)
+                             flight_recorder, warm_imports, checkpoint=self.checkpoint)
 
     # --- the agents' messages ---------------------------------------------------------------
     def handle(self, node_index: int, message: P.Message) -> str | None:

@@ -35,6 +35,7 @@ from typing import Any
 from agents import commands as C
 from orchestrator import bringup, healthcheck, pause, policy, reputation, takeover
 from orchestrator.attempt import Attempt, AttemptResult, Failure, start_command
+from orchestrator.checkpoints import attempt_config
 from orchestrator.dispatch import dispatch
 from orchestrator.engine import Engine, Phase, Stop
 from orchestrator.errors import StoreUnwritable
@@ -345,14 +346,15 @@ class Controller:
             master_port=port, node_indices=[n.index for n in participants],
             spec_dir=self.spec_dir, nprocs=nprocs,
             sync_tree=engine.preparer.tree().tree if self.spec.sync is not None else None)
+        checkpoint = attempt_config(self.spec, engine.holdings, plan, nprocs)
         attempt = Attempt(plan, self._sink(plan.world_size), engine.hosts, self.store,
-                          self.job_id, nprocs)
+                          self.job_id, nprocs, checkpoint)
         engine.begin_attempt(attempt)
         self._prune_logs()
         ranks = [(w.rank, n.node_index, w.local_rank) for n in plan.nodes for w in n.workers
                  if w.rank is not None]
         self.store.start_attempt(self.job_id, self.attempt, plan.master_addr, port or 0,
-                                 plan.world_size, ranks)
+                                 plan.world_size, ranks, checkpoint.restore_step)
         engine.checkpoint(force=True)  # a replaced controller finds the participants here
         for node in self.nodes:  # spares, and nodes out of the job, have no place in it
             engine.book.place(node, None)
@@ -476,8 +478,10 @@ def warm_spares(c: Controller, participants: list[Node], port: int | None) -> No
             master_port=port, node_indices=[n.index for n in stand_in], spec_dir=c.spec_dir,
             nprocs=nprocs, sync_tree=c.engine.preparer.tree().tree if c.spec.sync else None)
         node_plan = next(p for p in plan.nodes if p.node_index == node.index)
-        c.engine.pool.send(node, start_command(c.attempt, node_plan, 0.0,
-                                               c.spec.health.flight_recorder, imports, C.Warm))
+        current = c.engine.current
+        c.engine.pool.send(node, start_command(
+            c.attempt, node_plan, 0.0, c.spec.health.flight_recorder, imports, C.Warm,
+            current.checkpoint if current is not None else C.NO_CHECKPOINT))
 
 
 def raise_open_files_limit() -> None:

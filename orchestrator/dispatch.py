@@ -74,6 +74,11 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
     if isinstance(message, P.Output) and engine.current is not None and \
             message.attempt == engine.current.number:
         engine.timeline.mark("first_output", message.attempt)
+    if isinstance(message, P.Held):
+        engine.holdings.update(node.index, message)
+        engine.book.note(node, replace(node.info,
+                                       checkpoint=engine.holdings.summary(node.index)))
+        return
     if isinstance(message, P.ErrorReport):
         log.warning("%s: agent error: %s", node.host, message.message)
         return
@@ -124,6 +129,7 @@ def _on_closed(engine: Engine, channel: Channel) -> None:
     if node.channel is not channel:
         return
     engine.pool.drop_channel(node)
+    engine.holdings.forget(node.index)  # its agent says again what it holds, if it lives
     if engine.lingering:
         return
     if node.state in LIVE:

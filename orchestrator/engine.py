@@ -31,6 +31,7 @@ from agents import protocol as P
 from orchestrator import failpoints, hang
 from orchestrator.attempt import Attempt, Failure
 from orchestrator.channel import Answer, Channel, ask_all
+from orchestrator.checkpoints import Holdings
 from orchestrator.events import Event, Wake
 from orchestrator.logfiles import LogSink
 from orchestrator.loop import EventLoop
@@ -90,6 +91,7 @@ class Engine:
         self.book = NodeBook(job_id, spec, store, self.pool)
         self.nodes = self.book.nodes
         self.preparer = Preparer(job_id, spec, spec_dir, store, self.loop)
+        self.holdings = Holdings()  # the nodes' checkpoints, from their ``held`` reports
         self.hosts = {n.index: "local" if n.spec.is_local else n.spec.hostname
                       for n in self.nodes}
         self.state = JobState.PENDING

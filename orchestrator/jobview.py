@@ -180,6 +180,7 @@ def status_dict(job: JobRecord) -> dict[str, Any]:
              "sync": n.info.get("sync"), "last_heard": iso(n.heard_at),
              "longest_silence_s": None if n.longest_silence is None else
              round(n.longest_silence, 1),
+             "checkpoint": n.info.get("checkpoint"),
              "history": [{"at": iso(e.at), "state": e.state.value, "message": e.message}
                          for e in n.history],
              "entered": dict(n.entered)}
@@ -196,7 +197,8 @@ def status_dict(job: JobRecord) -> dict[str, Any]:
              "master_port": a.master_port, "world_size": a.world_size, "failure": a.failure,
              # Under synchronous collectives the job goes at its slowest rank's pace.
              "steps_per_s": job.rates.get(a.attempt),
-             "stragglers": a.stragglers, "warm_starts": a.warm_starts}
+             "stragglers": a.stragglers, "warm_starts": a.warm_starts,
+             "restored_step": a.restored_step}
             for a in job.attempts
         ],
     }

@@ -53,6 +53,7 @@ class NodeInfo:
     health_problems: list[str] | None = None
     gone_reason: str | None = None  # what its agent wrote when it gave up
     sync: dict[str, Any] | None = None  # the last sync progress
+    checkpoint: dict[str, Any] | None = None  # what its checkpoint store holds (checkpoints.py)
 
     @classmethod
     def from_hello(cls, hello: P.Hello) -> NodeInfo:

@@ -89,6 +89,7 @@ class AttemptRecord:
     failure: dict[str, Any] | None
     stragglers: list[int] = field(default_factory=list)
     warm_starts: int = 0  # workers a standby became (agents/standby.py)
+    restored_step: int | None = None  # the checkpoint step its ranks resumed (None: fresh)
 
 
 @dataclass

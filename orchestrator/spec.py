@@ -37,6 +37,7 @@ from orchestrator.specparts import (  # noqa: F401 (the sections are part of spe
     RESERVED_ENV,
     RESERVED_ENV_PREFIXES,
     BackoffSpec,
+    CheckpointSpec,
     HealthSpec,
     LogsSpec,
     NetworkCheckSpec,
@@ -115,6 +116,7 @@ class JobSpec(_Model):
         default=(), description="webhooks told of the job's events (a JSON POST each, "
                                 "Slack-compatible)")
     health: HealthSpec = HealthSpec()
+    checkpoint: CheckpointSpec = CheckpointSpec()
     logs: LogsSpec = LogsSpec()
     ssh: SSHOptions = SSHOptions()
     slurm: SlurmSpec | None = Field(

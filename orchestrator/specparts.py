@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     StrictInt,
@@ -425,6 +426,37 @@ class LogsSpec(_Model):
     min_free_bytes: Annotated[StrictInt, Field(ge=0)] = Field(
         default=1024 ** 3, description="below this much free space on the filesystem of "
         "$ORCHESTRATOR_HOME a job is not started, and a running one stops logging")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10 ** 3, "mb": 10 ** 6, "gb": 10 ** 9, "tb": 10 ** 12,
+               "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def _size(v: Any) -> Any:
+    """Bytes as an integer, or text such as "512MiB" or "8GB"."""
+    if isinstance(v, str):
+        match = _SIZE_RE.match(v)
+        if not match:
+            raise ValueError('must be a number of bytes or a size such as "16GiB"')
+        v = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
+    return v
+
+
+class CheckpointSpec(_Model):
+    """Checkpoints saved by ``orchestrator.checkpoint.save`` (README, "Checkpoints"): in the
+    memory of each node's agent, persisted by it in the background."""
+
+    dir: PathText | None = Field(
+        default=None, description="where each node persists its ranks' copies (relative to "
+        "the workdir; a shared filesystem makes every copy every node's); null: memory only")
+    persist_every: Annotated[StrictInt, Field(ge=1)] = Field(
+        default=10, description="every Nth save of a worker is persisted")
+    keep: Annotated[StrictInt, Field(ge=1)] = Field(
+        default=2, description="persisted steps kept (older ones are removed)")
+    memory: Annotated[StrictInt, Field(ge=1 << 20), BeforeValidator(_size)] | None = Field(
+        default=None, description='bytes of each node\'s memory for its ranks\' saves, e.g. '
+        '"16GiB" (at least two copies of a rank\'s state; null: half of /dev/shm)')
 
 
 class BackoffSpec(_Model):

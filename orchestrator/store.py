@@ -297,11 +297,13 @@ class Store:
             storenodes.acked(db, job_id, acked, _BATCH)
 
     def start_attempt(self, job_id: str, attempt: int, master_addr: str, master_port: int,
-                      world_size: int, ranks: list[tuple[int, int, int]]) -> None:
-        """Record a new attempt and its ranks as (rank, node_index, local_rank)."""
+                      world_size: int, ranks: list[tuple[int, int, int]],
+                      restored_step: int | None = None) -> None:
+        """Record a new attempt (and the checkpoint step it resumes) and its ranks as (rank,
+        node_index, local_rank)."""
         with self._transaction() as db:
             storeattempts.start(db, job_id, attempt, master_addr, master_port, world_size,
-                                ranks, time.time())
+                                ranks, time.time(), restored_step)
             storedb.update(db, "jobs", {"attempt": attempt}, job_id=job_id)
 
     def update_ranks(self, job_id: str, attempt: int,

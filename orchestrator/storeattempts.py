@@ -22,12 +22,13 @@ from orchestrator.records import AttemptRecord, AttemptSteps, JobRecord, RankRec
 # --- writes ------------------------------------------------------------------------------
 def start(db: sqlite3.Connection, job_id: str, attempt: int, master_addr: str,
           master_port: int, world_size: int, ranks: list[tuple[int, int, int]],
-          now: float) -> None:
-    """A new attempt's row and its ranks as (rank, node_index, local_rank), PENDING."""
+          now: float, restored_step: int | None = None) -> None:
+    """A new attempt's row (with the checkpoint step its ranks resume, None: fresh) and its
+    ranks as (rank, node_index, local_rank), PENDING."""
     db.execute(
         "INSERT INTO attempts (job_id, attempt, started_at, master_addr, master_port,"
-        " world_size) VALUES (?, ?, ?, ?, ?, ?)",
-        (job_id, attempt, now, master_addr, master_port, world_size),
+        " world_size, restored_step) VALUES (?, ?, ?, ?, ?, ?, ?)",
+        (job_id, attempt, now, master_addr, master_port, world_size, restored_step),
     )
     db.executemany(
         "INSERT INTO ranks (job_id, attempt, rank, node_index, local_rank, state)"
@@ -117,10 +118,12 @@ def read_into(db: sqlite3.Connection, job: JobRecord) -> None:
         AttemptRecord(r["attempt"], r["started_at"], r["ended_at"], r["outcome"],
                       r["master_addr"], r["master_port"], r["world_size"],
                       storedb.json_or_none(r["failure_json"]),
-                      storedb.json_or_none(r["stragglers_json"]) or [], r["warm_starts"] or 0)
+                      storedb.json_or_none(r["stragglers_json"]) or [], r["warm_starts"] or 0,
+                      r["restored_step"])
         for r in db.execute(
             "SELECT attempt, started_at, ended_at, outcome, master_addr, master_port,"
-            " world_size, failure_json, stragglers_json, warm_starts FROM attempts"
+            " world_size, failure_json, stragglers_json, warm_starts, restored_step"
+            " FROM attempts"
             " WHERE job_id = ? ORDER BY attempt", (job.job_id,))
     ]
     _attempt_steps(db, job)

@@ -115,6 +115,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     stragglers_json TEXT,
     warm_starts INTEGER,
     steps_json TEXT,
+    restored_step INTEGER,
     PRIMARY KEY (job_id, attempt)
 );
 -- Across jobs: what happened to each host (infrastructure failures it was part of), and the
@@ -171,7 +172,8 @@ _ADDED_COLUMNS = {
               "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL",
               "first_step": "INTEGER", "first_step_at": "REAL", "step_at": "REAL"},
     "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT",
-                 "warm_starts": "INTEGER", "steps_json": "TEXT"},
+                 "warm_starts": "INTEGER", "steps_json": "TEXT",
+                 "restored_step": "INTEGER"},
 }
 
 

@@ -24,9 +24,13 @@ OURS = frozenset({
     "ORCHESTRATOR_JOB_ID", "ORCHESTRATOR_ATTEMPT", "ORCHESTRATOR_AGENT_TOKEN",
     "ORCHESTRATOR_HEARTBEAT_FILE", "ORCHESTRATOR_STACK_DIR", "ORCHESTRATOR_SAMPLED",
     "TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT",
+    "ORCHESTRATOR_CHECKPOINT_MEMORY", "ORCHESTRATOR_CHECKPOINT_MEMORY_BYTES",
+    "ORCHESTRATOR_CHECKPOINT_PERSIST_EVERY",
 })
 # Ours too, on jobs of several nodes only (tests here compare one node with torchrun's).
 OURS_MULTI_NODE = frozenset({"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"})
+# Ours too, with checkpoint.dir or a checkpoint to resume (tests/integration/test_checkpoints.py).
+OURS_CHECKPOINTS = frozenset({"ORCHESTRATOR_CHECKPOINT_DIR", "ORCHESTRATOR_CHECKPOINT_STEP"})
 # Differ between any two sessions, whoever starts them.
 PER_SESSION = frozenset({"SSH_CLIENT", "SSH_CONNECTION"})
 # What the shell that typed the reference command (``cd DIR && torchrun ...``) adds of its
@@ -95,6 +99,6 @@ def documented_in_readme() -> list[str]:
     text = (ROOT / "README.md").read_text()
     start = text.index("## Workers see torchrun's world")
     section = text[start:text.index("\n## ", start + 1)]
-    names = OURS | OURS_MULTI_NODE | {"PYTHONPATH", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-                                      "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+    names = OURS | OURS_MULTI_NODE | OURS_CHECKPOINTS | {
+        "PYTHONPATH", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
     return sorted(n for n in names if f"`{n}`" not in section)

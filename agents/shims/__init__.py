@@ -1,7 +1,8 @@
 """Files the agent puts on every Python worker's PYTHONPATH: ``sitecustomize`` (stack hook,
-straggler sampler, flight recorder dumps) and ``orchestrator_worker`` (``heartbeat()``).
-They are data to the agent, which never imports them: it writes their text (shipped with
-it, see agents.source) into its private directory."""
+straggler sampler, flight recorder dumps), ``orchestrator_worker`` (``heartbeat()``) and
+``orchestrator_checkpoint`` (``save()``, ``load()``). They are data to the agent, which
+writes their text (shipped with it, see agents.source) into its private directory; it imports
+only the checkpoint format's stdlib half (agents/checkpoints.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import os
 
 from agents import source
 
-FILES = ("sitecustomize", "orchestrator_worker")
+FILES = ("sitecustomize", "orchestrator_worker", "orchestrator_checkpoint",
+         "orchestrator_checkpoint_format")
 
 
 def install(agent_dir: str) -> str:

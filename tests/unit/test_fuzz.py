@@ -167,6 +167,8 @@ VALID = [
     {"type": "heartbeat", "attempt": 1},
     {"type": "progress", "attempt": 1, "beat": True,
      "ranks": {"0": {"step": 3, "metrics": {"loss": 0.5}, "at": 1.5, "waits": [4, 1]}}},
+    {"type": "held", "attempt": 1, "memory": {"0": [3, 4]}, "persisted": {"1": [2]},
+     "bytes": 4096, "store": "ab"},
     {"type": "setup_output", "lines": ["a"]},
     {"type": "relay", "launched": True}, {"type": "gone", "outcome": {"reason": "x"}},
     {"type": "holding", "standby": False},
@@ -216,7 +218,8 @@ MESSAGE_CHANGES = st.lists(st.tuples(st.sampled_from(FIELD_NAMES), JSON | st.jus
 
 
 @FUZZ
-@given(st.sampled_from(VALID), MESSAGE_CHANGES, st.sampled_from([None, "0", "ranks", "stacks"]))
+@given(st.sampled_from(VALID), MESSAGE_CHANGES,
+       st.sampled_from([None, "0", "ranks", "stacks", "memory"]))
 def test_any_message_is_parsed_or_a_protocol_error(base, changes, inner):
     message = copy.deepcopy(base)
     for name, value in changes:

@@ -1,0 +1,323 @@
+"""The node's checkpoint store: the memory its workers save into, which this agent owns
+(it outlives them), sealed, persisted and reported in the background.
+
+A worker's ``save()`` (agents/shims/orchestrator_checkpoint.py, the format) copies its state
+into a slot under ``memory_root()`` and writes the save's meta last. On a thread of its own,
+the store then, for every save it finds:
+
+- **seals** it: a manifest of CRC-32s over the slot's bytes, taken under a shared lock of the
+  slot (a save takes an exclusive one, so it never writes what is being read);
+- **persists** each one its worker marked (every ``persist_every``-th save) to
+  ``checkpoint.dir``, checking the bytes it wrote against the manifest, synced, the manifest
+  last; and keeps the ``keep`` newest persisted steps of each of its ranks;
+- **reports** what the node holds (``held``: the steps of each rank in memory and persisted,
+  and the bytes of memory in use) whenever that changes, on every new controller
+  connection, and before ``stopped``, so that the controller's choice of the step every rank
+  resumes is made on what is there.
+
+The memory goes with the agent: ``close()`` removes it, and the watchdog does when the agent
+dies (agents/processes.py).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import mmap
+import os
+import secrets
+import shutil
+import threading
+import zlib
+from typing import Any
+
+from agents import commands as C
+from agents import protocol as P
+from agents.outbox import Outbox
+from agents.paths import memory_root
+from agents.shims import orchestrator_checkpoint_format as F
+
+SCAN_EVERY = 0.2  # seconds between looks for new saves
+MAX_REPORTED = 64  # steps per rank in one report (the newest)
+STORE_ID = ".orchestrator-store"  # names a checkpoint.dir: nodes that read the same one share it
+
+
+def default_memory() -> int:
+    """Half of the node's shared memory, when the spec sets no bound."""
+    try:
+        st = os.statvfs("/dev/shm")
+        return st.f_blocks * st.f_frsize // 2
+    except OSError:
+        return 1 << 30
+
+
+class Store:
+    def __init__(self, job_id: str, node_index: int, outbox: Outbox):
+        self.root = memory_root(job_id, node_index)
+        self.outbox = outbox
+        self.config = C.CheckpointConfig()
+        self.persist_dir: str | None = None
+        self.store_id: str | None = None
+        self.attempt = 0
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._closed = False
+        self._last: dict[str, Any] | None = None
+        self._sent_to: object = None
+        self._thread: threading.Thread | None = None
+        self.problems: list[str] = []  # said once each in the agent's log (error messages)
+
+    # --- the attempt's side ------------------------------------------------------------------
+    def configure(self, config: C.CheckpointConfig, workdir: str, attempt: int,
+                  local_ranks: int) -> dict[str, str | None]:
+        """Take the attempt's settings; the variables its workers need (None: unset, as a
+        node's own environment could have them)."""
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        with self._lock:
+            self.config, self.attempt = config, attempt
+            self.persist_dir = None
+            if config.dir:
+                path = os.path.join(workdir, os.path.expanduser(config.dir))
+                self.persist_dir = os.path.abspath(path)
+                self.store_id = _store_id(self.persist_dir)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoints")
+            self._thread.start()
+        budget = config.memory or default_memory()
+        return {F.MEMORY_VAR: self.root,
+                F.BUDGET_VAR: str(budget // max(1, local_ranks)),
+                F.PERSIST_VAR: str(config.persist_every if self.persist_dir else 0),
+                F.DIR_VAR: self.persist_dir,
+                F.STEP_VAR: None if config.restore_step is None else str(config.restore_step)}
+
+    def report_now(self) -> None:
+        """What the node holds, said now (before ``stopped``: the controller plans on it)."""
+        self._report(force=True)
+
+    def close(self) -> None:
+        """The workers are gone: what they saved and marked is persisted (a last pass), then
+        the memory goes."""
+        self._closed = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60.0)
+            try:
+                self._pass()
+            except Exception as exc:
+                self._problem(f"checkpoint store: {exc!r}")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    # --- the background ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                self._pass()
+            except Exception as exc:  # never the agent's end: said, and tried again
+                self._problem(f"checkpoint store: {exc!r}")
+            self._wake.wait(SCAN_EVERY)
+
+    def _pass(self) -> None:
+        for rank, rank_dir in self._rank_dirs():
+            for step, meta_bytes in sorted(_unsealed(rank_dir).items()):
+                self._seal(rank, rank_dir, step, meta_bytes)
+        self._report()
+
+    def _rank_dirs(self) -> list[tuple[int, str]]:
+        try:
+            names = os.listdir(self.root)
+        except OSError:
+            return []
+        out = []
+        for name in names:
+            rank = F.parse_step(name, prefix="rank-")
+            if rank is not None:
+                out.append((rank, os.path.join(self.root, name)))
+        return sorted(out)
+
+    def _seal(self, rank: int, rank_dir: str, step: int, meta_bytes: bytes) -> None:
+        base = os.path.join(rank_dir, F.step_name(step))
+        try:
+            meta = json.loads(meta_bytes)
+            slot, size = meta["slot"], meta["size"]
+            fd = os.open(os.path.join(rank_dir, f"slot-{int(slot)}"), os.O_RDONLY | os.O_CLOEXEC)
+        except (ValueError, KeyError, TypeError, OSError):
+            return  # gone meanwhile (its slot reused), or not ours to judge: the worker's load does
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if F.read_bytes(base + ".meta") != meta_bytes:
+                return  # the slot was written again before we had it
+            with _mapped(fd, size) as view:
+                manifest = F.manifest(meta_bytes, F.checksums(view, size), size)
+                F.write_file(base + ".manifest", json.dumps(manifest).encode())
+                if meta.get("persist") and self.persist_dir:
+                    self._persist(rank, step, meta_bytes, manifest, view)
+                    open(base + ".persisted", "w").close()
+                    _trim(self.persist_dir, rank, self.config.keep)
+        finally:
+            os.close(fd)
+
+    def _persist(self, rank: int, step: int, meta_bytes: bytes, manifest: dict[str, Any],
+                 view: memoryview) -> None:
+        assert self.persist_dir is not None
+        directory = F.persisted_dir(self.persist_dir, step)
+        os.makedirs(directory, exist_ok=True)
+        base = os.path.join(directory, f"rank-{rank}")
+        for suffix in (".manifest", ".corrupt"):  # an older copy of this step is no copy now
+            try:
+                os.unlink(base + suffix)
+            except OSError:
+                pass
+        size, chunk = manifest["size"], manifest["chunk"]
+        tmp = base + ".data.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            for i, at in enumerate(range(0, size, chunk)):
+                piece = view[at:min(at + chunk, size)]
+                if zlib.crc32(piece) != manifest["crc"][i]:
+                    raise OSError(f"step {step} of rank {rank} changed in memory while "
+                                  "being persisted")
+                while piece:
+                    piece = piece[os.write(fd, piece):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, base + ".data")
+        F.write_file(base + ".meta", meta_bytes, sync=True)
+        F.write_file(base + ".manifest", json.dumps(manifest).encode(), sync=True)
+        _sync_dir(directory)
+
+    # --- what the node holds -----------------------------------------------------------------
+    def holdings(self) -> dict[str, Any]:
+        memory: dict[str, list[int]] = {}
+        persisted: dict[str, list[int]] = {}
+        used = 0
+        for rank, rank_dir in self._rank_dirs():
+            steps = []
+            names = _listdir(rank_dir)
+            for name in names:
+                step = F.parse_step(name, suffix=".meta")
+                if step is not None:
+                    if F.step_name(step) + ".corrupt" not in names:
+                        steps.append(step)
+                elif name.startswith("slot-"):
+                    try:
+                        used += os.stat(os.path.join(rank_dir, name)).st_size
+                    except OSError:
+                        pass
+            if steps:
+                memory[str(rank)] = sorted(steps)[-MAX_REPORTED:]
+        if self.persist_dir:
+            for rank, steps in _persisted(self.persist_dir).items():
+                persisted[str(rank)] = sorted(steps)[-MAX_REPORTED:]
+        return {"type": P.HELD, "attempt": self.attempt, "memory": memory,
+                "persisted": persisted, "bytes": used, "store": self.store_id}
+
+    def _report(self, force: bool = False) -> None:
+        conn = self.outbox.current()
+        if conn is None:
+            return
+        with self._lock:
+            held = self.holdings()
+            if held != self._last or conn is not self._sent_to or force:
+                self._last, self._sent_to = held, conn
+                self.outbox.put(held)
+
+    def _problem(self, text: str) -> None:
+        if text not in self.problems:
+            self.problems.append(text)
+            self.outbox.put({"type": P.ERROR, "attempt": self.attempt, "message": text[:4000]})
+
+
+class _mapped:
+    """A read-only view of the first ``size`` bytes of ``fd`` (nothing to map for 0)."""
+
+    def __init__(self, fd: int, size: int):
+        self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        self.view = memoryview(self.map if self.map is not None else b"")
+
+    def __enter__(self) -> memoryview:
+        return self.view
+
+    def __exit__(self, *exc: object) -> None:
+        self.view.release()  # a mapping with a view on it cannot be closed
+        if self.map is not None:
+            self.map.close()
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _unsealed(rank_dir: str) -> dict[int, bytes]:
+    names = set(_listdir(rank_dir))
+    out = {}
+    for name in names:
+        step = F.parse_step(name, suffix=".meta")
+        if step is not None and F.step_name(step) + ".manifest" not in names and \
+                F.step_name(step) + ".corrupt" not in names:
+            data = F.read_bytes(os.path.join(rank_dir, name))
+            if data is not None:
+                out[step] = data
+    return out
+
+
+def _persisted(root: str) -> dict[int, list[int]]:
+    """``{rank: [steps]}`` with a sealed copy in ``root``."""
+    out: dict[int, list[int]] = {}
+    for name in _listdir(root):
+        step = F.parse_step(name)
+        if step is None:
+            continue
+        for entry in _listdir(os.path.join(root, name)):
+            rank = F.parse_step(entry, prefix="rank-", suffix=".manifest")
+            if rank is not None:
+                out.setdefault(rank, []).append(step)
+    return out
+
+
+def _trim(root: str, rank: int, keep: int) -> None:
+    """Only the ``keep`` newest persisted steps of ``rank`` (its files; a step's directory
+    goes with its last rank)."""
+    for step in F.persisted_steps(root, rank)[keep:]:
+        directory = F.persisted_dir(root, step)
+        for suffix in (".manifest", ".corrupt", ".meta", ".data"):
+            try:
+                os.unlink(os.path.join(directory, f"rank-{rank}{suffix}"))
+            except OSError:
+                pass
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass  # other ranks' files are still there
+
+
+def _store_id(directory: str) -> str | None:
+    """The id of a checkpoint.dir, made by the first node to use it: two nodes that read the
+    same id read the same files (a shared filesystem)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, STORE_ID)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            data = F.read_bytes(path, 64)
+            return data.decode("ascii", "replace").strip() if data else None
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(16))
+        return F.read_bytes(path, 64).decode("ascii").strip()  # type: ignore[union-attr]
+    except OSError:
+        return None
+
+
+def _sync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

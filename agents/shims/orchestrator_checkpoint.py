@@ -1,0 +1,478 @@
+"""``save(step, state)`` and ``load()``: a worker's checkpoint, kept first in memory its node's
+agent owns (it outlives the worker), persisted by that agent in the background, and verified
+before it is trusted. The one implementation: ``orchestrator.checkpoint`` is this module, and
+the agent puts this file on every worker's PYTHONPATH as ``orchestrator_checkpoint`` for nodes
+where the orchestrator is not installed.
+
+    import orchestrator_checkpoint as ckpt          # or: from orchestrator import checkpoint
+    restored = ckpt.load()                          # (step, state), or None: start fresh
+    ...
+    ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
+
+Where a copy lives (the README's "Checkpoints" section):
+
+- **Memory**: ``$ORCHESTRATOR_CHECKPOINT_MEMORY/rank-<RANK>/``, a directory on the node's
+  ``/dev/shm`` that the agent made and removes. A save takes a *slot* (a file this rank
+  reuses, so its pages are already there), copies the tensors' bytes into it and writes the
+  save's description (``step-<S>.meta``, renamed into place last). That copy is all the
+  training waits for. The newest save's slot is never written, so one whole copy always
+  exists; slots are bounded by ``$ORCHESTRATOR_CHECKPOINT_MEMORY_BYTES``.
+- The agent then **seals** each save (``step-<S>.manifest``: a CRC-32 per chunk of the data
+  and one of the meta) and **persists** every ``persist_every``-th one to
+  ``$ORCHESTRATOR_CHECKPOINT_DIR/step-<S>/rank-<RANK>.{data,meta,manifest}``.
+- ``load()`` restores ``$ORCHESTRATOR_CHECKPOINT_STEP``, the step the controller found every
+  rank holding a good copy of, from the nearest copy that verifies: memory, then persisted. A
+  copy that does not verify is named on stderr, marked, and skipped.
+
+Without an agent (plain ``torchrun``), ``save`` writes the same files to
+``$ORCHESTRATOR_CHECKPOINT_DIR`` itself (synced before it returns), and ``load`` takes the
+newest step of which this rank has a good copy (the newest every rank has, when
+``torch.distributed`` is initialized).
+
+The state is a tree of dicts (any keys of int, str, float, bool or None, and tuples of them),
+lists, tuples, tensors and small values (int, float, str, bool, None). It is stored as data:
+no pickle, so loading a copy runs no code.
+
+The agent imports the format's part of this module (it never imports torch, and neither does
+this module until a save or a load needs it).
+"""
+
+import fcntl
+import json
+import mmap
+import os
+import sys
+import time
+
+# On a worker's PYTHONPATH the format is a module beside this one; in the package, a sibling.
+if __package__:
+    from agents.shims.orchestrator_checkpoint_format import (  # noqa: F401
+        BUDGET_VAR,
+        DIR_VAR,
+        FORMAT,
+        MAX_STEP,
+        MEMORY_VAR,
+        PERSIST_VAR,
+        STEP_VAR,
+        CheckpointError,
+        byte_view,
+        checksums,
+        flatten,
+        layout,
+        manifest,
+        parse_step,
+        persisted_dir,
+        persisted_steps,
+        read_bytes,
+        read_json,
+        step_name,
+        unflatten,
+        verify,
+        write_file,
+    )
+else:
+    from orchestrator_checkpoint_format import (  # type: ignore[no-redef]  # noqa: F401
+        BUDGET_VAR,
+        DIR_VAR,
+        FORMAT,
+        MAX_STEP,
+        MEMORY_VAR,
+        PERSIST_VAR,
+        STEP_VAR,
+        CheckpointError,
+        byte_view,
+        checksums,
+        flatten,
+        layout,
+        manifest,
+        parse_step,
+        persisted_dir,
+        persisted_steps,
+        read_bytes,
+        read_json,
+        step_name,
+        unflatten,
+        verify,
+        write_file,
+    )
+
+
+# --- memory slots (the worker's side) -------------------------------------------------------
+
+class _Slot:
+    """One reused file of this rank's memory directory, mapped once per process."""
+
+    def __init__(self, path, fd):
+        self.path, self.fd = path, fd
+        self.map = None
+        self.size = 0
+        self.registered = False
+
+    def ensure(self, size):
+        if self.size >= size and self.map is not None:
+            return
+        if self.map is not None:
+            self._unregister()
+            self.map.close()
+        if os.fstat(self.fd).st_size < size:
+            os.ftruncate(self.fd, size)
+        self.size = os.fstat(self.fd).st_size
+        self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
+                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
+
+    def register_cuda(self, torch):
+        """Pin the mapping for the GPU's copy engine (DMA straight into shared memory)."""
+        if self.registered:
+            return
+        try:
+            import ctypes
+            ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
+            if torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0) == 0:
+                self.registered = ptr
+        except Exception:  # pageable memory still works, only slower
+            self.registered = False
+
+    def _unregister(self):
+        if self.registered:
+            import torch
+            torch.cuda.cudart().cudaHostUnregister(self.registered)
+            self.registered = False
+
+
+_slots = {}  # type: dict[str, _Slot]  # path -> slot, for this process
+_saves = [0]  # saves this process made: every persist_every-th is persisted
+
+
+def _rank():
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def _metas(rank_dir, corrupt=False):
+    """``{step: meta}`` of this rank's saves in memory (with those found corrupt: all)."""
+    out = {}
+    try:
+        names = os.listdir(rank_dir)
+    except OSError:
+        return out
+    for name in names:
+        step = parse_step(name, suffix=".meta")
+        if step is not None:
+            meta = read_json(os.path.join(rank_dir, name))
+            if meta is not None and (corrupt or not os.path.exists(
+                    os.path.join(rank_dir, step_name(step) + ".corrupt"))):
+                out[step] = meta
+    return out
+
+
+def _drop(rank_dir, step):
+    for suffix in (".meta", ".manifest", ".persisted", ".corrupt"):
+        try:
+            os.unlink(os.path.join(rank_dir, step_name(step) + suffix))
+        except OSError:
+            pass
+
+
+def _take_slot(rank_dir, size, budget, metas):
+    """A slot to write, locked exclusively: never the newest save's, nor one the agent is
+    reading (it holds a shared lock), nor one holding a save still to persist; free slots
+    first, then the oldest save's."""
+    if 2 * size > budget:
+        raise CheckpointError(
+            "checkpoint memory for this rank is %d bytes: fewer than two copies of a %d-byte "
+            "state (raise checkpoint.memory)" % (budget, size))
+    newest = max(metas) if metas else None
+    step_of = {m.get("slot"): s for s, m in metas.items()}
+    names = sorted(n for n in os.listdir(rank_dir) if n.startswith("slot-")
+                   and n[5:].isdigit())
+    keep = {metas[newest].get("slot")} if newest is not None else set()
+    pending = {m.get("slot") for s, m in metas.items() if m.get("persist") and
+               not os.path.exists(os.path.join(rank_dir, step_name(s) + ".persisted"))}
+    candidates = sorted((int(n[5:]) for n in names if int(n[5:]) not in keep),
+                        key=lambda k: step_of.get(k, -1))
+    for number in candidates:
+        if number in pending:
+            continue
+        slot = _open_slot(os.path.join(rank_dir, "slot-%d" % number))
+        try:
+            fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue
+        return number, slot
+    total = sum(os.stat(os.path.join(rank_dir, n)).st_size for n in names)
+    if not candidates or total + size <= budget:
+        number = max([int(n[5:]) for n in names], default=-1) + 1
+        slot = _open_slot(os.path.join(rank_dir, "slot-%d" % number))
+        fcntl.flock(slot.fd, fcntl.LOCK_EX)
+        return number, slot
+    # Every other slot is being read or awaits persisting: wait for the oldest (the
+    # training waits here only when saves come faster than the disk takes them).
+    slot = _open_slot(os.path.join(rank_dir, "slot-%d" % candidates[0]))
+    fcntl.flock(slot.fd, fcntl.LOCK_EX)
+    return candidates[0], slot
+
+
+def _open_slot(path):
+    slot = _slots.get(path)
+    if slot is None:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        slot = _slots[path] = _Slot(path, fd)
+    return slot
+
+
+def save(step, state):
+    """Checkpoint ``state`` as of ``step`` (an int, the same on every rank). Returns the
+    seconds the training was held (the copy into memory; with no agent, the whole write)."""
+    if type(step) is not int or not 0 <= step < MAX_STEP:
+        raise CheckpointError("step must be an integer from 0 to 2**62, not %r" % (step,))
+    started = time.perf_counter()
+    tree, tensors = flatten(state)
+    import torch
+    views = [byte_view(torch, t) for t in tensors]
+    entries, size = layout(tensors)
+    _saves[0] += 1
+    every = _int_env(PERSIST_VAR, 0)
+    meta = {"format": FORMAT, "step": step, "rank": _rank(),
+            "world_size": _int_env("WORLD_SIZE", 1), "tensors": entries, "tree": tree,
+            "size": size, "saved_at": time.time(),
+            "persist": bool(every) and _saves[0] % every == 0}
+    memory = os.environ.get(MEMORY_VAR)
+    if not memory:
+        _save_files(step, meta, views, size)
+        return time.perf_counter() - started
+    rank_dir = os.path.join(memory, "rank-%d" % meta["rank"])
+    os.makedirs(rank_dir, mode=0o700, exist_ok=True)
+    budget = _int_env(BUDGET_VAR, 1 << 62)
+    metas = _metas(rank_dir)
+    number, slot = _take_slot(rank_dir, size, budget, metas)
+    try:
+        for s, m in _metas(rank_dir, corrupt=True).items():
+            if m.get("slot") == number or s == step:
+                _drop(rank_dir, s)  # its bytes are about to go: it is no longer a copy
+        slot.ensure(max(size, 1))
+        _copy_in(torch, slot, views, entries)
+        meta["slot"] = number
+        write_file(os.path.join(rank_dir, step_name(step) + ".meta"),
+                   json.dumps(meta).encode("utf-8"))
+    finally:
+        fcntl.flock(slot.fd, fcntl.LOCK_UN)
+    return time.perf_counter() - started
+
+
+def _copy_in(torch, slot, views, entries):
+    if any(v.is_cuda for v in views):
+        slot.register_cuda(torch)
+    whole = torch.frombuffer(slot.map, dtype=torch.uint8, count=slot.size)
+    try:
+        cuda = False
+        for view, (_, _, offset, nbytes) in zip(views, entries):
+            if nbytes:
+                cuda = cuda or view.is_cuda
+                whole[offset:offset + nbytes].copy_(view, non_blocking=bool(slot.registered))
+        if cuda:
+            torch.cuda.synchronize()
+    finally:
+        del whole  # the mapping can be resized only once no tensor views it
+
+
+def _int_env(name, default):
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def _save_files(step, meta, views, size):
+    """No agent: this rank's copy straight to ``$ORCHESTRATOR_CHECKPOINT_DIR``, synced."""
+    root = os.environ.get(DIR_VAR)
+    if not root:
+        raise CheckpointError("no checkpoint store: run under the orchestrator, or set "
+                              "%s to a directory" % DIR_VAR)
+    import torch
+    directory = persisted_dir(root, step)
+    os.makedirs(directory, exist_ok=True)
+    base = os.path.join(directory, "rank-%d" % meta["rank"])
+    buf = bytearray(size)
+    whole = torch.frombuffer(buf, dtype=torch.uint8) if size else None
+    for view, (_, _, offset, nbytes) in zip(views, meta["tensors"]):
+        if nbytes:
+            whole[offset:offset + nbytes].copy_(view)
+    del whole
+    meta_bytes = json.dumps(meta).encode("utf-8")
+    write_file(base + ".data", buf, sync=True)
+    write_file(base + ".meta", meta_bytes, sync=True)
+    write_file(base + ".manifest", json.dumps(
+        manifest(meta_bytes, checksums(memoryview(buf), size), size)).encode("utf-8"), sync=True)
+
+
+# --- load ------------------------------------------------------------------------------------
+
+def _say(text):
+    try:
+        sys.stderr.write("[orchestrator] checkpoint: %s\n" % text)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _restore(torch, meta_bytes, man, path, locked=False):
+    """The state a copy holds, verified against its manifest (None: an unsealed memory copy,
+    taken as it is); raises CheckpointError naming why it is not good."""
+    meta = json.loads(meta_bytes.decode("utf-8"))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise CheckpointError("its data is missing (%s)" % (exc.strerror,)) from None
+    try:
+        if locked:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # no save of this process is writing it now
+        length = os.fstat(fd).st_size
+        size = meta.get("size") if man is None else man.get("size")
+        if type(size) is not int or size > length:
+            raise CheckpointError("it is %s bytes, its manifest says %s" % (length, size))
+        buf = bytearray(size)
+        if size:
+            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
+                buf[:] = m[:size]
+        why = None if man is None else verify(meta_bytes, man, memoryview(buf))
+        if why is not None:
+            raise CheckpointError(why)
+    finally:
+        os.close(fd)
+    whole = torch.frombuffer(buf, dtype=torch.uint8) if size else None
+    tensors = []
+    for dtype, shape, offset, nbytes in meta["tensors"]:
+        kind = getattr(torch, dtype)
+        if nbytes:
+            t = whole[offset:offset + nbytes].view(kind).reshape(shape)
+        else:
+            t = torch.empty(shape, dtype=kind)
+        tensors.append(t)
+    return meta, unflatten(meta["tree"], tensors)
+
+
+def _memory_copy(torch, step):
+    memory = os.environ.get(MEMORY_VAR)
+    if not memory:
+        return None
+    rank_dir = os.path.join(memory, "rank-%d" % _rank())
+    base = os.path.join(rank_dir, step_name(step))
+    meta_bytes = read_bytes(base + ".meta")
+    if meta_bytes is None or os.path.exists(base + ".corrupt"):
+        return None
+    # Not sealed yet (the agent has not read it): nothing is known wrong with it.
+    man = read_json(base + ".manifest")
+    try:
+        slot = json.loads(meta_bytes.decode("utf-8"))["slot"]
+        return _restore(torch, meta_bytes, man, os.path.join(rank_dir, "slot-%d" % slot),
+                        locked=True)
+    except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+        _say("the memory copy of step %d (rank %d) is not good: %s; skipped"
+             % (step, _rank(), exc))
+        _mark_corrupt(base)
+        return None
+
+
+def _persisted_copy(torch, root, step):
+    base = os.path.join(persisted_dir(root, step), "rank-%d" % _rank())
+    meta_bytes = read_bytes(base + ".meta")
+    man = read_json(base + ".manifest")
+    if meta_bytes is None or man is None:
+        return None
+    try:
+        return _restore(torch, meta_bytes, man, base + ".data")
+    except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+        _say("the persisted copy of step %d (rank %d, %s) is not good: %s; skipped"
+             % (step, _rank(), base, exc))
+        _mark_corrupt(base)
+        return None
+
+
+def _mark_corrupt(base):
+    try:
+        os.replace(base + ".manifest", base + ".corrupt")
+    except OSError:
+        pass
+
+
+def load():
+    """``(step, state)`` of the checkpoint to resume, or None to start fresh. Tensors come
+    back on the CPU.
+
+    Under the orchestrator: the step the controller found every rank holding
+    (``$ORCHESTRATOR_CHECKPOINT_STEP``), from this node's memory, else its persisted copy.
+    Where it found none (a job's first attempt: its nodes hold nothing yet) and without it
+    (plain torchrun), the newest step persisted in ``$ORCHESTRATOR_CHECKPOINT_DIR``. Either way, a
+    copy that fails its checksums is named on stderr and skipped; when ``torch.distributed``
+    is initialized, the ranks then agree on the newest older step they all have. Without
+    it, a rank that has no good copy of the agreed step raises CheckpointError (the attempt
+    fails, and the next one is agreed on the copies that are left)."""
+    import torch
+    root = os.environ.get(DIR_VAR)
+    text = os.environ.get(STEP_VAR)
+    if os.environ.get(MEMORY_VAR) and text:
+        step = int(text)
+        found = _copy(torch, root, step)
+        if _everyone(torch, found is not None):
+            return step, found[1]
+        if not _distributed(torch):
+            raise CheckpointError("rank %d has no good copy of step %d, the step every rank "
+                                  "was to resume" % (_rank(), step))
+        candidates = [s for s in _held_steps(root) if s < step]
+    else:
+        if not root:
+            return None
+        candidates = persisted_steps(root, _rank())
+    while True:
+        step = _agree(torch, candidates)
+        if step is None:
+            return None
+        found = _copy(torch, root, step)
+        if _everyone(torch, found is not None):
+            return step, found[1]
+        candidates = [s for s in candidates if s < step]
+
+
+def _copy(torch, root, step):
+    return _memory_copy(torch, step) or (root and _persisted_copy(torch, root, step)) or None
+
+
+def _held_steps(root):
+    """Steps of which this rank has a copy here (memory or persisted), newest first."""
+    steps = set(persisted_steps(root, _rank())) if root else set()
+    memory = os.environ.get(MEMORY_VAR)
+    if memory:
+        steps.update(_metas(os.path.join(memory, "rank-%d" % _rank())))
+    return sorted(steps, reverse=True)
+
+
+def _distributed(torch):
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
+
+
+def _agree(torch, candidates):
+    """The newest of ``candidates`` that every rank has (all ranks when torch.distributed is
+    initialized; else this rank's own newest)."""
+    dist = torch.distributed
+    if _distributed(torch):
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, list(candidates))
+        common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
+        return max(common) if common else None
+    return candidates[0] if candidates else None
+
+
+def _everyone(torch, good):
+    """Whether every rank's copy verified (only this rank's without torch.distributed)."""
+    dist = torch.distributed
+    if _distributed(torch):
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, bool(good))
+        return all(everyone)
+    return bool(good)
+
+
+__all__ = ["CheckpointError", "load", "save"]

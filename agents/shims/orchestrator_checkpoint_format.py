@@ -1,0 +1,209 @@
+"""The checkpoint format (stdlib only): names, manifests, verification, and a state as data.
+
+Shared by a worker's ``orchestrator_checkpoint`` (which writes and reads copies) and the
+node's agent (agents/checkpoints.py: it seals, persists and reports them, and never imports
+torch). The agent puts this file beside the other shims on every worker's PYTHONPATH.
+
+A copy of one rank's state at one step is three parts: its data (the tensors' bytes, each
+aligned), its meta (JSON: the step, the rank, the world size, each tensor's dtype, shape and
+place, and the state's tree with tensors as indices) and its manifest (a CRC-32 per chunk of
+the data and one of the meta's bytes). A copy is good only when the manifest matches both.
+"""
+
+import json
+import math
+import os
+import zlib
+
+FORMAT = 1
+CHUNK = 16 << 20  # bytes a CRC covers: a corrupt byte names a chunk, not the whole copy
+ALIGN = 64
+MEMORY_VAR = "ORCHESTRATOR_CHECKPOINT_MEMORY"
+BUDGET_VAR = "ORCHESTRATOR_CHECKPOINT_MEMORY_BYTES"
+DIR_VAR = "ORCHESTRATOR_CHECKPOINT_DIR"
+STEP_VAR = "ORCHESTRATOR_CHECKPOINT_STEP"
+PERSIST_VAR = "ORCHESTRATOR_CHECKPOINT_PERSIST_EVERY"
+MAX_META = 64 << 20  # bytes of one save's description (its tree of small values)
+MAX_STEP = 1 << 62
+
+
+class CheckpointError(Exception):
+    """A save or a load that cannot be done as asked (the message says why)."""
+
+
+# --- the format (stdlib; the agent uses these) -------------------------------------------
+
+def step_name(step):
+    return "step-%d" % step
+
+
+def persisted_dir(root, step):
+    return os.path.join(root, "step-%012d" % step)
+
+
+def parse_step(name, prefix="step-", suffix=""):
+    """The step a file or directory name gives, or None."""
+    if not (name.startswith(prefix) and name.endswith(suffix)):
+        return None
+    digits = name[len(prefix):len(name) - len(suffix)]
+    if not digits.isdigit() or len(digits) > 19:
+        return None
+    step = int(digits)
+    return step if step < MAX_STEP else None
+
+
+def checksums(view, size, chunk=CHUNK):
+    """The CRC-32 of each ``chunk`` bytes of ``view[:size]``."""
+    return [zlib.crc32(view[at:min(at + chunk, size)]) for at in range(0, size, chunk)]
+
+
+def manifest(meta_bytes, crcs, size):
+    return {"format": FORMAT, "size": size, "chunk": CHUNK, "crc": crcs,
+            "meta": zlib.crc32(meta_bytes)}
+
+
+def read_json(path, limit=MAX_META):
+    """A small JSON file's object, or None (missing, too large, not an object)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError:
+        return None
+    if len(data) > limit:
+        return None
+    try:
+        value = json.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def read_bytes(path, limit=MAX_META):
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError:
+        return None
+    return data if len(data) <= limit else None
+
+
+def write_file(path, data, sync=False):
+    """``data`` at ``path``, whole or not at all (written aside, then renamed)."""
+    tmp = path + ".tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def verify(meta_bytes, man, view):
+    """Why the copy (its meta's bytes, its manifest, its data) is not good; None: it is."""
+    if not isinstance(man, dict) or man.get("format") != FORMAT:
+        return "no manifest"
+    if zlib.crc32(meta_bytes) != man.get("meta"):
+        return "its description does not match its manifest"
+    size, chunk, crcs = man.get("size"), man.get("chunk"), man.get("crc")
+    if type(size) is not int or type(chunk) is not int or chunk <= 0 or \
+            not isinstance(crcs, list) or len(crcs) != (size + chunk - 1) // chunk:
+        return "its manifest is malformed"
+    if len(view) < size:
+        return "it is %d bytes short" % (size - len(view))
+    for i, at in enumerate(range(0, size, chunk)):
+        if zlib.crc32(view[at:min(at + chunk, size)]) != crcs[i]:
+            return "chunk %d (bytes %d..%d) fails its checksum" % (i, at, min(at + chunk, size))
+    return None
+
+
+# --- the state as data --------------------------------------------------------------------
+
+def _is_tensor(value):
+    return type(value).__module__.startswith("torch") and hasattr(value, "untyped_storage")
+
+
+def flatten(state):
+    """``(tree, tensors)``: the state as JSON-able data, its tensors replaced by indices."""
+    tensors = []
+
+    def enc(value, path):
+        if value is None or isinstance(value, (bool, str)):
+            return value
+        if isinstance(value, int):
+            return value if abs(value) < (1 << 63) else {"__i": str(value)}
+        if isinstance(value, float):
+            return value if math.isfinite(value) else {"__f": repr(value)}
+        if _is_tensor(value):
+            tensors.append(value)
+            return {"__T": len(tensors) - 1}
+        if isinstance(value, dict):
+            return {"__d": [[enc(k, path + "[key]"), enc(v, "%s[%r]" % (path, k))]
+                            for k, v in value.items()]}
+        if isinstance(value, tuple):
+            return {"__t": [enc(v, "%s[%d]" % (path, i)) for i, v in enumerate(value)]}
+        if isinstance(value, list):
+            return [enc(v, "%s[%d]" % (path, i)) for i, v in enumerate(value)]
+        raise CheckpointError("state%s is a %s: a checkpoint holds tensors, dicts, lists, "
+                              "tuples, numbers, strings, booleans and None"
+                              % (path, type(value).__name__))
+    return enc(state, ""), tensors
+
+
+def unflatten(tree, tensors):
+    def dec(value):
+        if isinstance(value, list):
+            return [dec(v) for v in value]
+        if not isinstance(value, dict):
+            return value
+        if "__T" in value:
+            return tensors[value["__T"]]
+        if "__d" in value:
+            return {_key(dec(k)): dec(v) for k, v in value["__d"]}
+        if "__t" in value:
+            return tuple(dec(v) for v in value["__t"])
+        if "__i" in value:
+            return int(value["__i"])
+        if "__f" in value:
+            return float(value["__f"])
+        raise CheckpointError("a checkpoint's description holds an unknown entry")
+    return dec(tree)
+
+
+def _key(value):
+    return tuple(value) if isinstance(value, list) else value
+
+
+def layout(tensors):
+    """``[(dtype name, shape, offset, nbytes)]`` and the total size, each tensor aligned."""
+    entries, at = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        entries.append([str(t.dtype).replace("torch.", ""), list(t.shape), at, nbytes])
+        at += (nbytes + ALIGN - 1) // ALIGN * ALIGN
+    return entries, at
+
+
+def byte_view(torch, tensor):
+    """A tensor's bytes as a flat uint8 view (a contiguous copy first where it is not)."""
+    t = tensor.detach()
+    if t.is_sparse or t.is_quantized:
+        raise CheckpointError("sparse and quantized tensors are not supported: save "
+                              "their dense form")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def persisted_steps(root, rank):
+    """Steps of which ``root`` holds a sealed copy of ``rank``, newest first."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    steps = [parse_step(n) for n in names]
+    return sorted((s for s in steps if s is not None and os.path.exists(
+        os.path.join(persisted_dir(root, s), "rank-%d.manifest" % rank))), reverse=True)

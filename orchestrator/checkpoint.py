@@ -1,0 +1,21 @@
+"""For training scripts: checkpoints kept in the memory of the node's agent, persisted in
+the background, verified on load (README, "Checkpoints")::
+
+    from orchestrator import checkpoint
+    restored = checkpoint.load()            # (step, state) to resume, or None: start fresh
+    if restored:
+        step, state = restored
+        model.load_state_dict(state["model"]); opt.load_state_dict(state["optim"])
+    ...
+    checkpoint.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+
+On nodes where this package is not installed, the agent puts the same module on every
+worker's PYTHONPATH as ``orchestrator_checkpoint``. Under plain ``torchrun`` the same calls
+read and write files in ``$ORCHESTRATOR_CHECKPOINT_DIR``.
+"""
+
+from __future__ import annotations
+
+from agents.shims.orchestrator_checkpoint import CheckpointError, load, save
+
+__all__ = ["CheckpointError", "load", "save"]

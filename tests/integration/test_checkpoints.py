@@ -1,0 +1,134 @@
+"""Checkpoints in the agents' memory (README, "Checkpoints"): a rank SIGKILLed right after a
+save resumes, with every other rank, from that very step, read from its node's memory; the
+weights at the end are those of a run that never failed; a corrupt copy is named, skipped,
+and the next good one used; nothing is left in shared memory when the job ends."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+
+import torch
+
+import orchestrator
+from tests.helpers import PYTHON, WORKERS, assert_no_job_processes, wait_for, write_spec
+
+SHM = f"/dev/shm/orchestrator-{os.getuid()}"
+
+
+def reference_weights(steps: int, world: int) -> dict[str, torch.Tensor]:
+    """What tests/workers/ckpt_train.py ends with when nothing fails (one process)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        grads = []
+        for rank in range(world):
+            g = torch.Generator().manual_seed(step * world + rank)
+            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for i, p in enumerate(model.parameters()):
+            p.grad = sum(g[i] for g in grads) / world
+        opt.step()
+    return model.state_dict()
+
+
+def memory_dirs(job_id: str) -> list[str]:
+    return glob.glob(os.path.join(SHM, f"{job_id}.*"))
+
+
+def run(tmp_path, home, env: dict, checkpoint: dict | None = None, restarts: int = 1):
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = {"name": "ckpt", "nodes": [{"host": "local"}], "nproc_per_node": 2,
+            "command": [PYTHON, str(WORKERS / "ckpt_train.py")], "workdir": str(tmp_path),
+            "max_restarts": restarts, "restart_backoff": {"initial": 0.1},
+            "env": {"OUT": str(out), **env}}
+    if checkpoint is not None:
+        spec["checkpoint"] = checkpoint
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    result = orchestrator.wait(job_id, timeout=180)
+    return job_id, result, out
+
+
+def test_a_killed_rank_resumes_with_everyone_from_the_step_it_saved_last(tmp_path, home,
+                                                                         monkeypatch):
+    # What the node's own environment says of checkpoints is not what the workers are told.
+    monkeypatch.setenv("ORCHESTRATOR_CHECKPOINT_STEP", "3")
+    job_id, result, out = run(tmp_path, home, {"CRASH_AT": "5", "STEPS": "10"})
+    assert result["state"] == "SUCCEEDED", result.get("failure")
+    attempts = result["attempts"]
+    assert [a["restored_step"] for a in attempts] == [None, 5]
+    assert (out / "resumed-1-0").read_text() == "-1"  # a fresh start
+    # Both ranks resumed step 5 (one step past it), from memory: nothing persisted here.
+    assert (out / "resumed-2-0").read_text() == "5" and (out / "resumed-2-1").read_text() == "5"
+    expected = reference_weights(10, 2)
+    for rank in (0, 1):
+        final = torch.load(out / f"final-{rank}.pt")
+        for name, value in expected.items():
+            assert torch.allclose(final[name], value, atol=1e-6), (rank, name)
+    assert_no_job_processes(job_id)
+    assert memory_dirs(job_id) == []
+
+
+def test_the_persisted_copies_are_kept_verified_and_a_corrupt_one_is_skipped(tmp_path, home):
+    ckdir = tmp_path / "ckpts"
+    job_id, result, _ = run(tmp_path, home, {"STEPS": "9"},
+                            {"dir": str(ckdir), "persist_every": 2, "keep": 3}, restarts=0)
+    assert result["state"] == "SUCCEEDED", result.get("failure")
+    # Saves 2, 4, 6, 8 (steps 1, 3, 5, 7) were persisted; the 3 newest kept.
+    steps = sorted(p.name for p in ckdir.glob("step-*"))
+    assert steps == ["step-000000000003", "step-000000000005", "step-000000000007"], steps
+    for step_dir in ckdir.glob("step-*"):
+        assert sorted(p.name for p in step_dir.iterdir()) == [
+            f"rank-{r}.{s}" for r in (0, 1) for s in ("data", "manifest", "meta")]
+    assert memory_dirs(job_id) == []
+    # A byte flipped in rank 1's newest copy: a new job resumes from the one before, at
+    # every rank, and says which copy it skipped and why.
+    data = ckdir / "step-000000000007" / "rank-1.data"
+    raw = bytearray(data.read_bytes())
+    raw[100] ^= 0x40
+    data.write_bytes(bytes(raw))
+    (tmp_path / "out").rename(tmp_path / "out-1")
+    job_id, result, out = run(tmp_path, home, {"STEPS": "9"},
+                              {"dir": str(ckdir), "persist_every": 2, "keep": 3}, restarts=0)
+    assert result["state"] == "SUCCEEDED", result.get("failure")
+    log = "\n".join(orchestrator.logs(job_id))
+    assert "persisted copy of step 7 (rank 1" in log and "fails its checksum" in log, log[-2000:]
+    assert (out / "resumed-1-0").read_text() == "5" and (out / "resumed-1-1").read_text() == "5"
+    json.dumps(result)  # the status stays JSON
+
+
+def start_saving(tmp_path, home, name: str) -> tuple[str, str]:
+    """A job whose two ranks save every step for a long while, once it holds copies."""
+    out = tmp_path / name
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "ckpt", "nodes": [{"host": "local"}], "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "ckpt_train.py")], "workdir": str(tmp_path),
+        "env": {"OUT": str(out), "STEPS": "100000", "STATE_MB": "4"}}, f"{name}.yaml"))
+    def both_ranks_saved() -> bool:
+        metas = [glob.glob(os.path.join(d, "rank-*", "step-*.meta")) for d in memory_dirs(job_id)]
+        return any(len({os.path.dirname(m) for m in found}) == 2 for found in metas)
+    wait_for(both_ranks_saved, 60, what="two ranks' saves in memory")
+    return job_id, memory_dirs(job_id)[0]
+
+
+def test_no_memory_is_left_after_a_cancel_or_the_agents_death(tmp_path, home):
+    job_id, _ = start_saving(tmp_path, home, "cancelled")
+    orchestrator.cancel(job_id, wait_seconds=30)
+    assert orchestrator.status(job_id)["state"] == "CANCELLED"
+    assert_no_job_processes(job_id)
+    assert memory_dirs(job_id) == []
+
+    job_id, _ = start_saving(tmp_path, home, "agent-killed")
+    agent = orchestrator.status(job_id)["nodes"][0]["agent_pid"]
+    os.kill(agent, signal.SIGKILL)  # its watchdog stops the workers and removes the memory
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "FAILED", result["state"]
+    assert_no_job_processes(job_id)
+    wait_for(lambda: memory_dirs(job_id) == [], 10, what="the memory removed")

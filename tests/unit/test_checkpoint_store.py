@@ -1,0 +1,169 @@
+"""The checkpoint store's pure parts and its files, without a job: the state as data (no
+pickle), a save that never writes over the newest copy nor one the agent is reading, the
+agent's seal and persist and what it reports, a corrupt copy named and skipped for the next
+good one, memory bounded as configured, and the controller's choice of the step every rank
+resumes (orchestrator/checkpoints.py)."""
+
+from __future__ import annotations
+
+import fcntl
+import math
+import os
+import secrets
+
+import pytest
+import torch
+
+from agents import commands as C
+from agents import protocol as P
+from agents.checkpoints import Store
+from agents.shims import orchestrator_checkpoint as ckpt
+from agents.shims import orchestrator_checkpoint_format as F
+from orchestrator.checkpoints import Holdings
+
+
+class Outbox:
+    """What the store puts out, as the agent's outbox would carry it."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    def current(self) -> object:
+        return self
+
+    def put(self, message: dict) -> None:
+        self.sent.append(message)
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """An agent's store (its memory on /dev/shm, removed afterwards) and a worker's env for it:
+    rank 1, every save persisted to tmp_path/ck, two kept."""
+    outbox = Outbox()
+    s = Store(f"unit-{secrets.token_hex(4)}", 0, outbox)  # type: ignore[arg-type]
+    env = s.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20), str(tmp_path), 1, 1)
+    for key, value in {**env, "RANK": "1"}.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    s._closed = True  # the test drives its passes itself
+    yield s, outbox
+    s.close()
+    assert not os.path.exists(s.root)
+
+
+def test_the_state_is_data_and_comes_back_as_it_went():
+    state = {"model": {"w": torch.arange(6.0).reshape(2, 3)}, 3: (1, 2.5, None), "big": 1 << 70,
+             "odd": [float("inf"), "s", True], "opt": {"state": {0: {"m": torch.ones(2)}}}}
+    tree, tensors = F.flatten(state)
+    back = F.unflatten(tree, tensors)
+    assert back[3] == (1, 2.5, None) and back["big"] == 1 << 70 and back["odd"][1:] == ["s", True]
+    assert math.isinf(back["odd"][0]) and torch.equal(back["model"]["w"], state["model"]["w"])
+    assert torch.equal(back["opt"]["state"][0]["m"], torch.ones(2))
+    with pytest.raises(F.CheckpointError, match=r"state\['fn'\] is a function"):
+        F.flatten({"fn": lambda: None})
+
+
+def test_a_save_never_writes_the_newest_copy_nor_one_being_read(store, monkeypatch):
+    s, _ = store
+    for step in (0, 1):
+        ckpt.save(step, {"w": torch.full((1000,), float(step))})
+    rank_dir = os.path.join(s.root, "rank-1")
+    slot0 = os.open(os.path.join(rank_dir, "slot-0"), os.O_RDONLY)
+    fcntl.flock(slot0, fcntl.LOCK_SH)  # the agent reads step 0's copy
+    try:
+        ckpt.save(2, {"w": torch.full((1000,), 2.0)})
+    finally:
+        os.close(slot0)
+    assert sorted(os.listdir(rank_dir)) == ["slot-0", "slot-1", "slot-2", "step-0.meta",
+                                            "step-1.meta", "step-2.meta"]
+    for step in (0, 1, 2):
+        monkeypatch.setenv(F.STEP_VAR, str(step))
+        assert torch.equal(ckpt.load()[1]["w"], torch.full((1000,), float(step)))
+    s._pass()  # persisted: no slot awaits the agent any more
+    ckpt.save(3, {"w": torch.full((1000,), 3.0)})  # the oldest save's slot: step 0's
+    assert not os.path.exists(os.path.join(rank_dir, "step-0.meta"))
+
+
+def test_the_agent_seals_persists_reports_and_a_corrupt_copy_is_skipped(store, capsys,
+                                                                        monkeypatch):
+    s, outbox = store
+    state = {"w": torch.randn(1 << 16), "step": 5}
+    ckpt.save(5, state)
+    s._pass()
+    rank_dir = os.path.join(s.root, "rank-1")
+    assert os.path.exists(os.path.join(rank_dir, "step-5.manifest"))
+    held = P.parse(outbox.sent[-1])
+    assert isinstance(held, P.Held) and held.memory == {1: (5,)} and held.persisted == {1: (5,)}
+    assert held.bytes == os.path.getsize(os.path.join(rank_dir, "slot-0")) and held.store
+    # A byte of the memory copy flipped: named, skipped, the persisted copy used.
+    with open(os.path.join(rank_dir, "slot-0"), "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 1]))
+    monkeypatch.setenv(F.STEP_VAR, "5")
+    step, back = ckpt.load()
+    assert step == 5 and torch.equal(back["w"], state["w"])
+    said = capsys.readouterr().err
+    assert "the memory copy of step 5 (rank 1) is not good: chunk 0" in said, said
+    s._pass()  # the copy marked corrupt is no longer reported as held
+    assert P.parse(outbox.sent[-1]).memory == {}
+    # And the persisted one corrupt too: no good copy of the agreed step anywhere.
+    data = os.path.join(s.persist_dir, "step-000000000005", "rank-1.data")
+    with open(data, "r+b") as f:
+        f.write(b"\xff" * 8)
+    with pytest.raises(F.CheckpointError, match="no good copy of step 5"):
+        ckpt.load()
+
+
+def test_only_the_newest_persisted_steps_are_kept(store):
+    s, _ = store
+    for step in range(4):
+        ckpt.save(step, {"w": torch.zeros(10)})
+        s._pass()
+    assert F.persisted_steps(s.persist_dir, 1) == [3, 2]
+    assert sorted(os.listdir(s.persist_dir)) == [".orchestrator-store", "step-000000000002",
+                                                 "step-000000000003"]
+
+
+def test_memory_is_bounded_as_configured(store, monkeypatch):
+    monkeypatch.setenv(F.BUDGET_VAR, str(1 << 20))
+    with pytest.raises(F.CheckpointError, match="fewer than two copies"):
+        ckpt.save(0, {"w": torch.zeros(1 << 18)})  # 1 MiB: two copies would take 2
+
+
+def test_without_an_agent_files_are_written_and_read_back(tmp_path, monkeypatch):
+    for var in (F.MEMORY_VAR, F.STEP_VAR):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv(F.DIR_VAR, str(tmp_path))
+    monkeypatch.setenv("RANK", "0")
+    assert ckpt.load() is None
+    for step in (1, 2):
+        ckpt.save(step, {"w": torch.full((4,), float(step))})
+    assert ckpt.load()[0] == 2
+    monkeypatch.delenv(F.DIR_VAR)
+    with pytest.raises(F.CheckpointError, match="no checkpoint store"):
+        ckpt.save(3, {})
+
+
+def held(memory=None, persisted=None, store=None) -> P.Held:
+    return P.Held(1, {r: tuple(s) for r, s in (memory or {}).items()},
+                  {r: tuple(s) for r, s in (persisted or {}).items()}, 0, store)
+
+
+def test_every_rank_resumes_the_newest_step_all_can_load_where_they_run():
+    h = Holdings()
+    assert h.agreed_step({0: 0, 1: 1}) is None
+    h.update(0, held({0: [4, 5, 6]}))
+    h.update(1, held({1: [4, 5]}))
+    assert h.agreed_step({0: 0, 1: 1}) == 5
+    # Rank 1 moved to node 0, which holds nothing of it: nothing in common.
+    assert h.agreed_step({0: 0, 1: 0}) is None
+    # Persisted on a directory both nodes read (the same store id): any node finds it.
+    h.update(0, held({0: [6]}, {0: [2], 1: [2]}, "shared"))
+    h.update(1, held({}, {}, "shared"))
+    assert h.agreed_step({0: 0, 1: 1}) == 2
+    h.forget(0)  # node 0's channel closed: what it held is not counted
+    assert h.agreed_step({0: 0, 1: 1}) is None

@@ -1,0 +1,56 @@
+"""A small DDP-style training (gloo) that checkpoints every step through
+``orchestrator_checkpoint`` (the shim the agent puts on PYTHONPATH) and resumes from
+``load()``. Deterministic: step s's data comes from seed s, so the final weights equal those of
+a run that never failed when no step is lost or done twice with other weights.
+
+Env: STEPS (default 12); CRASH_AT / CRASH_RANK: in the first attempt, that rank SIGKILLs
+itself right after saving that step; STATE_MB: extra state per rank (a tensor of that size);
+OUT: a directory where each rank writes ``final-<rank>.pt`` and ``resumed-<attempt>-<rank>``.
+"""
+import os
+import signal
+import time
+
+import orchestrator_checkpoint as ckpt
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+attempt = os.environ["ORCHESTRATOR_ATTEMPT"]
+out = os.environ["OUT"]
+torch.manual_seed(0)
+model = torch.nn.Linear(16, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+extra = torch.zeros(int(float(os.environ.get("STATE_MB", "0")) * (1 << 20)) // 4)
+
+start = 0
+restored = ckpt.load()
+if restored is not None:
+    step, state = restored
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optim"])
+    assert state["step"] == step and state["rank"] == rank, (state["step"], state["rank"])
+    start = step + 1
+with open(os.path.join(out, f"resumed-{attempt}-{rank}"), "w") as f:
+    f.write(str(start - 1))
+print(f"rank {rank} attempt {attempt} starts at step {start}", flush=True)
+
+for step in range(start, int(os.environ.get("STEPS", "12"))):
+    g = torch.Generator().manual_seed(step * world + rank)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    opt.zero_grad()
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    opt.step()
+    blocked = ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
+                               "step": step, "rank": rank, "extra": extra})
+    print(f"rank {rank} step {step} saved in {blocked * 1000:.1f} ms", flush=True)
+    if attempt == "1" and step == int(os.environ.get("CRASH_AT", "-1")) and \
+            rank == int(os.environ.get("CRASH_RANK", "1")):
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
+torch.save(model.state_dict(), os.path.join(out, f"final-{rank}.pt"))
+dist.barrier()
