@@ -22,14 +22,15 @@ from __future__ import annotations
 import os
 
 #: What is shipped to a node, in this order (packages before their modules).
-MODULES = ("agents", "agents.fields", "agents.protocol", "agents.commands", "agents.paths",
+MODULES = ("agents", "agents.fields", "agents.protocol", "agents.commandbase",
+           "agents.checkpointcommands", "agents.commands", "agents.paths",
            "agents.text",
            "agents.netinfo", "agents.processes", "agents.outbox", "agents.leases",
            "agents.cache", "agents.setup", "agents.gpucheck", "agents.netcheck",
            "agents.rankfiles", "agents.shims",
            "agents.shims.sitecustomize", "agents.shims.orchestrator_worker",
            "agents.shims.orchestrator_checkpoint_format",
-           "agents.shims.orchestrator_checkpoint", "agents.checkpoints",
+           "agents.shims.orchestrator_checkpoint", "agents.replicas", "agents.checkpoints",
            "agents.shims.standby_boot", "agents.workers", "agents.standby", "agents.stacks",
            "agents.ops", "agents.agent", "agents.daemon", "agents.holder", "agents.relay",
            "agents.main")

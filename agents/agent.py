@@ -85,12 +85,13 @@ class Agent:
         self._touched = 0.0
         self.standbys = Standbys(self.token, directory)
         self.sockets = ops.Sockets()  # what the checks' commands hold open (agents/ops.py)
-        self.checkpoints = Store(self.job_id, self.node_index, self.outbox)
+        self.checkpoints = Store(self.job_id, self.node_index, self.outbox, self.secret)
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
         # First: it must inherit no socket.
         start_watchdog(self.token, self.directory, self.checkpoints.root)
+        self.checkpoints.start()
         # Held for life (the kernel lets go when the agent dies): relays know it lives.
         self.alive = os.open(alive_path(self.job_id, self.node_index),
                              os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -346,6 +347,7 @@ class Agent:
         self.workdir = workdir
         base_env, self.traces_dir = worker_env(start, self.token, self.directory, self.job_id,
                                                workdir)
+        self.checkpoints.install(start.checkpoint.pulls)  # before a worker can load()
         for key, value in self.checkpoints.configure(start.checkpoint, workdir, attempt,
                                                      len(start.workers)).items():
             if value is None:

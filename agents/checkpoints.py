@@ -1,22 +1,25 @@
 """The node's checkpoint store: the memory its workers save into, which this agent owns
-(it outlives them), sealed, persisted and reported in the background.
+(it outlives them), sealed, persisted, replicated and reported in the background.
 
-A worker's ``save()`` (agents/shims/orchestrator_checkpoint.py, the format) copies its state
-into a slot under ``memory_root()`` and writes the save's meta last. On a thread of its own,
-the store then, for every save it finds:
+A worker's ``save()`` (agents/shims/orchestrator_checkpoint.py; the format in
+orchestrator_checkpoint_format.py) copies its state into a slot under ``memory_root()`` and
+writes the save's meta last. On a thread of its own, the store then, for every save it finds:
 
 - **seals** it: a manifest of CRC-32s over the slot's bytes, taken under a shared lock of the
   slot (a save takes an exclusive one, so it never writes what is being read);
 - **persists** each one its worker marked (every ``persist_every``-th save) to
   ``checkpoint.dir``, checking the bytes it wrote against the manifest, synced, the manifest
   last; and keeps the ``keep`` newest persisted steps of each of its ranks;
-- **reports** what the node holds (``held``: the steps of each rank in memory and persisted,
-  and the bytes of memory in use) whenever that changes, on every new controller
-  connection, and before ``stopped``, so that the controller's choice of the step every rank
-  resumes is made on what is there.
+- **replicates** each rank's newest sealed save to the buddy the controller named
+  (``replicate_to``; agents/replicas.py), and keeps its buddy's replicas in turn;
+- **reports** what the node holds (``held``: the steps of each rank in memory, persisted and
+  as replicas, the replica server's port, the bytes of memory in use) whenever that changes,
+  on every new controller connection, and before ``stopped``, so that the controller's
+  choice of the step every rank resumes is made on what is there.
 
-The memory goes with the agent: ``close()`` removes it, and the watchdog does when the agent
-dies (agents/processes.py).
+A node that takes a lost node's place first ``install``s the copies the controller told it
+to pull from the replicas. The memory goes with the agent: ``close()`` removes it, and the
+watchdog does when the agent dies (agents/processes.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from agents import commands as C
 from agents import protocol as P
 from agents.outbox import Outbox
 from agents.paths import memory_root
+from agents.replicas import ReplicaError, Server
+from agents.replicas import pull as pull_replica
+from agents.replicas import push as push_replica
 from agents.shims import orchestrator_checkpoint_format as F
 
 SCAN_EVERY = 0.2  # seconds between looks for new saves
@@ -52,9 +58,13 @@ def default_memory() -> int:
 
 
 class Store:
-    def __init__(self, job_id: str, node_index: int, outbox: Outbox):
+    def __init__(self, job_id: str, node_index: int, outbox: Outbox, secret: str):
         self.root = memory_root(job_id, node_index)
         self.outbox = outbox
+        self.secret = secret
+        self.replicas: Server | None = None  # its buddy's copies (agents/replicas.py)
+        self.buddy: tuple[str, int] | None = None  # where this node's copies go
+        self._pushed: dict[int, int] = {}  # rank -> the newest step the buddy took
         self.config = C.CheckpointConfig()
         self.persist_dir: str | None = None
         self.store_id: str | None = None
@@ -68,27 +78,102 @@ class Store:
         self.problems: list[str] = []  # said once each in the agent's log (error messages)
 
     # --- the attempt's side ------------------------------------------------------------------
+    def start(self) -> None:
+        """Serve replicas and report, from the agent's start: a controller learns this
+        node's replica port before it plans the first attempt's buddies."""
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        try:
+            self.replicas = Server(self.root, self.secret, self._room, self._problem)
+        except OSError as exc:  # no TCP here: the node keeps its own copies only
+            self._problem(f"checkpoint replicas: cannot listen: {exc}")
+        self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoints")
+        self._thread.start()
+
+    def replicate_to(self, buddy: C.ReplicateTo) -> None:
+        with self._lock:
+            self.buddy = (buddy.address, buddy.port) if buddy.port else None
+            self._pushed.clear()
+        self._wake.set()
+
+    def retain(self, keep: C.Retain) -> None:
+        """Copies of steps from ``keep.step`` on stay (memory and replicas) while memory
+        allows: every rank could resume that step if a node were lost."""
+        F.write_file(os.path.join(self.root, "retain"), str(keep.step).encode())
+        if self.replicas is not None:
+            self.replicas.retain = keep.step
+            self.replicas.prune()
+
+    def install(self, pulls: tuple[C.Pull, ...]) -> None:
+        """Copies of ranks that now run here, pulled from the nodes that hold their
+        replicas, into this node's memory as if saved here (a node took a lost one's place)."""
+        for pull in pulls:
+            rank_dir = os.path.join(self.root, f"rank-{pull.rank}")
+            os.makedirs(rank_dir, mode=0o700, exist_ok=True)
+            numbers = [F.parse_step(n, prefix="slot-") for n in _listdir(rank_dir)]
+            slot = max([n for n in numbers if n is not None], default=-1) + 1
+            path = os.path.join(rank_dir, f"slot-{slot}")
+            try:
+                meta_bytes, manifest = pull_replica(pull.address, pull.port, self.secret,
+                                                    pull.rank, pull.step, path)
+            except (OSError, ReplicaError, ValueError) as exc:
+                self._problem(f"checkpoint: no replica of step {pull.step} of rank "
+                              f"{pull.rank} from {pull.address}:{pull.port}: {exc}")
+                continue
+            meta = json.loads(meta_bytes)
+            meta.update(slot=slot, persist=False)
+            meta_bytes = json.dumps(meta).encode()
+            man = json.loads(manifest)
+            man["meta"] = zlib.crc32(meta_bytes)  # the data's checksums stay the sender's
+            base = os.path.join(rank_dir, F.step_name(pull.step))
+            F.write_file(base + ".meta", meta_bytes)
+            F.write_file(base + ".manifest", json.dumps(man).encode())
+
     def configure(self, config: C.CheckpointConfig, workdir: str, attempt: int,
                   local_ranks: int) -> dict[str, str | None]:
         """Take the attempt's settings; the variables its workers need (None: unset, as a
         node's own environment could have them)."""
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         with self._lock:
+            new = attempt != self.attempt
             self.config, self.attempt = config, attempt
             self.persist_dir = None
             if config.dir:
                 path = os.path.join(workdir, os.path.expanduser(config.dir))
                 self.persist_dir = os.path.abspath(path)
                 self.store_id = _store_id(self.persist_dir)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoints")
-            self._thread.start()
+            if new:
+                self._discard_after(config.restore_step)
         budget = config.memory or default_memory()
         return {F.MEMORY_VAR: self.root,
                 F.BUDGET_VAR: str(budget // max(1, local_ranks)),
                 F.PERSIST_VAR: str(config.persist_every if self.persist_dir else 0),
                 F.DIR_VAR: self.persist_dir,
                 F.STEP_VAR: None if config.restore_step is None else str(config.restore_step)}
+
+    def _discard_after(self, step: int | None) -> None:
+        """A new attempt resumes ``step`` (None: from scratch): copies of later steps are of
+        a timeline no rank follows any more (ranks that got further than others saved
+        them), and must never be mixed with the new one's. Persisted copies go only when a
+        step is resumed (a first attempt may resume from them)."""
+        self._pushed.clear()
+        _unlink(os.path.join(self.root, "retain"))
+
+        def later(s: int | None) -> bool:
+            return s is not None and (step is None or s > step)
+        for rank, rank_dir in self._rank_dirs():
+            for name in _listdir(rank_dir):
+                if later(F.parse_step(name, suffix=".meta")):
+                    for suffix in (".meta", ".manifest", ".persisted", ".corrupt"):
+                        _unlink(os.path.join(rank_dir, name[:-5] + suffix))
+            if self.persist_dir and step is not None:
+                for old in F.persisted_steps(self.persist_dir, rank):
+                    if old > step:
+                        for suffix in (".manifest", ".corrupt", ".meta", ".data"):
+                            _unlink(os.path.join(F.persisted_dir(self.persist_dir, old),
+                                                 f"rank-{rank}{suffix}"))
+        if self.replicas is not None:
+            self.replicas.retain = None
+            self.replicas.discard(later)
 
     def report_now(self) -> None:
         """What the node holds, said now (before ``stopped``: the controller plans on it)."""
@@ -102,9 +187,11 @@ class Store:
         if self._thread is not None:
             self._thread.join(timeout=60.0)
             try:
-                self._pass()
+                self._pass(final=True)
             except Exception as exc:
                 self._problem(f"checkpoint store: {exc!r}")
+        if self.replicas is not None:
+            self.replicas.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
     # --- the background ------------------------------------------------------------------------
@@ -115,12 +202,57 @@ class Store:
             except Exception as exc:  # never the agent's end: said, and tried again
                 self._problem(f"checkpoint store: {exc!r}")
             self._wake.wait(SCAN_EVERY)
+            self._wake.clear()
 
-    def _pass(self) -> None:
+    def _pass(self, final: bool = False) -> None:
         for rank, rank_dir in self._rank_dirs():
             for step, meta_bytes in sorted(_unsealed(rank_dir).items()):
                 self._seal(rank, rank_dir, step, meta_bytes)
+            if not final:  # the job ends: its buddy's copy is of no use any more
+                self._replicate(rank, rank_dir)
         self._report()
+
+    def _replicate(self, rank: int, rank_dir: str) -> None:
+        """The rank's sealed saves the buddy lacks, oldest first (none skipped: the step
+        every rank's buddy holds is what the ranks resume after a node's loss)."""
+        buddy = self.buddy
+        if buddy is None:
+            return
+        names = set(_listdir(rank_dir))
+        sealed = sorted(s for s in (F.parse_step(n, suffix=".manifest") for n in names)
+                        if s is not None and s > self._pushed.get(rank, -1))
+        for step in sealed:
+            if self._closed or not self._push(rank, rank_dir, step, buddy):
+                return
+
+    def _push(self, rank: int, rank_dir: str, step: int, buddy: tuple[str, int]) -> bool:
+        base = os.path.join(rank_dir, F.step_name(step))
+        meta_bytes, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
+        try:
+            meta = json.loads(meta_bytes or b"")
+            fd = os.open(os.path.join(rank_dir, f"slot-{int(meta['slot'])}"),
+                         os.O_RDONLY | os.O_CLOEXEC)
+        except (ValueError, KeyError, TypeError, OSError):
+            return True  # gone meanwhile (its slot reused): the next one
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if F.read_bytes(base + ".meta") != meta_bytes or manifest is None:
+                return True
+            with _mapped(fd, meta["size"]) as view:
+                push_replica(buddy[0], buddy[1], self.secret, rank, step, meta_bytes,
+                             manifest, view)
+            self._pushed[rank] = step
+            return True
+        except (OSError, ReplicaError) as exc:
+            self._problem(f"checkpoint: replicating to {buddy[0]}:{buddy[1]} failed: {exc}")
+            return False
+        finally:
+            os.close(fd)
+
+    def _room(self) -> int:
+        """Bytes of checkpoint.memory not in use (for a buddy's replica)."""
+        budget = self.config.memory or default_memory()
+        return budget - self.holdings()["bytes"]
 
     def _rank_dirs(self) -> list[tuple[int, str]]:
         try:
@@ -209,8 +341,15 @@ class Store:
         if self.persist_dir:
             for rank, steps in _persisted(self.persist_dir).items():
                 persisted[str(rank)] = sorted(steps)[-MAX_REPORTED:]
+        replicas: dict[str, list[int]] = {}
+        if self.replicas is not None:
+            kept, replica_bytes = self.replicas.holdings()
+            used += replica_bytes
+            replicas = {str(r): sorted(s)[-MAX_REPORTED:] for r, s in kept.items()}
         return {"type": P.HELD, "attempt": self.attempt, "memory": memory,
-                "persisted": persisted, "bytes": used, "store": self.store_id}
+                "persisted": persisted, "replicas": replicas, "bytes": used,
+                "store": self.store_id,
+                "port": self.replicas.port if self.replicas is not None else None}
 
     def _report(self, force: bool = False) -> None:
         conn = self.outbox.current()
@@ -242,6 +381,13 @@ class _mapped:
         self.view.release()  # a mapping with a view on it cannot be closed
         if self.map is not None:
             self.map.close()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _listdir(path: str) -> list[str]:

@@ -1,7 +1,8 @@
 """Controller -> relay, holder and agent: every command as a class, encoded and parsed here.
 
-The other half of the protocol (agents/protocol.py has what nodes say). Stdlib only, and
-shipped to nodes with the agent. A command is a frozen dataclass whose class names its
+The other half of the protocol (agents/protocol.py has what nodes say; the base classes are
+in agents/commandbase.py, the checkpoint store's in agents/checkpointcommands.py). Stdlib
+only, and shipped to nodes with the agent. A command is a frozen dataclass whose class names its
 ``OP``; ``wire`` turns one into the JSON object sent on a channel, and ``parse`` is the
 agent's door: a decoded line becomes one of these classes, or ProtocolError naming the
 field, so that no handler reads a raw field. A *request* (``Request``) is answered by the
@@ -13,6 +14,7 @@ Ops::
     connect, hold                 the first line on a channel, for the relay
     attach, ack, spool, ping      the agent's session (the reader thread takes these)
     start, warm, stop, shutdown   workers (agents/agent.py)
+    replicate_to, retain          where a node's checkpoints go, which stay (checkpoints.py)
     free_port, listen, probe      ports and reachability (requests)
     sync_missing, sync_put, sync_build, setup, node_check      code, setup, health
     net_listen, net_send, net_close                            the network check
@@ -24,31 +26,21 @@ and on a node's holder socket (Slurm, agents/holder.py) ``HolderStart`` and its 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any
 
 from agents import protocol as P
+from agents.checkpointcommands import NO_CHECKPOINT as NO_CHECKPOINT
+from agents.checkpointcommands import CheckpointConfig as CheckpointConfig
+from agents.checkpointcommands import Pull as Pull
+from agents.checkpointcommands import ReplicateTo as ReplicateTo
+from agents.checkpointcommands import Retain as Retain
+from agents.commandbase import Command as Command
+from agents.commandbase import R as R
+from agents.commandbase import Request as Request
 from agents.fields import MAX_ARG, MAX_COUNT, MAX_PORT, MAX_RANK, ProtocolError, plain
 from agents.fields import CommandFields as _Read
 
-R = TypeVar("R", bound=P.Reply)
-
 MAX_FILES = 1 << 22  # files of a synced tree
-
-
-@dataclass(frozen=True)
-class Command:
-    OP: ClassVar[str] = ""
-
-    @classmethod
-    def read(cls, f: _Read) -> Command:
-        return cls()
-
-
-@dataclass(frozen=True)
-class Request(Command, Generic[R]):
-    """A command that is answered: by ``REPLY``, or by ``Failed``."""
-
-    REPLY: ClassVar[type[P.Reply]] = P.Reply
 
 
 # --- the session ---------------------------------------------------------------------------
@@ -172,28 +164,6 @@ class WorkerStart:
 @dataclass(frozen=True)
 class WarmImports:
     imports: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class CheckpointConfig:
-    """The job's ``checkpoint`` section as a node needs it (agents/checkpoints.py), and the
-    step the controller found every rank of this attempt holding (None: start fresh)."""
-
-    dir: str | None = None  # persisted copies, relative to the workdir (None: memory only)
-    persist_every: int = 10
-    keep: int = 2
-    memory: int | None = None  # bytes of the node's memory for its ranks' saves
-    restore_step: int | None = None
-
-    @classmethod
-    def read(cls, f: _Read) -> CheckpointConfig:
-        return cls(f.text("dir", MAX_ARG, True), f.integer("persist_every", 1, MAX_COUNT),
-                   f.integer("keep", 1, MAX_COUNT),
-                   f.integer("memory", 1, MAX_COUNT, optional=True),
-                   f.integer("restore_step", 0, MAX_COUNT, optional=True))
-
-
-NO_CHECKPOINT = CheckpointConfig()  # the defaults, and no step to resume
 
 
 @dataclass(frozen=True)
@@ -526,8 +496,9 @@ def wire(command: Command, req: int | None = None) -> dict[str, Any]:
 
 
 _SESSION = (Connect, Hold, Attach, Ack, Spool, Ping)
-_AGENT = (Start, Warm, Stop, Shutdown, FreePort, Listen, Probe, MissingBlobs, PutChunk,
-          BuildTree, RunSetup, CheckNode, NetListen, NetSend, NetClose, GetStacks, ReadTrace)
+_AGENT = (Start, Warm, Stop, ReplicateTo, Retain, Shutdown, FreePort, Listen, Probe,
+          MissingBlobs, PutChunk, BuildTree, RunSetup, CheckNode, NetListen, NetSend, NetClose,
+          GetStacks, ReadTrace)
 #: Every op a controller may send, by name.
 COMMANDS: dict[str, type[Command]] = {c.OP: c for c in _SESSION + _AGENT}
 

@@ -1,11 +1,13 @@
 """Reading the fields of one raw message from a node, each checked for its type and its
 bounds: the first bad one raises ProtocolError naming it (agents/protocol.py uses these);
-and ``plain``, a message or command as the JSON values that carry it."""
+``encode`` and ``decode``, a message as a JSON line; and ``plain``, a message or command as
+the JSON values that carry it."""
 
 from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -167,6 +169,21 @@ class CommandFields(Fields):
         if v is not None and not 0 <= v < MAX_COUNT:
             raise self.bad(name, v)
         return v
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One message as a JSON line. Non-ASCII stays UTF-8 (fewer bytes than \\u escapes)."""
+    return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def decode(line: bytes) -> dict[str, Any] | None:
+    """A JSON line as a dict, or None for anything that is not a JSON object (e.g. a login
+    banner printed on an SSH channel, or nesting too deep to be ours)."""
+    try:
+        message = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    return message if isinstance(message, dict) else None
 
 def plain(value: Any) -> Any:
     """A message or command as JSON values: dataclasses as objects (their None fields left

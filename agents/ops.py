@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from agents import cache, gpucheck, netcheck, setup, stacks
 from agents import commands as C
 from agents import protocol as P
+from agents.checkpoints import Store
 from agents.netinfo import free_port, interface_for
 from agents.outbox import Outbox
 from agents.paths import traces
@@ -47,6 +48,7 @@ class Agent(Protocol):
     standbys: Standbys
     outbox: Outbox
     sockets: Sockets  # the agent keeps them; only these handlers use them
+    checkpoints: Store
 
     def reply(self, reply: P.Reply) -> None: ...
     def aside(self, handler: Callable[[], None], command: C.Command,
@@ -267,6 +269,8 @@ Handler = Callable[[Agent, Any, Any], None]
 OPS: dict[type[C.Command], Handler] = {
     C.Start: lambda agent, start, _req: agent.op_start(start),
     C.Warm: op_warm,
+    C.ReplicateTo: lambda agent, buddy, _req: agent.checkpoints.replicate_to(buddy),
+    C.Retain: lambda agent, keep, _req: agent.checkpoints.retain(keep),
     C.Stop: lambda agent, stop, _req: agent.op_stop(stop),
     C.FreePort: op_free_port, C.Listen: op_listen, C.Probe: op_probe,
     C.GetStacks: op_stacks, C.ReadTrace: op_read_trace, C.MissingBlobs: op_sync_missing,

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -40,6 +39,8 @@ from typing import Any, Union
 from agents.fields import MAX_COUNT, MAX_RANK, Fields, finite, plain, unicode
 from agents.fields import MAX_MESSAGE as MAX_MESSAGE  # part of this module's surface
 from agents.fields import ProtocolError as ProtocolError
+from agents.fields import decode as decode  # and so are these
+from agents.fields import encode as encode
 
 VERSION = 6  # 6: checkpoints (held, start.checkpoint); 5: commands typed at the door
 
@@ -89,21 +90,6 @@ MAX_HELD_STEPS = 64  # steps per rank in one ``held``
 MAX_PID = 1 << 31
 MAX_GPUS = 64  # more than any node has: hello.gpus is capped here
 MAX_TEXT = 1 << 20  # one text field (an error file, a stack)
-
-
-def encode(message: dict[str, Any]) -> bytes:
-    """One message as a JSON line. Non-ASCII stays UTF-8 (fewer bytes than \\u escapes)."""
-    return json.dumps(message, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
-
-
-def decode(line: bytes) -> dict[str, Any] | None:
-    """A JSON line as a dict, or None for anything that is not a JSON object (e.g. a login
-    banner printed on an SSH channel, or nesting too deep to be ours)."""
-    try:
-        message = json.loads(line)
-    except (ValueError, RecursionError):
-        return None
-    return message if isinstance(message, dict) else None
 
 
 def _seq(f: Fields) -> int | None:
@@ -238,14 +224,17 @@ def _progress(f: Fields) -> Progress:
 
 @dataclass(frozen=True)
 class Held:
-    """A node's checkpoints (agents/checkpoints.py): steps per rank in memory and in its
-    checkpoint.dir (``store``: that directory's id), and the memory they take."""
+    """A node's checkpoints (agents/checkpoints.py): steps per rank in memory, in its
+    checkpoint.dir (``store``: that directory's id) and of its buddy's ranks (``replicas``,
+    served on ``port``), and the memory they take."""
 
     attempt: int
     memory: dict[int, tuple[int, ...]]
     persisted: dict[int, tuple[int, ...]]
     bytes: int
     store: str | None
+    replicas: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    port: int | None = None
 
 
 def _held(f: Fields) -> Held:
@@ -254,7 +243,8 @@ def _held(f: Fields) -> Held:
             name, value=value, limit=MAX_HELD_STEPS)) for key, value in
             f.mapping(name, optional=True).items()}
     return Held(f.integer("attempt"), steps("memory"), steps("persisted"),
-                f.integer("bytes", 0, MAX_COUNT), f.text("store", 64, True))
+                f.integer("bytes", 0, MAX_COUNT), f.text("store", 64, True),
+                steps("replicas"), f.integer("port", 1, 65535, optional=True))
 
 
 @dataclass(frozen=True)

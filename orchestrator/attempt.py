@@ -8,6 +8,7 @@ with each checkpoint, so that a replaced controller carries on the same attempt.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections import deque
@@ -90,9 +91,11 @@ class Attempt:
 
     def __init__(self, plan: LaunchPlan, sink: LogSink, hosts: dict[int, str],
                  store: Any, job_id: str, nprocs: dict[int, int] | None = None,
-                 checkpoint: C.CheckpointConfig = C.NO_CHECKPOINT):
+                 checkpoint: C.CheckpointConfig = C.NO_CHECKPOINT,
+                 pulls: dict[int, tuple[C.Pull, ...]] | None = None):
         self.plan = plan
         self.checkpoint = checkpoint  # its nodes' settings, and the step its ranks resume
+        self.pulls = pulls or {}  # node -> replicas its agent fetches before its workers
         self.nprocs = nprocs or {}  # workers per node, as planned (gpu|auto differ per node)
         self.number = plan.attempt
         self.sink = sink
@@ -134,7 +137,8 @@ class Attempt:
                       warm_imports: tuple[str, ...] | None = None) -> C.Start:
         """The ``start`` a participant's agent gets (agents/commands.py)."""
         return start_command(self.number, self.node_plans[node_index], stop_grace,
-                             flight_recorder, warm_imports, checkpoint=self.checkpoint)
+                             flight_recorder, warm_imports, checkpoint=dataclasses.replace(
+                                 self.checkpoint, pulls=self.pulls.get(node_index, ())))
 
     # --- the agents' messages ---------------------------------------------------------------
     def handle(self, node_index: int, message: P.Message) -> str | None:

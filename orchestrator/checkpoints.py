@@ -1,12 +1,15 @@
 """What checkpoints the job's nodes hold, and the step every rank resumes.
 
 Each node's agent reports (``held``, agents/checkpoints.py) the steps of each rank it keeps
-in memory and in its ``checkpoint.dir``; a report replaces that node's last one, and a node
-whose channel closes is forgotten until it reports again (its agent re-sends on attach). At
-the start of an attempt, ``agreed_step`` is the newest step of which every rank of the new
-attempt has a copy where it will run: in its node's memory, or persisted in a directory its
-node reads (the same store id from several nodes: a shared filesystem). Every rank is then
-told that step (``ORCHESTRATOR_CHECKPOINT_STEP``), so all of them resume the same one.
+in memory, in its ``checkpoint.dir`` and as replicas of its buddy's ranks; a report replaces
+that node's last one, and a node whose channel closes is forgotten until it reports again
+(its agent re-sends on attach). At the start of an attempt, ``agreed_step`` is the newest
+step of which every rank of the new attempt has a copy where it will run (in its node's
+memory, or persisted in a directory its node reads: the same store id from several nodes
+is a shared filesystem) or a replica on a live node, which that node's agent then pulls
+(``pulls``) before its workers start. Every rank is told that step
+(``ORCHESTRATOR_CHECKPOINT_STEP``), so all of them resume the same one. ``buddies`` says
+where each node replicates: the next node of the attempt, in node-rank order.
 
 Pure bookkeeping: the engine owns one and feeds it; nothing here sends or writes.
 May call ``plan`` and ``spec`` (types only).
@@ -15,12 +18,12 @@ May call ``plan`` and ``spec`` (types only).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from agents import commands as C
 from agents import protocol as P
-from orchestrator.plan import LaunchPlan
+from orchestrator.plan import LaunchPlan, node_address
 from orchestrator.spec import JobSpec
 
 log = logging.getLogger("orchestrator.controller")
@@ -29,12 +32,15 @@ log = logging.getLogger("orchestrator.controller")
 class Holdings:
     def __init__(self) -> None:
         self._nodes: dict[int, P.Held] = {}
+        self._buddies: dict[int, tuple[str, int]] = {}  # node -> the buddy it was told of
+        self._retained: int | None = None  # the step the nodes were last told to retain
 
     def update(self, node_index: int, held: P.Held) -> None:
         self._nodes[node_index] = held
 
     def forget(self, node_index: int) -> None:
         self._nodes.pop(node_index, None)
+        self._buddies.pop(node_index, None)  # a new agent there is told again
 
     def summary(self, node_index: int) -> dict[str, Any] | None:
         """What ``status`` shows of a node's store: bytes of memory, newest steps."""
@@ -47,43 +53,105 @@ class Holdings:
                 "newest_in_memory": min(newest) if newest else None,
                 "newest_persisted": min(stored) if stored else None}
 
+    def _local(self, rank: int, node_index: int) -> set[int]:
+        """Steps of ``rank`` that ``node_index`` can read without another node: its memory,
+        its checkpoint.dir, and any other node's report of that same directory."""
+        held = self._nodes.get(node_index)
+        if held is None:
+            return set()
+        steps = set(held.memory.get(rank, ())) | set(held.persisted.get(rank, ()))
+        if held.store is not None:
+            for other in self._nodes.values():
+                if other.store == held.store:
+                    steps.update(other.persisted.get(rank, ()))
+        return steps
+
+    def _replicated(self, rank: int) -> dict[int, int]:
+        """Step -> a node index that keeps a replica of ``rank`` at that step (and serves)."""
+        return {step: index for index, held in sorted(self._nodes.items())
+                if held.port is not None for step in held.replicas.get(rank, ())}
+
     def agreed_step(self, placement: Mapping[int, int]) -> int | None:
         """The newest step every rank of ``placement`` (rank -> the node index it will run
-        on) can load where it runs; None: some rank has none (all start fresh)."""
-        if not placement or not self._nodes:
-            return None
-        shared: dict[str, dict[int, set[int]]] = {}  # store id -> rank -> steps
-        for report in self._nodes.values():
-            if report.store is not None:
-                into = shared.setdefault(report.store, {})
-                for rank, stored in report.persisted.items():
-                    into.setdefault(rank, set()).update(stored)
+        on) can load there, or have pulled there from a replica; None: some rank has none
+        (all start fresh)."""
         common: set[int] | None = None
         for rank, node_index in placement.items():
-            held = self._nodes.get(node_index)
-            steps: set[int] = set()
-            if held is not None:
-                steps.update(held.memory.get(rank, ()))
-                steps.update(held.persisted.get(rank, ()))
-                if held.store is not None:
-                    steps.update(shared.get(held.store, {}).get(rank, ()))
+            steps = self._local(rank, node_index) | set(self._replicated(rank))
             common = steps if common is None else common & steps
             if not common:
                 return None
         return max(common) if common else None
 
+    def pulls(self, placement: Mapping[int, int], step: int,
+              addresses: Mapping[int, str]) -> dict[int, tuple[C.Pull, ...]]:
+        """Node index -> the replicas its agent fetches before its workers start: ranks that
+        hold ``step`` nowhere they run (a node took a lost one's place)."""
+        out: dict[int, list[C.Pull]] = {}
+        for rank, node_index in sorted(placement.items()):
+            source = self._replicated(rank).get(step)
+            if step in self._local(rank, node_index) or source is None:
+                continue
+            port = self._nodes[source].port
+            assert port is not None
+            out.setdefault(node_index, []).append(
+                C.Pull(rank, step, addresses[source], port))
+        return {node: tuple(p) for node, p in out.items()}
+
+    def new_attempt(self) -> None:
+        """Agents drop what they retained when an attempt starts: tell them again."""
+        self._retained = None
+
+    def retained(self, ranks: Iterable[int]) -> C.Retain | None:
+        """News for every node, when it changed: the newest step of which every rank of
+        ``ranks`` has a replica on some node, what they would all resume if a node were lost.
+        Nodes keep their copies from that step on (memory and replicas), so that the step
+        is still everywhere when it is needed."""
+        common: set[int] | None = None
+        for rank in ranks:
+            steps = set(self._replicated(rank))
+            common = steps if common is None else common & steps
+            if not common:
+                return None
+        step = max(common) if common else None
+        if step is None or step == self._retained:
+            return None
+        self._retained = step
+        return C.Retain(step)
+
+    def buddies(self, ring: list[int], addresses: Mapping[int, str]) -> dict[int, C.ReplicateTo]:
+        """What to tell which node (only news): each node of ``ring`` (the attempt's nodes in
+        node-rank order) sends its copies to the next one's replica server, the last to the
+        first; a node alone sends them nowhere."""
+        news = {}
+        for i, node_index in enumerate(ring):
+            buddy = ring[(i + 1) % len(ring)]
+            held = self._nodes.get(buddy)
+            target = ("", 0) if buddy == node_index or held is None or held.port is None \
+                else (addresses[buddy], held.port)
+            if self._buddies.get(node_index, ("", 0)) != target:
+                self._buddies[node_index] = target
+                news[node_index] = C.ReplicateTo(*target)
+        return news
+
 
 def attempt_config(spec: JobSpec, holdings: Holdings, plan: LaunchPlan,
-                   nprocs: Mapping[int, int]) -> C.CheckpointConfig:
-    """What the nodes of ``plan`` are told: the spec's settings, and the step every rank
-    can load where it will run (None: start fresh)."""
+                   nprocs: Mapping[int, int]
+                   ) -> tuple[C.CheckpointConfig, dict[int, tuple[C.Pull, ...]]]:
+    """What the nodes of ``plan`` are told: the spec's settings, the step every rank can
+    load where it will run (None: start fresh), and per node the replicas to fetch first."""
     per_node = spec.nproc_per_node if isinstance(spec.nproc_per_node, int) else 1
-    step = holdings.agreed_step(placement(plan, nprocs, per_node))
+    where = placement(plan, nprocs, per_node)
+    step = holdings.agreed_step(where)
+    pulls: dict[int, tuple[C.Pull, ...]] = {}
     if step is not None:
-        log.info("attempt %d resumes checkpoint step %d", plan.attempt, step)
+        pulls = holdings.pulls(where, step, {i: node_address(spec.nodes[i])
+                                             for i in range(len(spec.nodes))})
+        log.info("attempt %d resumes checkpoint step %d%s", plan.attempt, step,
+                 f" ({sum(map(len, pulls.values()))} ranks from replicas)" if pulls else "")
     section = spec.checkpoint
     return C.CheckpointConfig(section.dir, section.persist_every, section.keep,
-                              section.memory, step)
+                              section.memory, step), pulls
 
 
 def placement(plan: LaunchPlan, nprocs: Mapping[int, int], default: int) -> dict[int, int]:

@@ -36,7 +36,7 @@ from agents import commands as C
 from orchestrator import bringup, healthcheck, pause, policy, reputation, takeover
 from orchestrator.attempt import Attempt, AttemptResult, Failure, start_command
 from orchestrator.checkpoints import attempt_config
-from orchestrator.dispatch import dispatch
+from orchestrator.dispatch import assign_buddies, dispatch
 from orchestrator.engine import Engine, Phase, Stop
 from orchestrator.errors import StoreUnwritable
 from orchestrator.logfiles import LogSink
@@ -346,9 +346,9 @@ class Controller:
             master_port=port, node_indices=[n.index for n in participants],
             spec_dir=self.spec_dir, nprocs=nprocs,
             sync_tree=engine.preparer.tree().tree if self.spec.sync is not None else None)
-        checkpoint = attempt_config(self.spec, engine.holdings, plan, nprocs)
+        checkpoint, pulls = attempt_config(self.spec, engine.holdings, plan, nprocs)
         attempt = Attempt(plan, self._sink(plan.world_size), engine.hosts, self.store,
-                          self.job_id, nprocs, checkpoint)
+                          self.job_id, nprocs, checkpoint, pulls)
         engine.begin_attempt(attempt)
         self._prune_logs()
         ranks = [(w.rank, n.node_index, w.local_rank) for n in plan.nodes for w in n.workers
@@ -362,6 +362,8 @@ class Controller:
             node = self.nodes[node_plan.node_index]
             engine.book.place(node, node_plan.node_rank, NodeState.RUNNING)
             engine.send_start(node)
+        engine.holdings.new_attempt()
+        assign_buddies(engine)
         engine.timeline.mark("start", self.attempt)
         warm_spares(self, participants, port)
         return self._watch(attempt)

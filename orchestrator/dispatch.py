@@ -17,7 +17,9 @@ from agents import protocol as P
 from orchestrator import events as E
 from orchestrator.attempt import Failure
 from orchestrator.channel import Channel
+from orchestrator.checkpoints import placement
 from orchestrator.nodebook import LIVE, Node, NodeInfo, Order
+from orchestrator.plan import node_address
 from orchestrator.state import FailureCause, NodeState
 
 if TYPE_CHECKING:
@@ -78,6 +80,7 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
         engine.holdings.update(node.index, message)
         engine.book.note(node, replace(node.info,
                                        checkpoint=engine.holdings.summary(node.index)))
+        assign_buddies(engine)  # its replica port may be news to its neighbour
         return
     if isinstance(message, P.ErrorReport):
         log.warning("%s: agent error: %s", node.host, message.message)
@@ -103,6 +106,25 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
             return
         if isinstance(message, P.Started) and attempt is engine.current and attempt.all_started:
             engine.timeline.mark("started", attempt.number)
+
+
+def assign_buddies(engine: Engine) -> None:
+    """Tell the running attempt's nodes where their checkpoints go and which steps they
+    keep (what changed)."""
+    attempt = engine.current
+    if attempt is None or attempt.ended:
+        return
+    addresses = {i: node_address(engine.spec.nodes[i]) for i in attempt.participants}
+    news: list[tuple[int, C.Command]] = list(
+        engine.holdings.buddies(attempt.participants, addresses).items())
+    per_node = engine.spec.nproc_per_node
+    keep = engine.holdings.retained(placement(
+        attempt.plan, attempt.nprocs, per_node if isinstance(per_node, int) else 1))
+    if keep is not None:
+        news += [(index, keep) for index in attempt.participants]
+    for index, command in news:
+        if engine.nodes[index].channel is not None:
+            engine.pool.send(engine.nodes[index], command)
 
 
 def _on_attached(engine: Engine, node: Node, channel: Channel) -> None:

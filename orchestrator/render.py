@@ -195,7 +195,9 @@ def print_status(data: dict[str, Any]) -> None:
     ranks_by_node: dict[int, list[dict[str, Any]]] = {}
     for r in data["ranks"]:
         ranks_by_node.setdefault(r["node_index"], []).append(r)
-    nodes = Table("NODE", "HOST", "STATE", "RANKS (exit)", box=None)
+    held = any(n.get("checkpoint") for n in data["nodes"])
+    nodes = Table("NODE", "HOST", "STATE", "RANKS (exit)", *(["CHECKPOINTS"] if held else []),
+                  box=None)
     for n in data["nodes"]:
         ranks = ", ".join(
             f"{r['rank']}:{r['state'].lower()}"
@@ -210,18 +212,22 @@ def print_status(data: dict[str, Any]) -> None:
         gaps = (n.get("entered") or {}).get("UNREACHABLE", 0)
         if gaps:
             state += f" [unreachable {gaps}x]"
-        nodes.add_row(*map(cell, (node_rank, n["host"], state, ranks)))
+        nodes.add_row(*map(cell, (node_rank, n["host"], state, ranks,
+                                  *([_held(n.get("checkpoint"))] if held else []))))
     out.print(nodes)
     if len(data["attempts"]) > 1 or any(a["failure"] for a in data["attempts"]):
         warm = any(a.get("warm_starts") for a in data["attempts"])
+        resumed = any(a.get("restored_step") is not None for a in data["attempts"])
         history = Table("ATTEMPT", "STARTED", "ENDED", "OUTCOME", *(["WARM"] if warm else []),
-                        "CLASS", "CAUSE", box=None)
+                        *(["FROM STEP"] if resumed else []), "CLASS", "CAUSE", box=None)
         for a in data["attempts"]:
             f = a["failure"] or {}
             cause = f.get("message", "") + (f"; {f['decision']}" if f.get("decision") else "")
             history.add_row(*map(cell, (a["attempt"], a["started_at"] or "",
                                         a["ended_at"] or "", a["outcome"],
                                         *([a.get("warm_starts") or 0] if warm else []),
+                                        *([_or_dash(a.get("restored_step"))] if resumed
+                                          else []),
                                         f.get("failure_class") or "", cause)))
         out.print(history)
     if (data.get("time_lost") or {}).get("incidents"):
@@ -230,6 +236,22 @@ def print_status(data: dict[str, Any]) -> None:
         out.print(visible(stragglers_line(data)), highlight=False, markup=False)
     if data["failure"]:
         out.print(visible(summary_line(data)), highlight=False, markup=False)
+
+
+def _held(c: dict[str, Any] | None) -> str:
+    """A node's checkpoint store: memory in use, newest step in memory, persisted."""
+    if not c:
+        return "-"
+    text = f"{c.get('memory_bytes', 0) / (1 << 20):.0f} MiB"
+    if c.get("newest_in_memory") is not None:
+        text += f", step {c['newest_in_memory']}"
+    if c.get("newest_persisted") is not None:
+        text += f" (persisted {c['newest_persisted']})"
+    return text
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
 
 
 def print_jobs(jobs: list[dict[str, Any]]) -> None:

@@ -37,25 +37,31 @@ The agent imports the format's part of this module (it never imports torch, and 
 this module until a save or a load needs it).
 """
 
+import concurrent.futures
+import ctypes
 import fcntl
 import json
 import mmap
 import os
 import sys
 import time
+import zlib
 
 # On a worker's PYTHONPATH the format is a module beside this one; in the package, a sibling.
 if __package__:
     from agents.shims.orchestrator_checkpoint_format import (  # noqa: F401
         BUDGET_VAR,
+        CHUNK,
         DIR_VAR,
         FORMAT,
         MAX_STEP,
         MEMORY_VAR,
         PERSIST_VAR,
         STEP_VAR,
+        THREADS,
         CheckpointError,
         byte_view,
+        check_manifest,
         checksums,
         flatten,
         layout,
@@ -73,14 +79,17 @@ if __package__:
 else:
     from orchestrator_checkpoint_format import (  # type: ignore[no-redef]  # noqa: F401
         BUDGET_VAR,
+        CHUNK,
         DIR_VAR,
         FORMAT,
         MAX_STEP,
         MEMORY_VAR,
         PERSIST_VAR,
         STEP_VAR,
+        THREADS,
         CheckpointError,
         byte_view,
+        check_manifest,
         checksums,
         flatten,
         layout,
@@ -176,8 +185,10 @@ def _drop(rank_dir, step):
 
 
 def _take_slot(rank_dir, size, budget, metas):
-    """A slot to write, locked exclusively: never the newest save's, nor one the agent is
-    reading (it holds a shared lock), nor one holding a save still to persist; free slots
+    """A slot to write, locked exclusively. Never the newest save's, nor one the agent is
+    reading (it holds a shared lock); and, while memory allows, not one holding a save still
+    to persist, nor one of the steps the agent retains (``retain``: from the newest step that
+    every rank's buddy holds, what the ranks would resume if a node were lost). Free slots
     first, then the oldest save's."""
     if 2 * size > budget:
         raise CheckpointError(
@@ -190,28 +201,70 @@ def _take_slot(rank_dir, size, budget, metas):
     keep = {metas[newest].get("slot")} if newest is not None else set()
     pending = {m.get("slot") for s, m in metas.items() if m.get("persist") and
                not os.path.exists(os.path.join(rank_dir, step_name(s) + ".persisted"))}
+    retain = _int_file(os.path.join(os.path.dirname(rank_dir), "retain"))
+    retained = {m.get("slot") for s, m in metas.items() if retain is not None and s >= retain}
     candidates = sorted((int(n[5:]) for n in names if int(n[5:]) not in keep),
                         key=lambda k: step_of.get(k, -1))
-    for number in candidates:
-        if number in pending:
-            continue
-        slot = _open_slot(os.path.join(rank_dir, "slot-%d" % number))
-        try:
-            fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue
-        return number, slot
+    taken = _lock_first(rank_dir, [n for n in candidates if n not in pending | retained])
+    if taken:
+        return taken
     total = sum(os.stat(os.path.join(rank_dir, n)).st_size for n in names)
     if not candidates or total + size <= budget:
         number = max([int(n[5:]) for n in names], default=-1) + 1
         slot = _open_slot(os.path.join(rank_dir, "slot-%d" % number))
         fcntl.flock(slot.fd, fcntl.LOCK_EX)
         return number, slot
-    # Every other slot is being read or awaits persisting: wait for the oldest (the
-    # training waits here only when saves come faster than the disk takes them).
+    # Memory is full: a retained copy goes first (a node's loss may then cost more steps),
+    # and only then does the training wait, for the oldest (saves come faster than the
+    # disk or the buddy take them).
+    taken = _lock_first(rank_dir, [n for n in candidates if n not in pending])
+    if taken:
+        _say_once("checkpoint.memory is full: older copies are given up before the buddy "
+                  "or the disk has them")
+        return taken
     slot = _open_slot(os.path.join(rank_dir, "slot-%d" % candidates[0]))
     fcntl.flock(slot.fd, fcntl.LOCK_EX)
     return candidates[0], slot
+
+
+def _lock_first(rank_dir, numbers):
+    for number in numbers:
+        slot = _open_slot(os.path.join(rank_dir, "slot-%d" % number))
+        try:
+            fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue
+        return number, slot
+    return None
+
+
+def _int_file(path):
+    data = read_bytes(path, 32)
+    try:
+        return int(data) if data else None
+    except ValueError:
+        return None
+
+
+_said = set()  # type: set[str]
+
+
+def _say_once(text):
+    if text not in _said:
+        _said.add(text)
+        _say(text)
+
+
+def release():
+    """Unmap this process's slots (and unpin them from CUDA): a pinned range that outlives
+    its mapping breaks later copies into whatever memory takes its place."""
+    for slot in _slots.values():
+        if slot.map is not None:
+            slot._unregister()
+            slot.map.close()
+            slot.map = None
+        os.close(slot.fd)
+    _slots.clear()
 
 
 def _open_slot(path):
@@ -332,16 +385,16 @@ def _restore(torch, meta_bytes, man, path, locked=False):
         size = meta.get("size") if man is None else man.get("size")
         if type(size) is not int or size > length:
             raise CheckpointError("it is %s bytes, its manifest says %s" % (length, size))
-        buf = bytearray(size)
-        if size:
-            with mmap.mmap(fd, size, prot=mmap.PROT_READ) as m:
-                buf[:] = m[:size]
-        why = None if man is None else verify(meta_bytes, man, memoryview(buf))
+        if man is not None:
+            why = check_manifest(meta_bytes, man)
+            if why is not None:
+                raise CheckpointError(why)
+        whole, crcs = _read(torch, fd, size, man["chunk"] if man else CHUNK, man is not None)
+        why = None if man is None else verify(meta_bytes, man, range(size), crcs)
         if why is not None:
             raise CheckpointError(why)
     finally:
         os.close(fd)
-    whole = torch.frombuffer(buf, dtype=torch.uint8) if size else None
     tensors = []
     for dtype, shape, offset, nbytes in meta["tensors"]:
         kind = getattr(torch, dtype)
@@ -351,6 +404,28 @@ def _restore(torch, meta_bytes, man, path, locked=False):
             t = torch.empty(shape, dtype=kind)
         tensors.append(t)
     return meta, unflatten(meta["tree"], tensors)
+
+
+def _read(torch, fd, size, chunk, checked):
+    """The file's first ``size`` bytes in a new uint8 tensor (one copy, no zero-filling), and
+    with ``checked`` the CRC-32 of each chunk, each taken on a thread while the next is read."""
+    whole = torch.empty(size, dtype=torch.uint8)
+    if not size:
+        return whole, []
+    view = memoryview((ctypes.c_char * size).from_address(whole.data_ptr())).cast("B")
+    futures = []
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        for at in range(0, size, chunk):
+            piece = view[at:min(at + chunk, size)]
+            done = 0
+            while done < len(piece):
+                n = os.preadv(fd, [piece[done:]], at + done)
+                if n <= 0:
+                    raise CheckpointError("it ended at byte %d of %d" % (at + done, size))
+                done += n
+            if checked:
+                futures.append(pool.submit(zlib.crc32, piece))
+        return whole, [f.result() for f in futures]
 
 
 def _memory_copy(torch, step):

@@ -13,7 +13,14 @@ import signal
 import torch
 
 import orchestrator
-from tests.helpers import PYTHON, WORKERS, assert_no_job_processes, wait_for, write_spec
+from tests.helpers import (
+    PYTHON,
+    WORKERS,
+    assert_no_job_processes,
+    wait_for,
+    wait_for_output,
+    write_spec,
+)
 
 SHM = f"/dev/shm/orchestrator-{os.getuid()}"
 
@@ -132,3 +139,38 @@ def test_no_memory_is_left_after_a_cancel_or_the_agents_death(tmp_path, home):
     assert result["state"] == "FAILED", result["state"]
     assert_no_job_processes(job_id)
     wait_for(lambda: memory_dirs(job_id) == [], 10, what="the memory removed")
+
+
+def test_a_lost_nodes_ranks_resume_from_their_replicas_on_its_buddy(tmp_path, home):
+    """Three local nodes, nnodes 2 (the third a spare), no checkpoint.dir: node 1's agent is
+    SIGKILLed (its workers and its memory go with it). Its ranks' copies live on only as
+    replicas on its buddy, node 0; the spare pulls them, and every rank resumes one step,
+    the same, with the weights of a run that never failed at the end."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "buddy", "nodes": [{"host": "local"}] * 3, "nnodes": 2, "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "ckpt_train.py")], "workdir": str(tmp_path),
+        "max_restarts": 1, "restart_backoff": {"initial": 0.1}, "stop_grace_period": 2,
+        "env": {"OUT": str(out), "STEPS": "60", "STEP_SLEEP": "0.1", "STATE_MB": "1"}}))
+    wait_for_output(job_id, "rank 3 step 15 saved", 1)
+    shown = orchestrator.status(job_id)
+    assert [n["spare"] for n in shown["nodes"]] == [False, False, True]
+    replicas = glob.glob(os.path.join(SHM, f"{job_id}.0", "replicas", "rank-*"))
+    assert sorted(os.path.basename(r) for r in replicas) == ["rank-2", "rank-3"]
+    os.kill(shown["nodes"][1]["agent_pid"], signal.SIGKILL)
+    result = orchestrator.wait(job_id, timeout=180)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert result["attempts"][0]["failure"]["cause"] == "NODE_FAIL"
+    step = result["attempts"][1]["restored_step"]
+    assert step is not None and step >= 14, step
+    assert {r["node_index"] for r in result["ranks"]} == {0, 2}
+    for rank in range(4):
+        assert (out / f"resumed-2-{rank}").read_text() == str(step)
+    expected = reference_weights(60, 4)
+    for rank in range(4):
+        final = torch.load(out / f"final-{rank}.pt")
+        for name, value in expected.items():
+            assert torch.allclose(final[name], value, atol=1e-6), (rank, name)
+    assert_no_job_processes(job_id)
+    wait_for(lambda: memory_dirs(job_id) == [], 10, what="every node's memory removed")

@@ -40,14 +40,14 @@ def store(tmp_path, monkeypatch):
     """An agent's store (its memory on /dev/shm, removed afterwards) and a worker's env for it:
     rank 1, every save persisted to tmp_path/ck, two kept."""
     outbox = Outbox()
-    s = Store(f"unit-{secrets.token_hex(4)}", 0, outbox)  # type: ignore[arg-type]
+    s = Store(f"unit-{secrets.token_hex(4)}", 0, outbox, "s3cret")  # type: ignore[arg-type]
     env = s.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20), str(tmp_path), 1, 1)
     for key, value in {**env, "RANK": "1"}.items():
         if value is None:
             monkeypatch.delenv(key, raising=False)
         else:
             monkeypatch.setenv(key, value)
-    s._closed = True  # the test drives its passes itself
+    # No thread: the test drives the store's passes itself.
     yield s, outbox
     s.close()
     assert not os.path.exists(s.root)
@@ -167,3 +167,32 @@ def test_every_rank_resumes_the_newest_step_all_can_load_where_they_run():
     assert h.agreed_step({0: 0, 1: 1}) == 2
     h.forget(0)  # node 0's channel closed: what it held is not counted
     assert h.agreed_step({0: 0, 1: 1}) is None
+
+
+def test_a_retained_step_is_kept_while_memory_allows(store, monkeypatch):
+    s, _ = store
+    monkeypatch.setenv(F.PERSIST_VAR, "0")
+    for step in (0, 1):
+        ckpt.save(step, {"w": torch.zeros(1 << 16)})  # 256 KiB
+    F.write_file(os.path.join(s.root, "retain"), b"0")  # every rank's buddy holds step 0
+    ckpt.save(2, {"w": torch.zeros(1 << 16)})
+    rank_dir = os.path.join(s.root, "rank-1")
+    assert {"step-0.meta", "step-1.meta", "step-2.meta"} <= set(os.listdir(rank_dir))
+    monkeypatch.setenv(F.BUDGET_VAR, str(3 << 18))  # room for three copies, no more
+    ckpt.save(3, {"w": torch.zeros(1 << 16)})  # memory full: the retained copy goes first
+    assert not os.path.exists(os.path.join(rank_dir, "step-0.meta"))
+
+
+def test_a_new_attempt_drops_the_copies_of_steps_after_the_one_it_resumes(store, tmp_path):
+    s, _ = store
+    for step in (3, 4):
+        ckpt.save(step, {"w": torch.zeros(10)})
+        s._pass()
+    assert F.persisted_steps(s.persist_dir, 1) == [4, 3]
+    s.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20, 3), str(tmp_path), 2, 1)
+    assert sorted(os.listdir(os.path.join(s.root, "rank-1"))) == [
+        "slot-0", "slot-1", "step-3.manifest", "step-3.meta", "step-3.persisted"]
+    assert F.persisted_steps(s.persist_dir, 1) == [3]
+    s.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20, None), str(tmp_path), 3, 1)
+    assert sorted(os.listdir(os.path.join(s.root, "rank-1"))) == ["slot-0", "slot-1"]
+    assert F.persisted_steps(s.persist_dir, 1) == [3]  # a fresh start may resume from disk

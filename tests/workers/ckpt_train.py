@@ -5,7 +5,8 @@ a run that never failed when no step is lost or done twice with other weights.
 
 Env: STEPS (default 12); CRASH_AT / CRASH_RANK: in the first attempt, that rank SIGKILLs
 itself right after saving that step; STATE_MB: extra state per rank (a tensor of that size);
-OUT: a directory where each rank writes ``final-<rank>.pt`` and ``resumed-<attempt>-<rank>``.
+OUT: a directory where each rank writes ``final-<rank>.pt`` and ``resumed-<attempt>-<rank>``;
+STAMPS: print the wall clock at the kill and at the first step after a resume (benchmarks).
 """
 import os
 import signal
@@ -45,11 +46,15 @@ for step in range(start, int(os.environ.get("STEPS", "12"))):
         dist.all_reduce(p.grad)
         p.grad /= world
     opt.step()
+    if restored is not None and step == start and os.environ.get("STAMPS"):
+        print(f"rank {rank} trains again at {time.time()}", flush=True)
     blocked = ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
                                "step": step, "rank": rank, "extra": extra})
     print(f"rank {rank} step {step} saved in {blocked * 1000:.1f} ms", flush=True)
     if attempt == "1" and step == int(os.environ.get("CRASH_AT", "-1")) and \
             rank == int(os.environ.get("CRASH_RANK", "1")):
+        if os.environ.get("STAMPS"):
+            print(f"rank {rank} killing at {time.time()}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
 torch.save(model.state_dict(), os.path.join(out, f"final-{rank}.pt"))

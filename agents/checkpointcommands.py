@@ -1,0 +1,82 @@
+"""Commands and settings of the checkpoint store (agents/checkpoints.py), part of
+agents/commands.py: the job's ``checkpoint`` section as a node needs it with the step to
+resume and the replicas to pull, where a node replicates, and which steps it retains."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from agents import protocol as P
+from agents.commandbase import Command
+from agents.fields import MAX_ARG, MAX_COUNT, MAX_PORT, MAX_RANK
+from agents.fields import CommandFields as _Read
+
+
+@dataclass(frozen=True)
+class Pull:
+    """A copy of ``rank`` at ``step`` to fetch from the replicas at ``address:port``."""
+
+    rank: int
+    step: int
+    address: str
+    port: int
+
+    @classmethod
+    def read(cls, f: _Read) -> Pull:
+        return cls(f.integer("rank", 0, MAX_RANK), f.integer("step"),
+                   f.text("address", 255), f.integer("port", 1, MAX_PORT))
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """The job's ``checkpoint`` section as a node needs it (agents/checkpoints.py), and the
+    step the controller found every rank of this attempt holding (None: start fresh)."""
+
+    dir: str | None = None  # persisted copies, relative to the workdir (None: memory only)
+    persist_every: int = 10
+    keep: int = 2
+    memory: int | None = None  # bytes of the node's memory for its ranks' saves
+    restore_step: int | None = None
+    pulls: tuple[Pull, ...] = ()  # copies to fetch before the workers start
+
+    @classmethod
+    def read(cls, f: _Read) -> CheckpointConfig:
+        pulls = tuple(Pull.read(_Read(p, f"{f.kind}.pulls")) if isinstance(p, dict) else
+                      _bad(f, "pulls", p) for p in f.array("pulls", True, limit=P.MAX_LOCAL))
+        return cls(f.text("dir", MAX_ARG, True), f.integer("persist_every", 1, MAX_COUNT),
+                   f.integer("keep", 1, MAX_COUNT),
+                   f.integer("memory", 1, MAX_COUNT, optional=True),
+                   f.integer("restore_step", 0, MAX_COUNT, optional=True), pulls)
+
+
+def _bad(f: _Read, name: str, value: Any) -> Any:
+    raise f.bad(name, value)
+
+
+NO_CHECKPOINT = CheckpointConfig()  # the defaults, and no step to resume
+
+
+@dataclass(frozen=True)
+class ReplicateTo(Command):
+    """Send this node's checkpoints to its buddy's replica server (port 0: to nobody)."""
+
+    OP = "replicate_to"
+    address: str
+    port: int
+
+    @classmethod
+    def read(cls, f: _Read) -> ReplicateTo:
+        return cls(f.text("address", 255), f.integer("port", 0, MAX_PORT))
+
+
+@dataclass(frozen=True)
+class Retain(Command):
+    """Keep copies of steps from ``step`` on (memory and replicas), while memory allows."""
+
+    OP = "retain"
+    step: int
+
+    @classmethod
+    def read(cls, f: _Read) -> Retain:
+        return cls(f.integer("step"))

@@ -1,0 +1,380 @@
+"""Checkpoint replicas between nodes: each agent keeps copies of its buddy's ranks' newest
+saves, so that a node's loss costs no more than the steps since its last save.
+
+Agent to agent over TCP, never through the controller's channel. Every connection is
+authenticated first: the server sends a random nonce, the client answers with an HMAC-SHA256
+of it under the job's secret (which only the job's agents and controller know). Then one
+request, a JSON line:
+
+- ``put`` (the client's agent replicates a save): ``{"op": "put", "rank", "step", "meta",
+  "manifest", "size"}``; once the server said ``{"ok": true}`` (it has room), that many
+  bytes of meta, manifest and data. The server writes them aside, verifies the data against
+  the manifest, and only then keeps them (``<memory>/replicas/rank-<r>/step-<s>.{data,meta,
+  manifest}``: every step from the one the controller retains, and the newest; the ``KEEP``
+  newest until it retains one); it answers ``{"ok": true}`` or ``{"ok": false, "error"}``.
+- ``get`` (a replacement node's agent pulls a copy): ``{"op": "get", "rank", "step"}``,
+  answered by ``{"ok": true, "meta", "manifest", "size"}`` and the bytes, which the puller
+  verifies before it trusts them.
+
+Everything a peer sends is bounded and checked; a peer that fails authentication or sends
+anything malformed is dropped with nothing kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import mmap
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from agents.fields import MAX_COUNT, MAX_RANK, Fields, ProtocolError
+from agents.shims import orchestrator_checkpoint_format as F
+
+KEEP = 4  # replicas kept per rank until the controller says which step to retain
+MAX_MANIFEST = 1 << 20
+MAX_HEADER = 4096
+TIMEOUT = 60.0  # seconds a peer may stall a transfer
+CONNECT_TIMEOUT = 5.0  # a buddy that does not answer: the next save tries again
+CONTEXT = b"orchestrator-replica-1"
+_BLOCK = 1 << 20
+
+
+class ReplicaError(Exception):
+    """A transfer that did not happen (the message says why)."""
+
+
+def _digest(secret: str, nonce: bytes) -> bytes:
+    return hmac.new(secret.encode(), CONTEXT + nonce, hashlib.sha256).digest()
+
+
+def _read_exact(conn: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        chunk = conn.recv(min(n - got, _BLOCK))
+        if not chunk:
+            raise ReplicaError("the peer closed the connection")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _read_line(conn: socket.socket) -> Fields:
+    """The peer's next line, its fields read only through the checked readers."""
+    data = b""
+    while not data.endswith(b"\n"):
+        byte = conn.recv(1)
+        if not byte or len(data) > MAX_HEADER:
+            raise ReplicaError("no request line")
+        data += byte
+    try:
+        value = json.loads(data)
+    except ValueError:
+        raise ReplicaError("a request line that is not JSON") from None
+    if not isinstance(value, dict):
+        raise ReplicaError("a request line that is not an object")
+    return Fields({**value, "type": "replica"})
+
+
+def _send_line(conn: socket.socket, value: dict[str, Any]) -> None:
+    conn.sendall(json.dumps(value).encode() + b"\n")
+
+
+def _number(header: Fields, name: str, high: int) -> int:
+    try:
+        return int(header.integer(name, 0, high))
+    except ProtocolError as exc:
+        raise ReplicaError(str(exc)) from None
+
+
+def _answer(conn: socket.socket) -> None:
+    """The peer's ``{"ok": true}``, or ReplicaError with what it said instead."""
+    answer = _read_line(conn)
+    try:
+        if answer.flag("ok", False):
+            return
+        error = answer.text("error", 1000, True)
+    except ProtocolError as exc:
+        error = str(exc)
+    raise ReplicaError(str(error))
+
+
+def _receive_to(conn: socket.socket, path: str, size: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        left = size
+        while left:
+            chunk = conn.recv(min(left, _BLOCK))
+            if not chunk:
+                raise ReplicaError("the peer closed the connection mid-copy")
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view):]
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+
+
+def _verified(base: str, meta: bytes, manifest: bytes, size: int) -> None:
+    """Keep the copy received into ``base + ".data.tmp"`` if it verifies, else raise."""
+    try:
+        man = json.loads(manifest)
+    except ValueError:
+        raise ReplicaError("a manifest that is not JSON") from None
+    fd = os.open(base + ".data.tmp", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else _Empty() as m:
+            view = memoryview(m)
+            why = F.verify(meta, man, view)
+            view.release()
+    finally:
+        os.close(fd)
+    if why is not None:
+        raise ReplicaError(f"the copy failed verification: {why}")
+    os.replace(base + ".data.tmp", base + ".data")
+    F.write_file(base + ".meta", meta)
+    F.write_file(base + ".manifest", manifest)
+
+
+class _Empty:
+    def __enter__(self) -> bytes:
+        return b""
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def _handshake_server(conn: socket.socket, secret: str) -> None:
+    nonce = secrets.token_bytes(16)
+    conn.sendall(nonce)
+    if not hmac.compare_digest(_read_exact(conn, 32), _digest(secret, nonce)):
+        raise ReplicaError("the peer does not know the job's secret")
+
+
+def _handshake_client(conn: socket.socket, secret: str) -> None:
+    conn.sendall(_digest(secret, _read_exact(conn, 16)))
+
+
+class Server:
+    """This node's side: takes its buddy's replicas and hands them to a replacement."""
+
+    def __init__(self, root: str, secret: str, room: Callable[[], int],
+                 problem: Callable[[str], None]):
+        self.root = os.path.join(root, "replicas")
+        self.secret = secret
+        self.room = room  # bytes of the node's checkpoint memory still free
+        self.problem = problem
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        self.listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("0.0.0.0", 0))
+        self.listener.listen(16)
+        self.port = self.listener.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(8)  # transfers at once
+        self._lock = threading.Lock()
+        self._closed = False
+        self.retain: int | None = None  # replicas of older steps may go
+        threading.Thread(target=self._accept, daemon=True, name="replicas").start()
+
+    def close(self) -> None:
+        self._closed = True
+        try:
+            self.listener.close()
+        except OSError:
+            pass
+
+    def holdings(self) -> tuple[dict[int, list[int]], int]:
+        """``({rank: [steps]}, bytes)`` of the replicas kept here."""
+        held: dict[int, list[int]] = {}
+        used = 0
+        for name in _listdir(self.root):
+            rank = F.parse_step(name, prefix="rank-")
+            if rank is None:
+                continue
+            directory = os.path.join(self.root, name)
+            for entry in _listdir(directory):
+                step = F.parse_step(entry, suffix=".manifest")
+                if step is not None:
+                    held.setdefault(rank, []).append(step)
+                    try:
+                        used += os.path.getsize(os.path.join(directory, f"step-{step}.data"))
+                    except OSError:
+                        pass
+        return held, used
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self._slots.acquire(blocking=False):
+                conn.close()  # too many at once: the peer tries again with its next save
+                continue
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(TIMEOUT)
+            _handshake_server(conn, self.secret)
+            header = _read_line(conn)
+            op = header.text("op", 16)
+            if op == "put":
+                self._put(conn, header)
+            elif op == "get":
+                self._get(conn, header)
+            else:
+                raise ReplicaError(f"unknown op {op!r}")
+        except (OSError, ReplicaError, ProtocolError) as exc:
+            try:
+                _send_line(conn, {"ok": False, "error": str(exc)[:500]})
+            except OSError:
+                pass
+        finally:
+            conn.close()
+            self._slots.release()
+
+    def _put(self, conn: socket.socket, header: Fields) -> None:
+        rank, step = _number(header, "rank", MAX_RANK), _number(header, "step", F.MAX_STEP)
+        meta_len = _number(header, "meta", F.MAX_META)
+        manifest_len = _number(header, "manifest", MAX_MANIFEST)
+        size = _number(header, "size", MAX_COUNT)
+        if size > self.room():
+            raise ReplicaError(f"no room for a {size}-byte replica in checkpoint.memory")
+        _send_line(conn, {"ok": True})  # go on: the sender does not send what is refused
+        meta, manifest = _read_exact(conn, meta_len), _read_exact(conn, manifest_len)
+        directory = os.path.join(self.root, f"rank-{rank}")
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        base = os.path.join(directory, f"step-{step}")
+        with self._lock:
+            for suffix in (".manifest", ".meta", ".data"):  # an older copy of this step goes
+                _unlink(base + suffix)
+        _receive_to(conn, base + ".data.tmp", size)
+        try:
+            _verified(base, meta, manifest, size)
+        finally:
+            _unlink(base + ".data.tmp")
+        self.prune(directory)
+        _send_line(conn, {"ok": True})
+
+    def discard(self, which: Callable[[int | None], bool]) -> None:
+        """Replicas of the steps ``which`` names go (a new attempt left them behind)."""
+        for name in _listdir(self.root):
+            rank_dir = os.path.join(self.root, name)
+            with self._lock:
+                for entry in _listdir(rank_dir):
+                    if which(F.parse_step(entry, suffix=".manifest")):
+                        for suffix in (".manifest", ".meta", ".data"):
+                            _unlink(os.path.join(rank_dir, entry[:-9] + suffix))
+
+    def prune(self, directory: str | None = None) -> None:
+        """Replicas older than the retained step go (the newest of a rank always stays)."""
+        for rank_dir in [directory] if directory else [
+                os.path.join(self.root, n) for n in _listdir(self.root)]:
+            with self._lock:
+                steps = sorted(s for s in (F.parse_step(n, suffix=".manifest")
+                                           for n in _listdir(rank_dir)) if s is not None)
+                retain = self.retain
+                old = steps[:-KEEP] if retain is None else [s for s in steps[:-1] if s < retain]
+                for step in old:
+                    for suffix in (".manifest", ".meta", ".data"):
+                        _unlink(os.path.join(rank_dir, f"step-{step}{suffix}"))
+
+    def _get(self, conn: socket.socket, header: Fields) -> None:
+        rank, step = _number(header, "rank", MAX_RANK), _number(header, "step", F.MAX_STEP)
+        base = os.path.join(self.root, f"rank-{rank}", f"step-{step}")
+        with self._lock:
+            meta, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
+            try:
+                fd = os.open(base + ".data", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                fd = -1
+        if meta is None or manifest is None or fd < 0:
+            raise ReplicaError(f"no replica of step {step} of rank {rank} here")
+        try:
+            size = os.fstat(fd).st_size
+            _send_line(conn, {"ok": True, "meta": len(meta), "manifest": len(manifest),
+                              "size": size})
+            conn.sendall(meta + manifest)
+            conn.sendfile(os.fdopen(os.dup(fd), "rb"))
+        finally:
+            os.close(fd)
+
+
+
+def _connect(address: str, port: int, secret: str) -> socket.socket:
+    conn = socket.create_connection((address, port), timeout=CONNECT_TIMEOUT)
+    conn.settimeout(TIMEOUT)
+    try:
+        _handshake_client(conn, secret)
+    except (OSError, ReplicaError):
+        conn.close()
+        raise
+    return conn
+
+
+def push(address: str, port: int, secret: str, rank: int, step: int, meta: bytes,
+         manifest: bytes, view: memoryview) -> None:
+    """Replicate one sealed save to the buddy at ``address:port``; ReplicaError or OSError
+    when it did not take it."""
+    with _connect(address, port, secret) as conn:
+        _send_line(conn, {"op": "put", "rank": rank, "step": step, "meta": len(meta),
+                          "manifest": len(manifest), "size": len(view)})
+        _answer(conn)
+        conn.sendall(meta + manifest)
+        for at in range(0, len(view), _BLOCK):
+            conn.sendall(view[at:at + _BLOCK])
+        _answer(conn)
+
+
+def pull(address: str, port: int, secret: str, rank: int, step: int,
+         data_path: str) -> tuple[bytes, bytes]:
+    """Fetch a replica into ``data_path``, verified; its (meta, manifest)."""
+    with _connect(address, port, secret) as conn:
+        _send_line(conn, {"op": "get", "rank": rank, "step": step})
+        header = _read_line(conn)
+        if not _ok(header):
+            raise ReplicaError(f"the peer has no replica of step {step} of rank {rank}")
+        meta = _read_exact(conn, _number(header, "meta", F.MAX_META))
+        manifest = _read_exact(conn, _number(header, "manifest", MAX_MANIFEST))
+        size = _number(header, "size", MAX_COUNT)
+        _receive_to(conn, data_path, size)
+    fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else _Empty() as m:
+            view = memoryview(m)
+            why = F.verify(meta, json.loads(manifest), view)
+            view.release()
+    finally:
+        os.close(fd)
+    if why is not None:
+        _unlink(data_path)
+        raise ReplicaError(f"the replica of step {step} of rank {rank} at {address}:{port} "
+                           f"failed verification: {why}")
+    return meta, manifest
+
+
+def _ok(line: Fields) -> bool:
+    try:
+        return bool(line.flag("ok", False))
+    except ProtocolError:
+        return False
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

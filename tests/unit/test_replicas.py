@@ -1,0 +1,114 @@
+"""Replicas between agents (agents/replicas.py): a save pushed to a buddy's server is kept
+only once it verifies and can be pulled back verified; a peer without the job's secret, a
+copy whose bytes do not match its manifest, and a replica larger than the room left are
+refused with nothing kept; only the newest two steps of a rank stay. And the controller's
+side (orchestrator/checkpoints.py): who pulls what from whom, and each node's buddy."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from agents import commands as C
+from agents import protocol as P
+from agents.replicas import KEEP, ReplicaError, Server, pull, push
+from agents.shims import orchestrator_checkpoint_format as F
+from orchestrator.checkpoints import Holdings
+
+
+def copy_of(step: int, size: int = 100_000) -> tuple[bytes, bytes, memoryview]:
+    data = bytes((step + i) % 251 for i in range(size))
+    meta = json.dumps({"step": step, "rank": 3, "slot": 0, "size": size}).encode()
+    manifest = json.dumps(F.manifest(meta, F.checksums(memoryview(data), size), size)).encode()
+    return meta, manifest, memoryview(data)
+
+
+@pytest.fixture
+def server(tmp_path):
+    problems: list[str] = []
+    s = Server(str(tmp_path), "s3cret", lambda: 1 << 30, problems.append)
+    yield s
+    s.close()
+
+
+def test_a_replica_is_kept_verified_and_pulled_back_verified(server, tmp_path):
+    for step in (1, 2, 3):
+        push("127.0.0.1", server.port, "s3cret", 3, step, *copy_of(step))
+    held, used = server.holdings()
+    assert list(held) == [3] and sorted(held[3]) == [1, 2, 3][-KEEP:]
+    assert used == min(3, KEEP) * 100_000
+    meta, manifest = pull("127.0.0.1", server.port, "s3cret", 3, 3, str(tmp_path / "got"))
+    assert (meta, manifest) == copy_of(3)[:2]
+    assert (tmp_path / "got").read_bytes() == bytes(copy_of(3)[2])
+    server.retain = 3  # the controller retains step 3: older replicas go, the newest stays
+    server.prune()
+    assert server.holdings()[0] == {3: [3]}
+    with pytest.raises(ReplicaError, match="no replica of step 1"):
+        pull("127.0.0.1", server.port, "s3cret", 3, 1, str(tmp_path / "old"))
+
+
+def test_a_peer_without_the_secret_and_a_bad_copy_are_refused(server, tmp_path):
+    with pytest.raises((ReplicaError, OSError)):
+        push("127.0.0.1", server.port, "wrong", 3, 1, *copy_of(1))
+    meta, manifest, data = copy_of(2)
+    spoilt = bytearray(data)
+    spoilt[5000] ^= 1
+    with pytest.raises(ReplicaError, match="chunk 0 .* fails its checksum"):
+        push("127.0.0.1", server.port, "s3cret", 3, 2, meta, manifest, memoryview(spoilt))
+    assert server.holdings() == ({}, 0)
+    assert not [f for _, _, fs in os.walk(server.root) for f in fs]  # nothing half kept
+
+
+def test_no_replica_past_the_room_left(tmp_path):
+    small = Server(str(tmp_path), "s3cret", lambda: 10, lambda _: None)
+    try:
+        with pytest.raises(ReplicaError, match="no room"):
+            push("127.0.0.1", small.port, "s3cret", 3, 1, *copy_of(1))
+    finally:
+        small.close()
+
+
+def held(memory=None, replicas=None, port=None) -> P.Held:
+    return P.Held(1, {r: tuple(s) for r, s in (memory or {}).items()}, {}, 0, None,
+                  {r: tuple(s) for r, s in (replicas or {}).items()}, port)
+
+
+def test_a_replacement_pulls_the_lost_ranks_from_the_buddy_that_holds_them():
+    h = Holdings()
+    # Node 1 is lost; node 0 holds its own ranks and replicas of node 1's; node 2 is new.
+    h.update(0, held({0: [7, 8], 1: [7, 8]}, {2: [6, 7], 3: [7]}, port=4000))
+    h.update(2, held(port=4002))
+    where = {0: 0, 1: 0, 2: 2, 3: 2}
+    assert h.agreed_step(where) == 7
+    addresses = {0: "10.0.0.1", 2: "10.0.0.3"}
+    assert h.pulls(where, 7, addresses) == {2: (C.Pull(2, 7, "10.0.0.1", 4000),
+                                                C.Pull(3, 7, "10.0.0.1", 4000))}
+
+
+def test_each_node_replicates_to_the_next_and_is_told_only_news():
+    h = Holdings()
+    addresses = {0: "a", 1: "b", 2: "c"}
+    assert h.buddies([0, 1], addresses) == {}  # no port known yet: nothing to say
+    h.update(0, held(port=4000))
+    h.update(1, held(port=4001))
+    assert h.buddies([0, 1], addresses) == {0: C.ReplicateTo("b", 4001),
+                                            1: C.ReplicateTo("a", 4000)}
+    assert h.buddies([0, 1], addresses) == {}
+    h.update(2, held(port=4002))
+    assert h.buddies([0, 2], addresses) == {0: C.ReplicateTo("c", 4002),
+                                            2: C.ReplicateTo("a", 4000)}
+    assert h.buddies([0], addresses) == {0: C.ReplicateTo("", 0)}  # alone: nowhere
+
+
+def test_the_step_every_rank_could_resume_after_a_node_loss_is_retained():
+    h = Holdings()
+    h.update(0, held({}, {2: [5, 6], 3: [5, 6, 7]}, port=4000))
+    h.update(1, held({}, {0: [6], 1: [4, 6]}, port=4001))
+    assert h.retained([0, 1, 2, 3]) == C.Retain(6)
+    assert h.retained([0, 1, 2, 3]) is None  # no news
+    h.update(1, held({}, {0: [6, 7], 1: [6, 7]}, port=4001))
+    h.update(0, held({}, {2: [6, 7], 3: [6, 7]}, port=4000))
+    assert h.retained([0, 1, 2, 3]) == C.Retain(7)
+    assert h.retained([0, 1, 2, 3, 4]) is None  # rank 4 has no replica: nothing to keep
