@@ -134,7 +134,6 @@ class _Slot:
         if self.registered:
             return
         try:
-            import ctypes
             ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
             if torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0) == 0:
                 self.registered = ptr

@@ -220,6 +220,22 @@ def test_a_hot_spare_inside_the_allocation_takes_a_lost_nodes_place_warm(sl, tmp
     assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
 
 
+def test_a_lost_nodes_checkpoints_come_back_from_its_buddy_inside_the_allocation(sl, tmp_path):
+    from tests.cluster.test_checkpoints_ssh import (
+        TRAIN,
+        TRAIN_ENV,
+        lost_node_resumes_from_its_buddy,
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path, TRAIN, nodes=3, nnodes=2, env={"OUT": str(out), **TRAIN_ENV},
+        max_restarts=1, restart={"warm": True}, restart_backoff={"initial": 0.1},
+        health={"heartbeat_interval": 0.5, "node_timeout": 2}))
+    result = lost_node_resumes_from_its_buddy(job_id, out)
+    assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+
+
 def test_cancel_releases_the_allocation(sl, tmp_path):
     spec = slurm_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], nodes=2)
     job_id = orchestrator.submit(spec)

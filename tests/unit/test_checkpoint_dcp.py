@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 import time
 import warnings
@@ -224,6 +225,12 @@ def _rank_main(rank: int, root: str, init: str) -> None:
             raise AssertionError("a load into another sharding went through")
     finally:
         dist.destroy_process_group()
+    # Exit without the interpreter's shutdown: torch 2.13's gloo threads can abort it
+    # (pytorch/pytorch#190489; README, "Failures, restarts and health"). A failure above
+    # raised before this, and reaches the parent as the exception it was.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_two_gloo_ranks_each_get_back_their_own_state_and_shard(tmp_path, monkeypatch):
