@@ -9,7 +9,9 @@ For each attempt that failed and was followed by another:
 - ``recovered_s``: from the fault to every rank of the next attempt having reported a step
   (training again);
 - ``steps_redone``: the last step reached before the fault, less the step the next attempt
-  resumed at (work since the last checkpoint, done twice);
+  resumed at (work since the last checkpoint, done twice): the checkpoint step its ranks
+  were told to resume (``restored_step``, orchestrator/checkpoints.py) where there was one,
+  else the first step its ranks reported;
 - ``lost_s``: ``recovered_s`` plus the redone steps at the failed attempt's pace, and
   ``gpu_s``, that times the ranks (one GPU each where there are GPUs).
 
@@ -70,7 +72,9 @@ def incidents(attempts: list[AttemptRecord],
         ranks = following.world_size or 0
         if after and ranks and after.ranks >= ranks:
             recovered = after.first_at_max - fault
-        if before and after:
+        if before and following.restored_step is not None:  # resumed after that step
+            redone = max(0, before.last_step_max - following.restored_step)
+        elif before and after:
             redone = max(0, before.last_step_max + 1 - after.first_step_min)
         pace = _pace(before)
         if recovered is not None:

@@ -58,3 +58,10 @@ def test_a_next_attempt_not_training_yet_has_no_recovery():
 def test_a_success_or_the_last_attempt_is_no_incident():
     assert incidents(ATTEMPTS[1:], STEPS) == []
     assert incidents([ATTEMPTS[0]], STEPS) == []
+
+
+def test_the_steps_redone_count_from_the_checkpoint_step_every_rank_resumed():
+    resumed = [ATTEMPTS[0], AttemptRecord(2, 101.0, 162.0, "SUCCEEDED", None, None, 2, None,
+                                          restored_step=48)]
+    (found,) = incidents(resumed, STEPS)
+    assert found.steps_redone == 1  # reached 49; resumed after 48 (step 49 done twice)
