@@ -192,7 +192,9 @@ class Store:
                 self._problem(f"checkpoint store: {exc!r}")
         if self.replicas is not None:
             self.replicas.close()
+            self.replicas = None
         shutil.rmtree(self.root, ignore_errors=True)
+        self._report(force=True)  # nothing held any more: what status shows from now on
 
     # --- the background ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -210,7 +212,8 @@ class Store:
                 self._seal(rank, rank_dir, step, meta_bytes)
             if not final:  # the job ends: its buddy's copy is of no use any more
                 self._replicate(rank, rank_dir)
-        self._report()
+        if not final:
+            self._report()
 
     def _replicate(self, rank: int, rank_dir: str) -> None:
         """The rank's sealed saves the buddy lacks, oldest first (none skipped: the step

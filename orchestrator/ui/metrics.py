@@ -28,6 +28,10 @@ Per host with an infrastructure failure in the last day or a quarantine on recor
 
 - ``orchestrator_time_lost_seconds_total{job_id,name}``, ``orchestrator_gpu_seconds_lost_total``
   and ``orchestrator_goodput_ratio``: see orchestrator/timelost.py.
+- ``orchestrator_checkpoint_restored_step{job_id,name}``: the checkpoint step the current
+  attempt's ranks resumed (README, "Checkpoints"); ``orchestrator_checkpoint_memory_bytes
+  {job_id,node,host}`` and ``orchestrator_checkpoint_newest_step{job_id,node,host,where}``
+  (``memory``, ``persisted``): what each node's agent holds, as it last said.
 
 The ``_total`` ones are counters; the others are gauges.
 """
@@ -135,7 +139,17 @@ class _Collector:
         classes = CounterMetricFamily("orchestrator_attempt_failures",
                                       "Failed attempts by failure class.",
                                       labels=[*job_labels, "class"])
+        restored = GaugeMetricFamily("orchestrator_checkpoint_restored_step",
+                                     "The checkpoint step the current attempt resumed.",
+                                     labels=job_labels)
+        memory = GaugeMetricFamily("orchestrator_checkpoint_memory_bytes",
+                                 "Bytes of a node's memory its checkpoints take.",
+                                 labels=["job_id", "node", "host"])
+        newest = GaugeMetricFamily("orchestrator_checkpoint_newest_step",
+                                   "The newest step a node holds of every one of its ranks.",
+                                   labels=["job_id", "node", "host", "where"])
         for job in shown:
+            _checkpoint_metrics(job, restored, memory, newest)
             infra.add_metric([job.job_id, job.name], job.infra_restarts)
             for klass in FailureClass:
                 classes.add_metric([job.job_id, job.name, klass.value], sum(
@@ -149,7 +163,23 @@ class _Collector:
             if summary["goodput"] is not None:
                 goodput.add_metric([job.job_id, job.name], summary["goodput"])
         yield from (restarts, free, attempt, duration, node_state, node_age, step, rate, beat,
-                    wait, slow, lost, gpu_lost, goodput, infra, classes)
+                    wait, slow, lost, gpu_lost, goodput, infra, classes, restored, memory, newest)
+
+
+def _checkpoint_metrics(job: JobRecord, restored: Any, held: Any, newest: Any) -> None:
+    current = next((a for a in job.attempts if a.attempt == job.attempt), None)
+    if current is not None and current.restored_step is not None:
+        restored.add_metric([job.job_id, job.name], current.restored_step)
+    for n in job.nodes:
+        report = n.info.get("checkpoint")
+        if not isinstance(report, dict):
+            continue
+        labels = [job.job_id, str(n.node_index), n.host]
+        if isinstance(report.get("memory_bytes"), int):
+            held.add_metric(labels, report["memory_bytes"])
+        for where, key in (("memory", "newest_in_memory"), ("persisted", "newest_persisted")):
+            if isinstance(report.get(key), int):
+                newest.add_metric([*labels, where], report[key])
 
 
 def _job_metrics(job: JobRecord, now: float, restarts: Any, free: Any, attempt: Any,

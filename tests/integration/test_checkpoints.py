@@ -13,6 +13,7 @@ import signal
 import torch
 
 import orchestrator
+from orchestrator.ui.metrics import exposition
 from tests.helpers import (
     PYTHON,
     WORKERS,
@@ -80,6 +81,12 @@ def test_a_killed_rank_resumes_with_everyone_from_the_step_it_saved_last(tmp_pat
             assert torch.allclose(final[name], value, atol=1e-6), (rank, name)
     assert_no_job_processes(job_id)
     assert memory_dirs(job_id) == []
+    # What a scrape and status say: the step resumed; the node holds nothing any more.
+    text = exposition(home)[0].decode()
+    assert f'orchestrator_checkpoint_restored_step{{job_id="{job_id}",name="ckpt"}} 5.0' in text
+    assert f'orchestrator_checkpoint_memory_bytes{{host="local",job_id="{job_id}",node="0"}} ' \
+        '0.0' in text, [ln for ln in text.splitlines() if "checkpoint" in ln]
+    assert result["nodes"][0]["checkpoint"]["memory_bytes"] == 0
 
 
 def test_the_persisted_copies_are_kept_verified_and_a_corrupt_one_is_skipped(tmp_path, home):
