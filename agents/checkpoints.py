@@ -45,6 +45,7 @@ from agents.shims import orchestrator_checkpoint_format as F
 
 SCAN_EVERY = 0.2  # seconds between looks for new saves
 MAX_REPORTED = 64  # steps per rank in one report (the newest)
+MAX_PROBLEMS = 256  # problems said in the agent's log over its life
 STORE_ID = ".orchestrator-store"  # names a checkpoint.dir: nodes that read the same one share it
 
 
@@ -365,7 +366,9 @@ class Store:
                 self.outbox.put(held)
 
     def _problem(self, text: str) -> None:
-        if text not in self.problems:
+        # Bounded: a job a week old with a flaky buddy says each new problem once, up to
+        # MAX_PROBLEMS of them, not one message per save.
+        if text not in self.problems and len(self.problems) < MAX_PROBLEMS:
             self.problems.append(text)
             self.outbox.put({"type": P.ERROR, "attempt": self.attempt, "message": text[:4000]})
 

@@ -49,61 +49,11 @@ import zlib
 
 # On a worker's PYTHONPATH the format is a module beside this one; in the package, a sibling.
 if __package__:
-    from agents.shims.orchestrator_checkpoint_format import (  # noqa: F401
-        BUDGET_VAR,
-        CHUNK,
-        DIR_VAR,
-        FORMAT,
-        MAX_STEP,
-        MEMORY_VAR,
-        PERSIST_VAR,
-        STEP_VAR,
-        THREADS,
-        CheckpointError,
-        byte_view,
-        check_manifest,
-        checksums,
-        flatten,
-        layout,
-        manifest,
-        parse_step,
-        persisted_dir,
-        persisted_steps,
-        read_bytes,
-        read_json,
-        step_name,
-        unflatten,
-        verify,
-        write_file,
-    )
+    from agents.shims import orchestrator_checkpoint_format as F
 else:
-    from orchestrator_checkpoint_format import (  # type: ignore[no-redef]  # noqa: F401
-        BUDGET_VAR,
-        CHUNK,
-        DIR_VAR,
-        FORMAT,
-        MAX_STEP,
-        MEMORY_VAR,
-        PERSIST_VAR,
-        STEP_VAR,
-        THREADS,
-        CheckpointError,
-        byte_view,
-        check_manifest,
-        checksums,
-        flatten,
-        layout,
-        manifest,
-        parse_step,
-        persisted_dir,
-        persisted_steps,
-        read_bytes,
-        read_json,
-        step_name,
-        unflatten,
-        verify,
-        write_file,
-    )
+    import orchestrator_checkpoint_format as F  # type: ignore[no-redef]
+
+CheckpointError = F.CheckpointError
 
 
 # --- memory slots (the worker's side) -------------------------------------------------------
@@ -166,11 +116,11 @@ def _metas(rank_dir, corrupt=False):
     except OSError:
         return out
     for name in names:
-        step = parse_step(name, suffix=".meta")
+        step = F.parse_step(name, suffix=".meta")
         if step is not None:
-            meta = read_json(os.path.join(rank_dir, name))
+            meta = F.read_json(os.path.join(rank_dir, name))
             if meta is not None and (corrupt or not os.path.exists(
-                    os.path.join(rank_dir, step_name(step) + ".corrupt"))):
+                    os.path.join(rank_dir, F.step_name(step) + ".corrupt"))):
                 out[step] = meta
     return out
 
@@ -178,7 +128,7 @@ def _metas(rank_dir, corrupt=False):
 def _drop(rank_dir, step):
     for suffix in (".meta", ".manifest", ".persisted", ".corrupt"):
         try:
-            os.unlink(os.path.join(rank_dir, step_name(step) + suffix))
+            os.unlink(os.path.join(rank_dir, F.step_name(step) + suffix))
         except OSError:
             pass
 
@@ -199,7 +149,7 @@ def _take_slot(rank_dir, size, budget, metas):
                    and n[5:].isdigit())
     keep = {metas[newest].get("slot")} if newest is not None else set()
     pending = {m.get("slot") for s, m in metas.items() if m.get("persist") and
-               not os.path.exists(os.path.join(rank_dir, step_name(s) + ".persisted"))}
+               not os.path.exists(os.path.join(rank_dir, F.step_name(s) + ".persisted"))}
     retain = _int_file(os.path.join(os.path.dirname(rank_dir), "retain"))
     retained = {m.get("slot") for s, m in metas.items() if retain is not None and s >= retain}
     candidates = sorted((int(n[5:]) for n in names if int(n[5:]) not in keep),
@@ -238,7 +188,7 @@ def _lock_first(rank_dir, numbers):
 
 
 def _int_file(path):
-    data = read_bytes(path, 32)
+    data = F.read_bytes(path, 32)
     try:
         return int(data) if data else None
     except ValueError:
@@ -277,26 +227,26 @@ def _open_slot(path):
 def save(step, state):
     """Checkpoint ``state`` as of ``step`` (an int, the same on every rank). Returns the
     seconds the training was held (the copy into memory; with no agent, the whole write)."""
-    if type(step) is not int or not 0 <= step < MAX_STEP:
+    if type(step) is not int or not 0 <= step < F.MAX_STEP:
         raise CheckpointError("step must be an integer from 0 to 2**62, not %r" % (step,))
     started = time.perf_counter()
-    tree, tensors = flatten(state)
+    tree, tensors = F.flatten(state)
     import torch
-    views = [byte_view(torch, t) for t in tensors]
-    entries, size = layout(tensors)
+    views = [F.byte_view(torch, t) for t in tensors]
+    entries, size = F.layout(tensors)
     _saves[0] += 1
-    every = _int_env(PERSIST_VAR, 0)
-    meta = {"format": FORMAT, "step": step, "rank": _rank(),
+    every = _int_env(F.PERSIST_VAR, 0)
+    meta = {"format": F.FORMAT, "step": step, "rank": _rank(),
             "world_size": _int_env("WORLD_SIZE", 1), "tensors": entries, "tree": tree,
             "size": size, "saved_at": time.time(),
             "persist": bool(every) and _saves[0] % every == 0}
-    memory = os.environ.get(MEMORY_VAR)
+    memory = os.environ.get(F.MEMORY_VAR)
     if not memory:
         _save_files(step, meta, views, size)
         return time.perf_counter() - started
     rank_dir = os.path.join(memory, "rank-%d" % meta["rank"])
     os.makedirs(rank_dir, mode=0o700, exist_ok=True)
-    budget = _int_env(BUDGET_VAR, 1 << 62)
+    budget = _int_env(F.BUDGET_VAR, 1 << 62)
     metas = _metas(rank_dir)
     number, slot = _take_slot(rank_dir, size, budget, metas)
     try:
@@ -306,7 +256,7 @@ def save(step, state):
         slot.ensure(max(size, 1))
         _copy_in(torch, slot, views, entries)
         meta["slot"] = number
-        write_file(os.path.join(rank_dir, step_name(step) + ".meta"),
+        F.write_file(os.path.join(rank_dir, F.step_name(step) + ".meta"),
                    json.dumps(meta).encode("utf-8"))
     finally:
         fcntl.flock(slot.fd, fcntl.LOCK_UN)
@@ -338,12 +288,12 @@ def _int_env(name, default):
 
 def _save_files(step, meta, views, size):
     """No agent: this rank's copy straight to ``$ORCHESTRATOR_CHECKPOINT_DIR``, synced."""
-    root = os.environ.get(DIR_VAR)
+    root = os.environ.get(F.DIR_VAR)
     if not root:
         raise CheckpointError("no checkpoint store: run under the orchestrator, or set "
-                              "%s to a directory" % DIR_VAR)
+                              "%s to a directory" % F.DIR_VAR)
     import torch
-    directory = persisted_dir(root, step)
+    directory = F.persisted_dir(root, step)
     os.makedirs(directory, exist_ok=True)
     base = os.path.join(directory, "rank-%d" % meta["rank"])
     buf = bytearray(size)
@@ -353,10 +303,11 @@ def _save_files(step, meta, views, size):
             whole[offset:offset + nbytes].copy_(view)
     del whole
     meta_bytes = json.dumps(meta).encode("utf-8")
-    write_file(base + ".data", buf, sync=True)
-    write_file(base + ".meta", meta_bytes, sync=True)
-    write_file(base + ".manifest", json.dumps(
-        manifest(meta_bytes, checksums(memoryview(buf), size), size)).encode("utf-8"), sync=True)
+    F.write_file(base + ".data", buf, sync=True)
+    F.write_file(base + ".meta", meta_bytes, sync=True)
+    crcs = F.checksums(memoryview(buf), size)
+    F.write_file(base + ".manifest", json.dumps(F.manifest(meta_bytes, crcs, size)).encode(),
+                 sync=True)
 
 
 # --- load ------------------------------------------------------------------------------------
@@ -385,11 +336,11 @@ def _restore(torch, meta_bytes, man, path, locked=False):
         if type(size) is not int or size > length:
             raise CheckpointError("it is %s bytes, its manifest says %s" % (length, size))
         if man is not None:
-            why = check_manifest(meta_bytes, man)
+            why = F.check_manifest(meta_bytes, man)
             if why is not None:
                 raise CheckpointError(why)
-        whole, crcs = _read(torch, fd, size, man["chunk"] if man else CHUNK, man is not None)
-        why = None if man is None else verify(meta_bytes, man, range(size), crcs)
+        whole, crcs = _read(torch, fd, size, man["chunk"] if man else F.CHUNK, man is not None)
+        why = None if man is None else F.verify(meta_bytes, man, range(size), crcs)
         if why is not None:
             raise CheckpointError(why)
     finally:
@@ -402,7 +353,7 @@ def _restore(torch, meta_bytes, man, path, locked=False):
         else:
             t = torch.empty(shape, dtype=kind)
         tensors.append(t)
-    return meta, unflatten(meta["tree"], tensors)
+    return meta, F.unflatten(meta["tree"], tensors)
 
 
 def _read(torch, fd, size, chunk, checked):
@@ -413,7 +364,7 @@ def _read(torch, fd, size, chunk, checked):
         return whole, []
     view = memoryview((ctypes.c_char * size).from_address(whole.data_ptr())).cast("B")
     futures = []
-    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+    with concurrent.futures.ThreadPoolExecutor(F.THREADS) as pool:
         for at in range(0, size, chunk):
             piece = view[at:min(at + chunk, size)]
             done = 0
@@ -428,16 +379,16 @@ def _read(torch, fd, size, chunk, checked):
 
 
 def _memory_copy(torch, step):
-    memory = os.environ.get(MEMORY_VAR)
+    memory = os.environ.get(F.MEMORY_VAR)
     if not memory:
         return None
     rank_dir = os.path.join(memory, "rank-%d" % _rank())
-    base = os.path.join(rank_dir, step_name(step))
-    meta_bytes = read_bytes(base + ".meta")
+    base = os.path.join(rank_dir, F.step_name(step))
+    meta_bytes = F.read_bytes(base + ".meta")
     if meta_bytes is None or os.path.exists(base + ".corrupt"):
         return None
     # Not sealed yet (the agent has not read it): nothing is known wrong with it.
-    man = read_json(base + ".manifest")
+    man = F.read_json(base + ".manifest")
     try:
         slot = json.loads(meta_bytes.decode("utf-8"))["slot"]
         return _restore(torch, meta_bytes, man, os.path.join(rank_dir, "slot-%d" % slot),
@@ -450,9 +401,9 @@ def _memory_copy(torch, step):
 
 
 def _persisted_copy(torch, root, step):
-    base = os.path.join(persisted_dir(root, step), "rank-%d" % _rank())
-    meta_bytes = read_bytes(base + ".meta")
-    man = read_json(base + ".manifest")
+    base = os.path.join(F.persisted_dir(root, step), "rank-%d" % _rank())
+    meta_bytes = F.read_bytes(base + ".meta")
+    man = F.read_json(base + ".manifest")
     if meta_bytes is None or man is None:
         return None
     try:
@@ -484,9 +435,9 @@ def load():
     it, a rank that has no good copy of the agreed step raises CheckpointError (the attempt
     fails, and the next one is agreed on the copies that are left)."""
     import torch
-    root = os.environ.get(DIR_VAR)
-    text = os.environ.get(STEP_VAR)
-    if os.environ.get(MEMORY_VAR) and text:
+    root = os.environ.get(F.DIR_VAR)
+    text = os.environ.get(F.STEP_VAR)
+    if os.environ.get(F.MEMORY_VAR) and text:
         step = int(text)
         found = _copy(torch, root, step)
         if _everyone(torch, found is not None):
@@ -498,7 +449,7 @@ def load():
     else:
         if not root:
             return None
-        candidates = persisted_steps(root, _rank())
+        candidates = F.persisted_steps(root, _rank())
     while True:
         step = _agree(torch, candidates)
         if step is None:
@@ -515,8 +466,8 @@ def _copy(torch, root, step):
 
 def _held_steps(root):
     """Steps of which this rank has a copy here (memory or persisted), newest first."""
-    steps = set(persisted_steps(root, _rank())) if root else set()
-    memory = os.environ.get(MEMORY_VAR)
+    steps = set(F.persisted_steps(root, _rank())) if root else set()
+    memory = os.environ.get(F.MEMORY_VAR)
     if memory:
         steps.update(_metas(os.path.join(memory, "rank-%d" % _rank())))
     return sorted(steps, reverse=True)

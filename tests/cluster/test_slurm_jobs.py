@@ -221,11 +221,8 @@ def test_a_hot_spare_inside_the_allocation_takes_a_lost_nodes_place_warm(sl, tmp
 
 
 def test_a_lost_nodes_checkpoints_come_back_from_its_buddy_inside_the_allocation(sl, tmp_path):
-    from tests.cluster.test_checkpoints_ssh import (
-        TRAIN,
-        TRAIN_ENV,
-        lost_node_resumes_from_its_buddy,
-    )
+    from tests.cluster.test_checkpoints_ssh import TRAIN, TRAIN_ENV
+    from tests.integration.test_checkpoints import lost_node_resumes_from_its_buddy
     out = tmp_path / "out"
     out.mkdir()
     job_id = orchestrator.submit(slurm_spec(

@@ -148,6 +148,45 @@ def test_no_memory_is_left_after_a_cancel_or_the_agents_death(tmp_path, home):
     wait_for(lambda: memory_dirs(job_id) == [], 10, what="the memory removed")
 
 
+def lost_node_resumes_from_its_buddy(job_id: str, out, before_kill=None) -> dict:
+    """Node rank 1's agent SIGKILLed once rank 3 saved step 15: the job must succeed, every
+    rank resuming the same step (from memory, and the lost ranks from their replicas), with
+    the weights of a run that never failed, nothing left running and no memory left. The
+    SSH and Slurm tests (tests/cluster/) run the same."""
+    wait_for_output(job_id, "rank 3 step 15 saved", 1, timeout=120)
+    shown = orchestrator.status(job_id)
+    if before_kill is not None:
+        before_kill(shown)
+    buddy = next(n["node_index"] for n in shown["nodes"] if n["node_rank"] == 0)
+
+    def replicated(rank: int) -> int:
+        found = glob.glob(os.path.join(SHM, f"{job_id}.{buddy}", "replicas", f"rank-{rank}",
+                                       "step-*.manifest"))
+        return max((int(os.path.basename(f)[5:-9]) for f in found), default=-1)
+    # Replication trails the saves by a save or two on a loaded machine: once the buddy holds
+    # step 15 of the lost node's ranks, every rank must resume at 15 or later.
+    wait_for(lambda: min(replicated(2), replicated(3)) >= 15, 60, what="step 15 replicated")
+    lost = next(n for n in shown["nodes"] if n["node_rank"] == 1)
+    os.kill(lost["agent_pid"], signal.SIGKILL)  # the agent of this test's job on that node
+    result = orchestrator.wait(job_id, timeout=180)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert result["attempts"][0]["failure"]["cause"] == "NODE_FAIL"
+    assert result["attempts"][0]["failure"]["node_index"] == lost["node_index"]
+    step = result["attempts"][1]["restored_step"]
+    assert step is not None and step >= 15, step
+    assert lost["node_index"] not in {r["node_index"] for r in result["ranks"]}
+    for rank in range(4):
+        assert (out / f"resumed-2-{rank}").read_text() == str(step)
+    expected = reference_weights(60, 4)
+    for rank in range(4):
+        final = torch.load(out / f"final-{rank}.pt")
+        for name, value in expected.items():
+            assert torch.allclose(final[name], value, atol=1e-6), (rank, name)
+    assert_no_job_processes(job_id)
+    wait_for(lambda: memory_dirs(job_id) == [], 15, what="every node's memory removed")
+    return result
+
+
 def test_a_lost_nodes_ranks_resume_from_their_replicas_on_its_buddy(tmp_path, home):
     """Three local nodes, nnodes 2 (the third a spare), no checkpoint.dir: node 1's agent is
     SIGKILLed (its workers and its memory go with it). Its ranks' copies live on only as
@@ -160,24 +199,10 @@ def test_a_lost_nodes_ranks_resume_from_their_replicas_on_its_buddy(tmp_path, ho
         "command": [PYTHON, str(WORKERS / "ckpt_train.py")], "workdir": str(tmp_path),
         "max_restarts": 1, "restart_backoff": {"initial": 0.1}, "stop_grace_period": 2,
         "env": {"OUT": str(out), "STEPS": "60", "STEP_SLEEP": "0.1", "STATE_MB": "1"}}))
-    wait_for_output(job_id, "rank 3 step 15 saved", 1)
-    shown = orchestrator.status(job_id)
-    assert [n["spare"] for n in shown["nodes"]] == [False, False, True]
-    replicas = glob.glob(os.path.join(SHM, f"{job_id}.0", "replicas", "rank-*"))
-    assert sorted(os.path.basename(r) for r in replicas) == ["rank-2", "rank-3"]
-    os.kill(shown["nodes"][1]["agent_pid"], signal.SIGKILL)
-    result = orchestrator.wait(job_id, timeout=180)
-    assert result["state"] == "SUCCEEDED", result["failure"]
-    assert result["attempts"][0]["failure"]["cause"] == "NODE_FAIL"
-    step = result["attempts"][1]["restored_step"]
-    assert step is not None and step >= 14, step
+
+    def replicas_on_node_0(shown: dict) -> None:
+        assert [n["spare"] for n in shown["nodes"]] == [False, False, True]
+        replicas = glob.glob(os.path.join(SHM, f"{job_id}.0", "replicas", "rank-*"))
+        assert sorted(os.path.basename(r) for r in replicas) == ["rank-2", "rank-3"]
+    result = lost_node_resumes_from_its_buddy(job_id, out, replicas_on_node_0)
     assert {r["node_index"] for r in result["ranks"]} == {0, 2}
-    for rank in range(4):
-        assert (out / f"resumed-2-{rank}").read_text() == str(step)
-    expected = reference_weights(60, 4)
-    for rank in range(4):
-        final = torch.load(out / f"final-{rank}.pt")
-        for name, value in expected.items():
-            assert torch.allclose(final[name], value, atol=1e-6), (rank, name)
-    assert_no_job_processes(job_id)
-    wait_for(lambda: memory_dirs(job_id) == [], 10, what="every node's memory removed")
