@@ -107,6 +107,16 @@ class Attempt:
         # The ranks each node may speak for: a node reporting another's is out of protocol.
         self.ranks_of = {n.node_index: {w.rank for w in n.workers if w.rank is not None}
                          for n in plan.nodes}
+        # What each of a node's processes is, by local rank: a message must name the rank
+        # that process was started as (None where torch's rendezvous or one process per node
+        # owns the ranks), or it speaks for a process the node does not run.
+        self.workers_of = {n.node_index: {w.local_rank: w.rank for w in n.workers}
+                           for n in plan.nodes}
+        # The global ranks a node's tagged output lines (torchrun's ``[orc-rank N]:``) may
+        # be filed under: its own range where ranks are static, any rank of the world
+        # otherwise (c10d assigns them), but never more than its ranks, nor another's.
+        self._tagged: dict[int, set[int]] = {n.node_index: set() for n in plan.nodes}
+        self._tag_owner: dict[int, int] = {}  # rank -> the node whose lines carry it
         self._rank_writes: dict[int, dict[str, Any]] = {}  # rank -> fields, not yet written
         self._samples: list[tuple[int, int | None, float, dict[str, float]]] = []  # not yet
         self._stragglers_named = False  # the stragglers changed since the last write
@@ -159,6 +169,12 @@ class Attempt:
         rank = getattr(message, "rank", None)
         if rank is not None and rank not in self.ranks_of[node_index]:
             return f"{type(message).__name__.lower()}: rank {rank} is not this node's"
+        local = getattr(message, "local_rank", None)
+        if local is not None:
+            workers = self.workers_of[node_index]
+            if local not in workers or workers[local] != rank:
+                return (f"{type(message).__name__.lower()}: local rank {local} "
+                        f"(rank {rank}) is not a process this node was started with")
         if isinstance(message, P.Output):
             self._on_output(node_index, message)
         elif isinstance(message, P.Started):
@@ -200,9 +216,10 @@ class Attempt:
         # torchrun (c10d): each worker line comes prefixed with its global rank.
         label, group = self._label(node_index, None), list[str]()
         for line in lines:
-            if m := TORCHRUN_LINE_RE.match(line):
+            m = TORCHRUN_LINE_RE.match(line)
+            if m and len(m.group(1)) <= 9 and self._may_tag(node_index, int(m.group(1))):
                 this, line = str(int(m.group(1))), line[m.end():]
-            else:
+            else:  # untagged, or a tag this node may not use: the node's own, kept whole
                 this = self._label(node_index, None)
             if this != label and group:
                 self.sink.write(host, label, stream, group)
@@ -210,6 +227,33 @@ class Attempt:
             label = this
             group.append(line)
         self.sink.write(host, label, stream, group)
+
+    def speaks_for(self, node_index: int, rank: int) -> bool:
+        """May this node report on global ``rank`` (its stack, its flight recorder dump)?"""
+        if node_index not in self.node_plans:
+            return False
+        if self.ranks_of[node_index]:
+            return rank in self.ranks_of[node_index]
+        return self._may_tag(node_index, rank)  # its ranks are torch's to assign
+
+    def _may_tag(self, node_index: int, rank: int) -> bool:
+        """May this node's output be filed under global ``rank``? (See ``_tagged``.)"""
+        tagged = self._tagged[node_index]
+        if rank in tagged:
+            return True
+        node = self.node_plans[node_index]
+        count = _ranks_in(node)
+        if self.plan.backend == "c10d":
+            allowed = 0 <= rank < self.plan.world_size
+        else:  # static: the node's ranks follow those of the nodes before it
+            first = sum(_ranks_in(n)
+                        for n in self.plan.nodes[:self.participants.index(node_index)])
+            allowed = first <= rank < first + count
+        if not allowed or len(tagged) >= count or rank in self._tag_owner:
+            return False
+        tagged.add(rank)
+        self._tag_owner[rank] = node_index
+        return True
 
     def _on_progress(self, ranks: dict[int, P.RankProgress]) -> None:
         """Steps and metrics that ranks gave heartbeat(), recorded with steps per second since
@@ -377,6 +421,16 @@ class Attempt:
         self.stopping = bool(state.get("stopping"))
         for label, lines in state.get("stderr", {}).items():
             self.sink.stderr[label] = deque(lines, maxlen=STDERR_TAIL)
+
+
+def _ranks_in(node: NodePlan) -> int:
+    """How many ranks a node runs, where one process owns them: LOCAL_WORLD_SIZE (per-node),
+    or torchrun's ``--nproc-per-node`` (c10d)."""
+    options = node.workers[0].env if node.workers else {}
+    for size in (node.env.get("LOCAL_WORLD_SIZE"), options.get("PET_NPROC_PER_NODE")):
+        if size and size.isdigit():
+            return int(size)
+    return len(node.workers)
 
 
 def _error_file_message(content: str | None) -> str | None:

@@ -319,8 +319,10 @@ class Engine:
                     if n.channel is not None and n.state in LIVE}
         self._collecting = True
         try:
+            attempt = self.current
             return hang.collect(channels, self.hosts, self.ask_all,  # type: ignore[arg-type]
-                                flight_recorder=flight_recorder)
+                                flight_recorder=flight_recorder,
+                                owns=attempt.speaks_for if attempt is not None else None)
         finally:
             self._collecting = False
 

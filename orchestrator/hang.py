@@ -7,6 +7,7 @@ through the controller's requests, and fetches the dumps into the attempt's log 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from orchestrator.diagnosis import diagnose
 
 #: The controller's request helper: (channels by key, request, timeout) -> replies by key.
 AskAll = Callable[..., dict[Any, "P.Reply | None"]]
+
+log = logging.getLogger("orchestrator.controller")
 
 STACKS_TIMEOUT = 20.0  # seconds for every node's stacks (the agents use 5 s less)
 FETCH_BUDGET = 20.0  # seconds for fetching flight recorder dumps, all of them
@@ -46,21 +49,33 @@ class Stacks:
 
 
 def collect(channels: dict[int, Channel], hosts: dict[int, str], ask_all: AskAll, *,
-            flight_recorder: bool, timeout: float = STACKS_TIMEOUT) -> Stacks:
+            flight_recorder: bool, timeout: float = STACKS_TIMEOUT,
+            owns: Callable[[int, int], bool] | None = None) -> Stacks:
     """Ask every node (``channels`` by node index) for its ranks' stacks, and with
-    ``flight_recorder`` for their dumps too."""
+    ``flight_recorder`` for their dumps too. ``owns(node, rank)``: may that node speak for
+    that rank (the running attempt's answer)? A node's word about another's rank would
+    forge the diagnosis: it is left out, and said in the log."""
     replies = ask_all(channels, C.GetStacks(timeout - 5, flight_recorder), timeout)
     out = Stacks()
     for index, reply in replies.items():
         if not isinstance(reply, P.Stacks):
             continue
         host = hosts[index]
+        foreign = sorted(r for r in {*reply.stacks, *reply.traces}
+                         if owns is not None and not owns(index, r))
+        if foreign:
+            log.warning("%s: stacks for ranks it does not run, left out: %s", host,
+                        foreign[:8])
         for rank, entry in reply.stacks.items():
+            if rank in foreign:
+                continue
             shown = {"method": entry.method, "text": entry.text}
             shown.update({k: v for k, v in (("error", entry.error), ("note", entry.note))
                           if v is not None})
             out.found[str(rank)] = {**shown, "host": host}
         for rank, path in reply.traces.items():
+            if rank in foreign:
+                continue
             out.dumps[str(rank)] = (channels[index], host, path)
     return out
 
