@@ -4,8 +4,9 @@ as long as the process runs, and stays in shell history.
 
 - ``--env KEY``: the value of KEY in the submitting environment;
 - ``--env KEY=VALUE``: the value as written, refused for a name that looks secret (see
-  ``specparts.looks_secret``, or listed in the spec's ``secret_env``); so is ``--set
-  env.KEY=VALUE``;
+  ``specparts.looks_secret``, or listed in the spec's ``secret_env``); so is any ``--set``
+  that writes such a variable: ``env.KEY=VALUE``, or the whole of ``env`` (``env={KEY: V}``,
+  a block mapping, a merge key);
 - ``--env-file FILE``: ``KEY=VALUE`` lines (``#`` comments, blank lines and an ``export``
   prefix allowed; one pair of matching quotes around a value is removed).
 """
@@ -18,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from orchestrator.errors import SpecError
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, parse_override
 from orchestrator.specparts import looks_secret
 from orchestrator.yamlsafe import read_text
 
@@ -80,13 +81,30 @@ def refuse_webhook_sets(overrides: list[str]) -> None:
                                      "user (ps): write notify: in the spec file")
 
 
+def set_env_names(overrides: list[str]) -> set[str]:
+    """The env names whose values these ``--set`` items write: ``env.KEY=...``, and every
+    key of a mapping given to ``env`` itself (read as the spec reads it, so flow and block
+    mappings, aliases and merge keys all count). Even one a later ``--set`` replaces was on
+    the command line."""
+    names: set[str] = set()
+    for item in overrides:
+        try:
+            _, steps, value = parse_override(item)
+        except SpecError:
+            continue  # not an override at all: loading the spec says so
+        if steps[0] != "env":
+            continue
+        if len(steps) > 1:
+            names.add(str(steps[1]))
+        elif isinstance(value, dict):
+            names.update(str(key) for key in value)
+    return names
+
+
 def refuse_written_secrets(spec: JobSpec, written: set[str], overrides: list[str]) -> None:
     """SpecError for a secret-looking variable whose value was written on the command line
-    (``--env KEY=VALUE`` or ``--set env.KEY=VALUE``)."""
-    for item in overrides:
-        path = item.partition("=")[0].strip()
-        if path.startswith("env.") and "=" in item:
-            written = written | {path[len("env."):]}
+    (``--env KEY=VALUE``, or a ``--set`` that puts it into env: see set_env_names)."""
+    written = written | set_env_names(overrides)
     for key in sorted(written):
         if looks_secret(key) or key in spec.secret_env:
             raise SpecError("--env", f"{key}'s value is on the command line, where every "

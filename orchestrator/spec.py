@@ -33,12 +33,15 @@ from orchestrator.specparts import (  # noqa: F401 (the sections are part of spe
     _NAME_RE,
     _PYTHON_RE,
     DEPRECATED_ENV,
+    MAX_LOCAL,
     MAX_SPEC_BYTES,
+    MIN_SECONDS,
     RESERVED_ENV,
     RESERVED_ENV_PREFIXES,
     BackoffSpec,
     CheckpointSpec,
     HealthSpec,
+    LocalCount,
     LogsSpec,
     NetworkCheckSpec,
     NodeSpec,
@@ -68,7 +71,7 @@ class JobSpec(_Model):
     nodes: tuple[NodeSpec, ...] = ()
     hostfile: PathText | None = Field(
         default=None, description="DeepSpeed-style 'hostname slots=N' file, instead of nodes")
-    nproc_per_node: Annotated[StrictInt, Field(ge=1)] | Literal["gpu", "auto"] = Field(
+    nproc_per_node: LocalCount | Literal["gpu", "auto"] = Field(
         default=1, description='workers per node; "gpu": one per GPU the node has (refused on '
                                'a node without); "auto": one per GPU, or 1 without GPUs')
     nnodes: str | StrictInt | None = Field(
@@ -94,7 +97,7 @@ class JobSpec(_Model):
         default=(), description="env names whose values are never shown (names containing "
                                 "TOKEN, KEY, PASSWORD or SECRET are masked anyway)")
     max_restarts: Annotated[StrictInt, Field(ge=0)] = 0
-    max_duration: Annotated[float, Field(gt=0, allow_inf_nan=False),
+    max_duration: Annotated[float, Field(ge=MIN_SECONDS, allow_inf_nan=False),
                             BeforeValidator(_duration)] | None = Field(
         default=None, description='wall-clock limit of the whole job: seconds or "HH:MM:SS"; '
                                   "then every worker is stopped and the job FAILS (TIMEOUT), "
@@ -167,8 +170,11 @@ class JobSpec(_Model):
     @field_validator("nproc_per_node", mode="before")
     @classmethod
     def _nproc(cls, v: Any) -> Any:
-        if v in ("gpu", "auto") or (type(v) is int and v >= 1):
+        if v in ("gpu", "auto") or (type(v) is int and 1 <= v <= MAX_LOCAL):
             return v
+        if type(v) is int and v > MAX_LOCAL:
+            raise ValueError(f"must be at most {MAX_LOCAL}: the agent protocol carries no "
+                             "more workers on one node")
         raise ValueError('must be a whole number of at least 1, "gpu" or "auto"')
 
     @field_validator("secret_env")
@@ -389,8 +395,9 @@ def load_jobspec(path: str | os.PathLike[str], *, env: dict[str, str] | None = N
 _PATH_PART = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)((?:\[\d+\])*)")
 
 
-def _apply_override(data: dict[str, Any], item: str) -> None:
-    """Apply one ``field.path[i].sub=value`` to the parsed document."""
+def parse_override(item: str) -> tuple[str, list[str | int], Any]:
+    """One ``field.path[i].sub=value`` as (the path as written, its steps, the YAML value);
+    a SpecError naming the path for anything else."""
     path, sep, raw = item.partition("=")
     if not sep or not path:
         raise SpecError("", f"--set expects field=value, got {item!r}")
@@ -404,7 +411,16 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     try:
         value = load_yaml(f"v: {raw}")["v"] if raw.strip() else ""
     except SpecError as exc:
+        if exc.field.startswith("v"):  # about a value inside it (e.g. a number too long)
+            raise SpecError(path + exc.field[1:], exc.message, exc.value,
+                            has_value=exc.has_value) from None
         raise SpecError(path, f"--set value is not valid YAML: {exc.message}") from None
+    return path, steps, value
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    """Apply one ``field.path[i].sub=value`` to the parsed document."""
+    path, steps, value = parse_override(item)
     target: Any = data
     for here, step in zip(steps, steps[1:], strict=False):
         try:
@@ -457,6 +473,11 @@ def _expand_hostfile(data: dict[str, Any], base_dir: Path) -> tuple[dict[str, An
         except ValueError as exc:
             raise SpecError("hostfile", f"{given} line {number}: {exc}", host,
                             has_value=True) from None
+        if m and (len(m[1]) > len(str(MAX_LOCAL)) or int(m[1]) > MAX_LOCAL):
+            # Not echoed: a slots= of 5,000 digits is neither readable nor convertible.
+            raise SpecError("hostfile", f"{given} line {number}: slots must be at most "
+                            f"{MAX_LOCAL}: the agent protocol carries no more workers on "
+                            "one node")
         nodes.append({"host": host})
         lines.append(number)
         slots.append(int(m[1]) if m else None)
@@ -538,6 +559,8 @@ def _spec_error(exc: ValidationError, data: dict[str, Any]) -> SpecError:
         return SpecError(field, ctx_error.message, ctx_error.value if has else None,
                          has_value=has)
     has_value, value = _value_at(data, loc)
+    if type(value) is int and value.bit_length() > 256:
+        has_value, value = False, None  # repr() raises past 4,300 digits, and helps no one
     kind = err["type"]
     if kind == "extra_forbidden":
         parent = next((str(p) for p in reversed(loc[:-1]) if str(p) in _MODELS), "")

@@ -20,9 +20,20 @@ from pydantic import (
     model_validator,
 )
 
+from agents.fields import MAX_COUNT
+from agents.protocol import MAX_LOCAL
+
 MAX_SPEC_BYTES = 1024 * 1024
 MAX_DEPTH = 32  # a real spec nests 3 deep; PyYAML's composer recurses once per level
 MAX_EXPANDED_NODES = 100_000  # values after expanding aliases: far above any real spec
+# A whole number in YAML of at most this many characters: any 64-bit value in every notation
+# YAML has (0b and 64 digits is the longest). Past 4,300 decimal digits Python refuses to
+# convert it (ValueError), and a longer hexadecimal one converts but cannot be printed back.
+MAX_INT_CHARS = 100
+# The largest whole number a spec may hold: the agent protocol's bound on counts and sizes
+# (so a spool cap or a free-space floor is never out of protocol at launch), and it fits
+# SQLite's 64-bit INTEGER (the store keeps max_restarts in one).
+MAX_INT = MAX_COUNT
 
 RESERVED_ENV: frozenset[str] = frozenset({
     "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -53,8 +64,16 @@ _USER_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9._-]*$")
 _PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+][A-Za-z0-9_./+-]*$")
 
 Port = Annotated[StrictInt, Field(ge=1, le=65535)]
+# The shortest wait a spec may ask for, in seconds: about one scheduler tick (Linux's HZ is
+# 100 to 1000), so the kernel does not honour a shorter one, and a loop woken more often only
+# burns a core (heartbeat_interval: 1e-300 spun the agent's main loop and its heartbeat
+# thread). The shortest value any test uses is this one (restart_backoff 0.01).
+MIN_SECONDS = 0.01
 # inf would reach time.sleep() and deadlines, where it raises or never fires.
-Seconds = Annotated[float, Field(gt=0, strict=True, allow_inf_nan=False)]
+Seconds = Annotated[float, Field(ge=MIN_SECONDS, strict=True, allow_inf_nan=False)]
+# Workers on one node: the agent protocol carries at most MAX_LOCAL local ranks (a start
+# holds at most that many workers), so a larger count would only fail at launch.
+LocalCount = Annotated[StrictInt, Field(ge=1, le=MAX_LOCAL)]
 
 
 class _FieldError(ValueError):
@@ -135,7 +154,7 @@ class NodeSpec(_Model):
     identity_file: PathText | None = None
     address: Address | None = Field(
         default=None, description="address other nodes reach this node at; default: hostname")
-    slots: Annotated[StrictInt, Field(ge=1)] | None = Field(
+    slots: LocalCount | None = Field(
         default=None, description="workers on this node, instead of nproc_per_node (a "
                                   "hostfile's slots=N when its hosts differ)")
 
@@ -397,7 +416,7 @@ class NotifySpec(_Model):
         description="the events sent: failed, succeeded, cancelled, restarted, hung, "
                     "node_lost, quarantined, paused (the controller cannot write: a full "
                     "disk)")
-    timeout: Annotated[float, Field(gt=0, le=60, allow_inf_nan=False)] = Field(
+    timeout: Annotated[float, Field(ge=MIN_SECONDS, le=60, allow_inf_nan=False)] = Field(
         default=5.0, description="seconds per try (a receiver is tried up to 4 times)")
 
     @field_validator("url")
@@ -439,7 +458,10 @@ def _size(v: Any) -> Any:
         match = _SIZE_RE.match(v)
         if not match:
             raise ValueError('must be a number of bytes or a size such as "16GiB"')
-        v = int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()])
+        size = float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
+        if size > MAX_INT:  # also inf (400 digits), which int() refuses with OverflowError
+            raise ValueError(f"must be at most {MAX_INT} bytes")
+        v = int(size)
     return v
 
 

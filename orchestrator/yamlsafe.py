@@ -1,7 +1,8 @@
 """YAML read safely for job specs: one document that is a mapping, no duplicate keys (named
 by their path), no alias bombs (the expanded size is counted before anything is built), no
-nesting deeper than MAX_DEPTH, keys always names, env values always text, files under
-MAX_SPEC_BYTES and UTF-8. Every refusal is a SpecError."""
+nesting deeper than MAX_DEPTH, keys always names, env values always text, numbers, booleans
+and dates that construct (whole numbers of at most MAX_INT_CHARS characters and MAX_INT),
+files under MAX_SPEC_BYTES and UTF-8. Every refusal is a SpecError."""
 
 from __future__ import annotations
 
@@ -11,11 +12,24 @@ from typing import Any
 import yaml
 
 from orchestrator.errors import SpecError
-from orchestrator.specparts import MAX_DEPTH, MAX_EXPANDED_NODES, MAX_SPEC_BYTES
+from orchestrator.specparts import (
+    MAX_DEPTH,
+    MAX_EXPANDED_NODES,
+    MAX_INT,
+    MAX_INT_CHARS,
+    MAX_SPEC_BYTES,
+)
 
 _STR_TAG = "tag:yaml.org,2002:str"
 _MERGE_TAG = "tag:yaml.org,2002:merge"
-_NUMBER_TAGS = ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")
+_INT_TAG = "tag:yaml.org,2002:int"
+_NUMBER_TAGS = (_INT_TAG, "tag:yaml.org,2002:float")
+# Scalars whose construction fails with a bare Python error rather than a YAMLError (an
+# explicit "!!int abc", "!!bool maybe", a date in month 13) or builds a whole number too long
+# to print: built once in _check_tree, where their path is known, and named by what they are.
+_CHECKED_SCALARS = {_INT_TAG: "whole number", "tag:yaml.org,2002:float": "number",
+                    "tag:yaml.org,2002:bool": "boolean", "tag:yaml.org,2002:timestamp": "date"}
+_SCALARS = yaml.constructor.SafeConstructor()
 
 
 class _SpecLoader(yaml.SafeLoader):
@@ -41,7 +55,10 @@ class _SpecLoader(yaml.SafeLoader):
 def _check_tree(node: yaml.Node, path: str, memo: dict[int, int], active: set[int]) -> int:
     """Walk the composed document before anything is built: refuse duplicate keys (naming
     their path) and self-referencing aliases, make every key a string, and count the values
-    the document expands to, so an alias bomb is refused in microseconds. Returns that count."""
+    the document expands to, so an alias bomb is refused in microseconds; refuse a whole
+    number too long to be any field's, and a scalar that does not construct, before anything
+    is built (naming its path: past 4,300 digits int() raises a bare ValueError). Returns
+    that count."""
     if id(node) in active:
         raise SpecError(path, "a YAML alias refers to a value that contains it")
     if id(node) in memo:  # an alias: already checked, and it costs its size again
@@ -71,12 +88,31 @@ def _check_tree(node: yaml.Node, path: str, memo: dict[int, int], active: set[in
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             size += _check_tree(item, f"{path}[{i}]", memo, active)
+    elif isinstance(node, yaml.ScalarNode) and node.tag in _CHECKED_SCALARS:
+        _check_scalar(node, path)
     active.discard(id(node))
     memo[id(node)] = size
     if size > MAX_EXPANDED_NODES:
         raise SpecError(path, f"the YAML expands to more than {MAX_EXPANDED_NODES} values "
                               "(alias bomb?)")
     return size
+
+
+def _check_scalar(node: yaml.ScalarNode, path: str) -> None:
+    """SpecError for a number, boolean or date that does not construct, or a whole number
+    beyond MAX_INT (not echoed: thousands of digits help no one, and may not even print)."""
+    line = node.start_mark.line + 1
+    too_large = (f"a whole number larger than any field takes (line {line}; at most "
+                 f"{MAX_INT:,}; quote it if it is text)")
+    if node.tag == _INT_TAG and len(node.value) > MAX_INT_CHARS:
+        raise SpecError(path, too_large)
+    try:
+        value = _SCALARS.yaml_constructors[node.tag](_SCALARS, node)
+    except (ValueError, IndexError, KeyError, AttributeError, OverflowError):
+        raise SpecError(path, f"not a valid {_CHECKED_SCALARS[node.tag]} (line {line})"
+                        ) from None
+    if type(value) is int and abs(value) > MAX_INT:
+        raise SpecError(path, too_large)
 
 
 def load_yaml(text: str) -> dict[str, Any]:
