@@ -403,7 +403,7 @@ def ui(
     keyfile: str | None = typer.Option(None, "--keyfile", help="Serve HTTPS: its private key."),
 ) -> None:
     """Serve the read-only web dashboard and Prometheus /metrics until interrupted; every
-    request needs the token in the URL it prints (or $ORCHESTRATOR_UI_TOKEN)."""
+    request needs the token in the URL it prints, or $ORCHESTRATOR_UI_TOKEN (not printed)."""
     from orchestrator.ui import serve
 
     try:
