@@ -1,8 +1,10 @@
 """Starting a job's supervisor, detached (its own session, outliving the terminal that
 submitted it), with the controller's own settings: ``ORCHESTRATOR_HOME``, this very package
-first on ``PYTHONPATH``, nothing from the current directory (``PYTHONSAFEPATH``), the home
-as its directory, its output to the job's ``controller.log``. None of them reaches a worker,
-which starts from the world kept with the job (orchestrator/world.py).
+alone on ``PYTHONPATH`` (never the user's: a ``queue.py`` there would come before the
+standard library's), nothing from the current directory (``PYTHONSAFEPATH``), the home as
+its directory, its output to the job's ``controller.log``. None of them reaches a worker,
+which starts from the world kept with the job (orchestrator/world.py), the user's
+``PYTHONPATH`` included.
 
 Two ways, the same process afterwards:
 
@@ -14,9 +16,11 @@ Two ways, the same process afterwards:
   before its checks and before any database is open (SQLite's locks and connections must
   not cross a fork), and it imports the rest (paramiko, the controller) meanwhile; once the
   job is recorded it is told to go, and a submit that fails tells it nothing: it exits
-  having done nothing. Taken only from a process with one thread; the fork is detached
-  twice, its descriptors closed, its inherited objects frozen (nothing of its parent's is
-  finalized in it), and it never returns into its parent's code.
+  having done nothing. Taken only from a process with one thread that has imported nothing
+  from the user's paths (``PYTHONPATH``, the script's or current directory): a fork keeps
+  what its parent imported. The fork searches none of them, is detached twice, its
+  descriptors closed, its inherited objects frozen (nothing of its parent's is finalized in
+  it), and it never returns into its parent's code.
 
 Called by the API (``submit``, ``resume``, and when a waiter finds the controller gone). It
 may call the store and the supervisor.
@@ -25,6 +29,7 @@ may call the store and the supervisor.
 from __future__ import annotations
 
 import gc
+import importlib.machinery
 import json
 import os
 import subprocess
@@ -66,11 +71,46 @@ def _argv(job_id: str, resume: bool) -> list[str]:
 
 def _env(store: Store) -> dict[str, str]:
     # It must import this very package, installed or not, and nothing from the current
-    # directory (a queue.py beside the spec).
-    return {"ORCHESTRATOR_HOME": str(store.home),
-            "PYTHONPATH": os.pathsep.join(p for p in (PACKAGE_ROOT, os.environ.get("PYTHONPATH"))
-                                          if p),
+    # directory (a queue.py beside the spec) or the user's PYTHONPATH (the workers get that
+    # from the world kept with the job).
+    return {"ORCHESTRATOR_HOME": str(store.home), "PYTHONPATH": PACKAGE_ROOT,
             "PYTHONSAFEPATH": "1"}
+
+
+def _user_paths() -> set[str]:
+    """The entries of this process's ``sys.path`` that a controller must not search: the
+    user's ``PYTHONPATH`` and the script's or current directory (``sys.path[0]``), as
+    written there and made absolute; never this package's own directory."""
+    given = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if sys.path and not (sys.flags.isolated or getattr(sys.flags, "safe_path", False)):
+        given.append(sys.path[0])
+    real = {os.path.realpath(p) for p in given} - {os.path.realpath(PACKAGE_ROOT)}
+    return {form for p in sys.path if os.path.realpath(p) in real
+            for form in (p, os.path.abspath(p))}
+
+
+def _shadowing(paths: set[str]) -> str | None:
+    """A file or directory in ``paths`` named like a module this process imported (a fork
+    would hold whatever of it ran, even where it put the standard library's module in its
+    own place); None where nothing is."""
+    imported = {name for name in sys.modules if "." not in name}
+    for path in {os.path.realpath(p) for p in paths}:
+        try:
+            with os.scandir(path) as entries:
+                for entry in entries:
+                    stem = entry.name if entry.is_dir() else next(
+                        (entry.name[:-len(s)] for s in _SUFFIXES if entry.name.endswith(s)),
+                        None)
+                    if stem in imported:
+                        return entry.path
+        except NotADirectoryError:  # a zip: what it holds may have run
+            return path
+        except OSError:  # none there, or unreadable: nothing came from it
+            continue
+    return None
+
+
+_SUFFIXES = tuple(importlib.machinery.all_suffixes())
 
 
 class Forked:
@@ -82,8 +122,12 @@ class Forked:
 
     @classmethod
     def start(cls) -> Forked | None:
-        """Fork it now (None: this process has threads, and a fresh interpreter it is)."""
+        """Fork it now (None: this process has threads, or holds a module of the user's
+        paths, and a fresh interpreter it is)."""
         if not _one_thread():
+            return None
+        user_paths = _user_paths()
+        if _shadowing(user_paths) is not None:
             return None
         go_r, go_w = os.pipe()
         pid_r, pid_w = os.pipe()
@@ -92,7 +136,7 @@ class Forked:
         gc.collect()  # what is garbage now is finalized here, not in the child
         child = os.fork()
         if child == 0:  # pragma: no cover (the child's exit code is all it says)
-            _child(go_r, pid_w)
+            _child(go_r, pid_w, user_paths)
         os.close(go_r)
         os.close(pid_w)
         os.waitpid(child, 0)  # the first child exits at once: nothing left to reap
@@ -132,7 +176,8 @@ def _one_thread() -> bool:
         return False
 
 
-def _child(go: int, said: int) -> NoReturn:  # pragma: no cover (a forked child)
+def _child(go: int, said: int, user_paths: set[str]
+           ) -> NoReturn:  # pragma: no cover (a forked child)
     """The forked supervisor: detached, it imports what a controller needs, waits for its
     job, and runs it as ``python -m orchestrator.supervisor`` would."""
     code = 1
@@ -149,6 +194,11 @@ def _child(go: int, said: int) -> NoReturn:  # pragma: no cover (a forked child)
         os.closerange(3, go)
         os.closerange(go + 1, _fd_limit())
         os.chdir("/")
+        # As a fresh ``python -m`` with PYTHONSAFEPATH and our PYTHONPATH would have it (_env):
+        # this package first, no script or current directory, nothing of the user's
+        # PYTHONPATH; set before it imports anything more.
+        sys.path[:] = [PACKAGE_ROOT, *(p for p in sys.path[1:]
+                                       if p and p != PACKAGE_ROOT and p not in user_paths)]
         from orchestrator import supervisor
         from orchestrator.transport import ssh  # noqa: F401 (paramiko, for the connects)
 
@@ -166,9 +216,6 @@ def _child(go: int, said: int) -> NoReturn:  # pragma: no cover (a forked child)
         os.close(log)
         os.environ.update(told["env"])
         os.chdir(told["home"])
-        # As a fresh ``python -m`` with PYTHONSAFEPATH would have it: this package first, the
-        # user's PYTHONPATH after it, no script or current directory.
-        sys.path[:] = [PACKAGE_ROOT, *(p for p in sys.path[1:] if p and p != PACKAGE_ROOT)]
         sys.argv = ["orchestrator.supervisor", *told["argv"]]
         code = supervisor.main(told["argv"])
     except SystemExit:

@@ -1,21 +1,29 @@
-"""The submitting user's world: the environment and umask that workers start from.
+"""The submitting user's world: the environment, umask and resource limits that workers
+start from.
 
-A script run under ``torchrun`` sees the environment and umask of the shell that ran
+A script run under ``torchrun`` sees the environment, umask and limits of the shell that ran
 torchrun. Ours must see the same, not the controller's: the controller hardens itself
-(``PYTHONSAFEPATH``, its own ``PYTHONPATH``, umask 077, a private working directory), and
-none of that may reach a worker. So ``submit`` captures the caller's world once, the store
-keeps it with the job (in ``state.db``, 0600, like ``env:`` secrets; never printed), and a
-controller, also one started later by ``resume`` from another shell, starts every local
-relay and every Slurm step in it. An SSH node's agent has the login environment of its user
-instead, as ``ssh node torchrun ...`` would. Pure: no I/O beyond reading our own process.
+(``PYTHONSAFEPATH``, its own ``PYTHONPATH``, umask 077, a private working directory, the
+open-files limit raised to the hard one), and none of that may reach a worker. So ``submit``
+captures the caller's world once, the store keeps it with the job (in ``state.db``, 0600,
+like ``env:`` secrets; never printed), and a controller, also one started later by
+``resume`` from another shell, starts every local relay and every Slurm step in it (srun
+passes its soft limits on to the step, as ``srun torchrun`` typed in that shell would). An
+SSH node's agent has the login environment and limits of its user instead, as ``ssh node
+torchrun ...`` would. Pure: no I/O beyond reading and setting our own process's.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import resource
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+#: The limits a controller raises for itself (orchestrator/controller.py): their soft values
+#: are kept with the world, and what starts an agent gets them back.
+RAISED_LIMITS = ("RLIMIT_NOFILE",)
 
 
 def current_umask() -> int:
@@ -39,16 +47,43 @@ class UserWorld:
 
     env: Mapping[str, str] = field(default_factory=dict)
     umask: int = 0o022
+    soft_limits: Mapping[str, int] = field(default_factory=dict)  # of RAISED_LIMITS
 
     @classmethod
     def capture(cls) -> UserWorld:
         """The calling process's world, as ``torchrun`` started from it would pass it on."""
-        return cls(dict(os.environ), current_umask())
+        return cls(dict(os.environ), current_umask(),
+                   {name: resource.getrlimit(getattr(resource, name))[0]
+                    for name in RAISED_LIMITS})
 
     def to_dict(self) -> dict[str, Any]:
-        return {"env": dict(self.env), "umask": self.umask}
+        return {"env": dict(self.env), "umask": self.umask,
+                "soft_limits": dict(self.soft_limits)}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> UserWorld:
         env = data.get("env") or {}
-        return cls({str(k): str(v) for k, v in env.items()}, int(data.get("umask", 0o022)))
+        limits = data.get("soft_limits") or {}  # none kept by an older version
+        return cls({str(k): str(v) for k, v in env.items()}, int(data.get("umask", 0o022)),
+                   {str(k): int(v) for k, v in limits.items() if k in RAISED_LIMITS})
+
+    def restore_limits(self) -> Callable[[], None] | None:
+        """A ``preexec_fn`` that gives a child the submitter's soft limits back where this
+        process has others (a controller raised them), within this process's hard limits;
+        None where nothing differs (no preexec_fn: the fast spawn stays)."""
+        changes = []
+        for name, soft in self.soft_limits.items():
+            which = getattr(resource, name)
+            now, hard = resource.getrlimit(which)
+            if hard != resource.RLIM_INFINITY and (soft == resource.RLIM_INFINITY
+                                                   or soft > hard):
+                soft = hard
+            if soft != now:
+                changes.append((which, (soft, hard)))
+        if not changes:
+            return None
+
+        def restore() -> None:  # in the child, between fork and exec: nothing but the calls
+            for which, limits in changes:
+                resource.setrlimit(which, limits)
+        return restore

@@ -1,7 +1,8 @@
 """LocalConnection: the channel to an agent on this machine, for ``host: local``.
 
 The relay (and so the agent it starts, and the workers) runs in the submitter's world
-(environment and umask, see orchestrator/world.py), not in the controller's.
+(environment, umask and resource limits, see orchestrator/world.py), not in the
+controller's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from orchestrator.world import UserWorld
 
 class LocalConnection(PipeConnection):
     """Runs the relay as a subprocess; its stderr is the controller's (controller.log).
-    ``world`` None: this process's own environment and umask."""
+    ``world`` None: this process's own environment, umask and limits."""
 
     def __init__(self, host: str = "local", world: UserWorld | None = None):
         self.host = host
@@ -40,6 +41,7 @@ class LocalConnection(PipeConnection):
                 start_new_session=True,  # a Ctrl-C at a terminal must not reach it
                 env=dict(world.env) if world is not None else None,
                 umask=world.umask if world is not None else -1,
+                preexec_fn=world.restore_limits() if world is not None else None,
             )
             assert proc.stdin is not None and proc.stdout is not None
             proc.stdin.write(agent_payload())

@@ -47,13 +47,15 @@ def srun_argv(job_id: str, node: str, python: str, name: str = "orchestrator-age
 
 def _srun(argv: list[str], world: UserWorld | None, *, merge_stderr: bool = False
           ) -> subprocess.Popen[bytes]:
-    """srun, in the submitter's world: a step's tasks get srun's environment (--export=ALL)
-    and umask, as under ``srun torchrun`` typed in that shell; never the controller's."""
+    """srun, in the submitter's world: a step's tasks get srun's environment (--export=ALL),
+    umask and soft limits (PropagateResourceLimits), as under ``srun torchrun`` typed in that
+    shell; never the controller's."""
     return subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         env=slurm_env(world.env if world is not None else None),
         umask=world.umask if world is not None else -1,
+        preexec_fn=world.restore_limits() if world is not None else None,
         start_new_session=True)  # a Ctrl-C at a terminal must not reach srun
 
 

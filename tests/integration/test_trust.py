@@ -107,6 +107,70 @@ def test_nothing_beside_the_spec_is_imported_by_the_controller(home, tmp_path):
     assert not planted.exists(), planted.read_text()
 
 
+# A queue.py on the user's PYTHONPATH: it notes every process that imports it and every fork
+# of one (a fork holds it without importing it again), then stands in for the standard
+# library's, so that whoever imports it still works.
+PLANTED_QUEUE = """
+import os, sys
+def _note(how):
+    with open(os.path.join({marks!r}, how + "-" + str(os.getpid())), "w") as f:
+        f.write(" ".join(sys.argv))
+_note("imported")
+os.register_at_fork(after_in_child=lambda: _note("forked"))
+_here = os.path.dirname(os.path.abspath(__file__))
+_saved = sys.path[:]
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+del sys.modules[__name__]
+try:
+    import queue as _real
+finally:
+    sys.path[:] = _saved
+sys.modules[__name__] = _real
+"""
+
+SEES_PYTHONPATH = """
+import json, os, queue, sys
+json.dump({"pid": os.getpid(), "PYTHONPATH": os.environ.get("PYTHONPATH")}, open(sys.argv[1], "w"))
+"""
+
+
+# The orchestrator command forks its supervisor; the API starts a fresh interpreter.
+SUBMITTERS = {
+    "command": ["-m", "orchestrator", "submit", "{spec}"],
+    "api": ["-c", "import orchestrator, sys; print(orchestrator.submit(sys.argv[1]))", "{spec}"],
+}
+
+
+@pytest.mark.parametrize("submitter", sorted(SUBMITTERS))
+def test_the_users_pythonpath_reaches_workers_and_never_the_controller(home, tmp_path,
+                                                                        submitter):
+    lib, marks, workdir = tmp_path / "userlib", tmp_path / "marks", tmp_path / "project"
+    for directory in (lib, marks, workdir):
+        directory.mkdir()
+    (lib / "queue.py").write_text(PLANTED_QUEUE.format(marks=str(marks)))
+    seen = tmp_path / "worker.json"
+    job = spec(tmp_path, [PYTHON, "-c", SEES_PYTHONPATH, str(seen)], workdir=str(workdir))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    env.update(ORCHESTRATOR_HOME=str(home), PYTHONPATH=str(lib))
+    # The submitting process is the user's own: it may import it (as any Python program
+    # started from that shell would); the controller, a fork of it or not, must not.
+    submit = subprocess.Popen(
+        [PYTHON, *(a.format(spec=job) for a in SUBMITTERS[submitter])], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = submit.communicate(timeout=60)
+    assert submit.returncode == 0, err
+    job_id = out.strip()
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    worker = json.loads(seen.read_text())
+    assert worker["PYTHONPATH"].split(os.pathsep)[0] == str(lib)
+    noted = {p.name: p.read_text() for p in marks.iterdir()}
+    assert f"imported-{worker['pid']}" in noted, noted  # its sys.path is torchrun's
+    others = set(noted) - {f"imported-{submit.pid}", f"imported-{worker['pid']}"}
+    assert not others, {name: noted[name] for name in others}
+    assert_no_job_processes(job_id)
+
+
 def test_log_cap_keeps_head_and_tail_with_a_marker(home, tmp_path):
     n = 40_000
     job_id = orchestrator.submit(spec(tmp_path, [PYTHON, str(WORKERS / "flood.py")],

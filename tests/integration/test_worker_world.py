@@ -6,6 +6,7 @@ holds the documented differences)."""
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import subprocess
 
@@ -115,6 +116,26 @@ def test_the_world_is_the_submitters_also_after_resume_from_another_shell(home, 
                                also_differ=frozenset({"WORLD_HOLD_ONCE"}))
         assert problems == [], f"rank {rank}"
     assert ours[0]["env"]["TORCHELASTIC_RESTART_COUNT"] == "1"
+    assert_no_job_processes(job_id)
+
+
+def test_a_worker_has_the_shells_open_files_limit_not_the_controllers(home, tmp_path):
+    # The controller raises its own soft limit to the hard one (descriptors add up there);
+    # torchrun's workers have the shell's, and so must ours.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    soft = 1000 if hard == resource.RLIM_INFINITY or hard > 1000 else hard - 1
+    out = tmp_path / "ours"
+    out.mkdir()
+    spec = write_spec(tmp_path, {
+        "name": "limits", "nodes": [{"host": "local"}], "nproc_per_node": 1,
+        "command": [PYTHON, WORLD, str(out)], "workdir": str(tmp_path)})
+    run = subprocess.run(
+        [PYTHON, "-m", "orchestrator", "submit", str(spec), "--wait"], cwd=tmp_path,
+        env=shell_env(tmp_path, home), capture_output=True, text=True, timeout=180,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+    assert run.returncode == 0, run.stderr
+    assert load_worlds(out)[0]["rlimits"]["RLIMIT_NOFILE"] == [soft, hard]
+    job_id = run.stderr.split()[run.stderr.split().index("submitted") + 1]
     assert_no_job_processes(job_id)
 
 
