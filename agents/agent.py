@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agents import cache, leases, ops
+from agents import cache, containment, leases, ops
 from agents import commands as C
 from agents import protocol as P
 from agents.checkpoints import Store
@@ -45,6 +45,7 @@ ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
 # Standbys for the next restart start once every worker called heartbeat() or after this
 # many seconds: not while the attempt's own workers start, which they would slow down.
 REFILL_AFTER = 5.0
+REAP_EVERY = 2.0  # seconds between reaping the exited orphans the agent adopted
 
 
 def _file_id(path: str) -> tuple[int, int] | None:
@@ -86,16 +87,23 @@ class Agent:
         self.standbys = Standbys(self.token, directory)
         self.sockets = ops.Sockets()  # what the checks' commands hold open (agents/ops.py)
         self.checkpoints = Store(self.job_id, self.node_index, self.outbox, self.secret)
+        self.cgroups = containment.Cgroups(self.job_id, self.node_index)
+        self._reaped_at = 0.0
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
+        # Orphaned descendants of its workers become its children, not init's.
+        containment.become_subreaper()
         # First: it must inherit no socket.
-        start_watchdog(self.token, self.directory, self.checkpoints.root)
+        start_watchdog(self.token, self.directory, self.checkpoints.root, self.cgroups)
         self.checkpoints.start()
         # Held for life (the kernel lets go when the agent dies): relays know it lives.
         self.alive = os.open(alive_path(self.job_id, self.node_index),
                              os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         fcntl.flock(self.alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # No other agent of this job lives on this node now: what is left in its cgroups is
+        # a predecessor's, killed together with its watchdog.
+        self.cgroups.kill_all()
         self._bind()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda signum, _frame: self.events.put(("signal", signum)))
@@ -186,6 +194,7 @@ class Agent:
             "last_seq": self.outbox.seq,
             "workers": [{"rank": w.rank, "local_rank": w.local_rank, "pid": w.proc.pid,
                          "running": w.proc.poll() is None} for w in list(self.workers)],
+            "containment": self.cgroups.describe(),
         }
 
     # --- main loop -------------------------------------------------------------------------
@@ -232,6 +241,9 @@ class Agent:
         self._keep_listening()
         # Here, on the main thread: a child's PDEATHSIG fires when its parent thread ends.
         self.standbys.refill_due(now, all(w.heartbeat_seen for w in self.workers))
+        if now - self._reaped_at > REAP_EVERY:
+            self._reaped_at = now
+            containment.reap_adopted()  # orphans adopted as subreaper, once they exit
         if self.workdir and self.workers and now - self._touched > 60:
             self._touched = now
             try:  # a tree in use must not look unused to another job's pruning
@@ -355,6 +367,7 @@ class Agent:
             else:
                 base_env[key] = value
         attempt_dir = os.path.join(self.directory, f"attempt-{attempt}")
+        cgroup = self.cgroups.attempt(attempt)
         imports = start.warm.imports if start.warm is not None else ()
         refills = []
         for given in start.workers:
@@ -364,10 +377,11 @@ class Agent:
                 spec = prepare(given, base_env, attempt_dir)
                 proc = None
                 if start.warm is not None:
-                    proc, cold_because = self.standbys.take(local_rank, list(spec.argv),
-                                                            spec.env, workdir, imports)
+                    proc, cold_because = self.standbys.take(
+                        local_rank, list(spec.argv), spec.env, workdir, imports,
+                        enter=lambda pid: self.cgroups.move(cgroup, pid))
                 started_warm = proc is not None
-                proc = proc or spawn(spec, workdir)
+                proc = proc or spawn(spec, workdir, cgroup)
             except Exception as exc:  # the controller must hear of every rank, or it waits
                 error = f"{given.argv[0]}: {getattr(exc, 'strerror', None) or exc}"
                 self.outbox.put({"type": P.SPAWN_FAILED, "attempt": attempt,
@@ -416,6 +430,10 @@ class Agent:
                 time.sleep(0.02)
             for w in alive:
                 w.signal_group(signal.SIGKILL)
+            # Whatever their workers started, wherever it went: in their cgroups, or adopted
+            # by this agent when its parent died.
+            self.cgroups.kill_all()
+            containment.kill_adopted()
             # Children that left their worker's group (setsid, torchrun's workers) or outlived
             # it still carry the token (or, of a worker that was a standby, the standbys').
             kill_token_processes(self.token)

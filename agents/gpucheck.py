@@ -12,6 +12,8 @@ from __future__ import annotations
 import shutil
 import subprocess
 
+from agents import containment
+
 #: Asked of every driver; a field a GPU lacks prints as "[N/A]" or "[Not Supported]".
 BASE_FIELDS = ("index", "pci.bus_id", "ecc.errors.uncorrected.volatile.total",
                "retired_pages.pending")
@@ -63,9 +65,8 @@ def parse(base: list[list[str]], remap: list[list[str]], expected: int | None) -
 
 def _query(smi: str, fields: tuple[str, ...], timeout: float) -> list[list[str]] | str:
     try:
-        done = subprocess.run([smi, f"--query-gpu={','.join(fields)}",
-                               "--format=csv,noheader,nounits"], capture_output=True,
-                              text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        done = containment.run([smi, f"--query-gpu={','.join(fields)}",
+                                "--format=csv,noheader,nounits"], timeout)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return str(exc)
     if done.returncode != 0:

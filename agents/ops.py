@@ -21,7 +21,6 @@ from agents import protocol as P
 from agents.checkpoints import Store
 from agents.netinfo import free_port, interface_for
 from agents.outbox import Outbox
-from agents.paths import traces
 from agents.standby import Standbys
 from agents.workers import Worker, prepare, worker_env
 
@@ -140,7 +139,8 @@ def _stacks(agent: Agent, ask: C.GetStacks, req: int) -> None:
     deadline = time.monotonic() + ask.timeout
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
-    dumps = {}
+    dumps: dict[str, str] = {}
+    refused: dict[str, str] = {}
     if wanted:
         # After the stacks: a rank's first dump imports parts of torch (a second or more
         # of CPU), which would show in them. Each rank's sampler looks for this file ten
@@ -149,22 +149,22 @@ def _stacks(agent: Agent, ask: C.GetStacks, req: int) -> None:
         stack_dir = os.path.join(agent.directory, f"attempt-{agent.attempt}")
         with open(os.path.join(stack_dir, "flight-recorder-wanted"), "w"):
             pass
-        dumps = stacks.trace_files(agent.traces_dir or "", stack_dir,
-                                   [r for r, _ in targets], asked_at, deadline)
-    agent.reply(P.Stacks(req, dict(found), {int(r): p for r, p in dumps.items()}))
+        dumps, refused = stacks.trace_files(agent.traces_dir or "", stack_dir,
+                                            [r for r, _ in targets], asked_at, deadline)
+    agent.reply(P.Stacks(req, dict(found), {int(r): p for r, p in dumps.items()},
+                         {int(r): why for r, why in refused.items()}))
 
 
 def op_read_trace(agent: Agent, ask: C.ReadTrace, req: int) -> None:
     """A piece (up to 1 MiB) of a flight recorder dump under this user's traces directory;
-    nothing else is readable this way."""
-    root = os.path.realpath(traces()) + os.sep
-    path = os.path.realpath(ask.path)
-    if not path.startswith(root):
-        raise PermissionError(f"not a flight recorder dump: {ask.path!r}")
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        f.seek(ask.offset)
-        data = f.read(1024 * 1024)
+    nothing else is readable this way: no symlink is followed, and only a regular file is
+    opened (on the main loop: a FIFO must not block it). See stacks.open_trace."""
+    fd = stacks.open_trace(ask.path)
+    try:
+        size = os.fstat(fd).st_size
+        data = os.pread(fd, 1024 * 1024, ask.offset)
+    finally:
+        os.close(fd)
     agent.reply(P.TraceChunk(req, data, size))
 
 

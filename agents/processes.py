@@ -1,10 +1,11 @@
 """No orphans: every process an agent starts carries its token, and is found by it.
 
-Every worker runs in its own process group with ``PR_SET_PDEATHSIG(SIGKILL)``; a watchdog
-process kills the workers when the agent dies, SIGKILL included; and processes that left
-their group (``setsid``, torchrun's workers) are found by the per-agent token in their
-environment, never by name. Kills go through pidfds where the kernel has them, so a recycled
-pid is never hit.
+Every worker runs in its own process group with ``PR_SET_PDEATHSIG(SIGKILL)`` (and in its
+attempt's cgroup, under the agent as subreaper: agents/containment.py); a watchdog process
+kills the workers when the agent dies, SIGKILL included; and processes that left their group
+(``setsid``, torchrun's workers) are found by the per-agent token in their environment, never
+by name, where no cgroup holds them. Kills go through pidfds where the kernel has them, so a
+recycled pid is never hit.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import time
 from typing import Any
 
+from agents.containment import Cgroups, forked
 from agents.paths import Lock, connect_unix
 
 TOKEN_VAR = "ORCHESTRATOR_AGENT_TOKEN"
@@ -95,13 +97,15 @@ def standby_token(token: str) -> str:
     return token + "-standby"
 
 
-def start_watchdog(token: str, directory: str | None = None,
-                   memory: str | None = None) -> None:
+def start_watchdog(token: str, directory: str | None = None, memory: str | None = None,
+                   cgroups: Cgroups | None = None) -> None:
     """Fork a process that kills this agent's workers and standbys once the agent is gone,
-    however it died, and removes the agent's directory and its checkpoint memory if no new
-    agent took them meanwhile."""
+    however it died (every process in their cgroups first), and removes the agent's
+    directory and its checkpoint memory if no new agent took them meanwhile."""
     agent_pid = os.getpid()
-    if os.fork() != 0:
+    pid = os.fork()
+    if pid != 0:
+        forked(pid)
         return
     # The watchdog must hold nothing of the agent's: no socket, no pipe.
     os.closerange(3, 65536)
@@ -114,6 +118,8 @@ def start_watchdog(token: str, directory: str | None = None,
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     while os.getppid() == agent_pid:
         time.sleep(0.2)
+    if cgroups is not None:
+        cgroups.kill_all()
     kill_token_processes(token)
     kill_token_processes(standby_token(token))
     if directory and os.path.isdir(directory):

@@ -148,6 +148,7 @@ class Hello:
     instance: str | None = None
     last_seq: int = 0
     workers: tuple[WorkerInfo, ...] = ()
+    containment: str | None = None  # what keeps its workers' descendants (agents/containment)
 
     @property
     def running(self) -> bool:
@@ -167,7 +168,7 @@ def _hello(f: Fields) -> Hello:
                  f.integer("attempt", 0, MAX_COUNT), f.text("hostname", 255, True),
                  f.text("python", 64, True), f.text("torch", 64, True), min(gpus, MAX_GPUS),
                  f.text("instance", 64, True), f.integer("last_seq", 0, MAX_COUNT, True) or 0,
-                 tuple(workers))
+                 tuple(workers), f.text("containment", 4096, True))
 
 
 # --- live messages ----------------------------------------------------------------------------
@@ -343,6 +344,7 @@ class Stack:
 class Stacks(Reply):
     stacks: dict[int, Stack] = field(default_factory=dict)
     traces: dict[int, str] = field(default_factory=dict)  # rank -> its dump on the node
+    refused: dict[int, str] = field(default_factory=dict)  # rank -> why its dump was not taken
 
 
 @dataclass(frozen=True)
@@ -366,7 +368,9 @@ def _stacks(f: Fields, req: int) -> Stacks:
                              e.text("error", MAX_TEXT, True), e.text("note", MAX_TEXT, True))
     traces = {f.rank_key(k, "traces"): f.text("traces", 4096, value=v)
               for k, v in f.mapping("traces", optional=True).items()}
-    return Stacks(req, stacks, traces)
+    refused = {f.rank_key(k, "refused"): f.text("refused", MAX_TEXT, value=v)
+               for k, v in f.mapping("refused", optional=True).items()}
+    return Stacks(req, stacks, traces, refused)
 
 
 def _trace_chunk(f: Fields, req: int) -> TraceChunk:

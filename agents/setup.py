@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from agents.containment import own
 from agents.netinfo import machine_id
 from agents.paths import Lock, cache
 from agents.processes import TOKEN_VAR, set_pdeathsig
@@ -103,11 +104,11 @@ def run_check(argv: list[str], workdir: str, env: dict[str, str], token: str, ma
 def _run(argv: list[str], workdir: str, env: dict[str, str],
          emit: Callable[[list[str]], None], max_line: int, timeout: float | None) -> SetupResult:
     try:
-        proc = subprocess.Popen(argv, cwd=os.path.expanduser(workdir or "."),
-                                env=env,  # the token: a cancel's sweep finds what it starts
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=set_pdeathsig)
+        proc = own(subprocess.Popen(argv, cwd=os.path.expanduser(workdir or "."),
+                                    env=env,  # the token: a cancel's sweep finds it
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    preexec_fn=set_pdeathsig))
     except OSError as exc:
         return SetupResult(127, tail=(str(exc),))
     assert proc.stdout is not None

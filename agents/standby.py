@@ -22,10 +22,12 @@ import signal
 import socket
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from agents import source
+from agents.containment import own
 from agents.processes import TOKEN_VAR, kill_token_processes, set_pdeathsig, standby_token
 
 # Read by torch, torchelastic and the shims when a worker starts, never at import: they may
@@ -171,9 +173,11 @@ class Standbys:
                 os.path.abspath(cwd), tuple(sorted(import_env(env).items())), imports)
 
     def take(self, local_rank: int, argv: list[str], env: dict[str, str], cwd: str,
-             imports: tuple[str, ...]) -> tuple[subprocess.Popen[bytes] | None, str | None]:
+             imports: tuple[str, ...], enter: Callable[[int], None] | None = None
+             ) -> tuple[subprocess.Popen[bytes] | None, str | None]:
         """The worker ``argv`` started from this local rank's standby, or None and why not
-        (None, None: there was none yet, as before the first start)."""
+        (None, None: there was none yet, as before the first start). ``enter(pid)`` runs
+        before the standby is told to go (its attempt's cgroup: its children follow)."""
         command = parse(argv)
         with self.lock:
             standby = self._by_local.pop(local_rank, None)
@@ -195,6 +199,8 @@ class Standbys:
         start = {"env": env, "cwd": os.path.abspath(cwd), "argv": argv,
                  "sys_argv": command.sys_argv(), "module": command.module,
                  "script": command.script}
+        if enter is not None:
+            enter(standby.proc.pid)
         try:
             standby.channel.sendall((json.dumps(start) + "\n").encode())
         except OSError as exc:
@@ -236,11 +242,11 @@ class Standbys:
         standby_env = {**import_env(env), TOKEN_VAR: self.token}
         with self.lock:
             try:
-                proc = subprocess.Popen(
+                proc = own(subprocess.Popen(
                     [command.interpreter, *command.flags, boot, str(child.fileno())],
                     cwd=cwd, env=standby_env, stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(child.fileno(),),
-                    start_new_session=True, preexec_fn=set_pdeathsig)
+                    start_new_session=True, preexec_fn=set_pdeathsig))
             except OSError:
                 parent.close()
                 raise

@@ -18,8 +18,8 @@ import time
 from typing import Any, BinaryIO
 
 from agents import commands as C
+from agents import containment, rankfiles, shims
 from agents import protocol as P
-from agents import rankfiles, shims
 from agents.cache import prune_traces
 from agents.netinfo import (
     FR_DUMP_NAMES,
@@ -93,14 +93,20 @@ def prepare(given: C.WorkerStart, base_env: dict[str, str], attempt_dir: str
     return dataclasses.replace(given, env=env)
 
 
-def spawn(spec: C.WorkerStart, workdir: str) -> subprocess.Popen[bytes]:
-    """Start one worker cold (its own process group; killed with the agent)."""
-    return subprocess.Popen(
+def spawn(spec: C.WorkerStart, workdir: str, cgroup: str | None = None
+          ) -> subprocess.Popen[bytes]:
+    """Start one worker cold (its own process group, in its attempt's ``cgroup``; killed
+    with the agent)."""
+    def in_child() -> None:  # between fork and exec: before the worker can start anything
+        set_pdeathsig()
+        containment.join(cgroup)
+
+    return containment.own(subprocess.Popen(
         list(spec.argv), cwd=workdir, env=spec.env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True,  # own process group: one killpg reaches its children
-        preexec_fn=set_pdeathsig,
-    )
+        preexec_fn=in_child,
+    ))
 
 
 class Worker:

@@ -54,7 +54,7 @@ class Failure:
     error_file: str | None = None
     stacks: dict[str, str] = field(default_factory=dict)  # rank -> its stack (on a hang)
     diagnosis: str | None = None  # where the ranks were, grouped (orchestrator/diagnosis.py)
-    flight_recorder: dict[str, Any] | None = None  # {dir, ranks, left_on_nodes} (on a hang)
+    flight_recorder: dict[str, Any] | None = None  # {dir, ranks, left_on_nodes, refused} (a hang)
     at: float | None = None  # when it happened, as well as known (unix time)
     detected_at: float | None = None  # when the controller knew (orchestrator/timelost.py)
     step: int | None = None  # the failing rank's last heartbeat step, where it gave one

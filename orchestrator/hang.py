@@ -32,11 +32,13 @@ FETCH_MAX_BYTES = 256 * 1024 * 1024
 @dataclass
 class Stacks:
     """Every live rank's stack (``found``: rank -> {host, method, text, error?, note?}), and
-    where each rank's flight recorder dump lies on its node."""
+    where each rank's flight recorder dump lies on its node, or why its node did not take it
+    (``refused``: rank -> "host: why", e.g. a FIFO or a symlink where the dump goes)."""
 
     found: dict[str, dict[str, Any]] = field(default_factory=dict)
     # rank -> (its node's channel, the node's host, the dump's path there)
     dumps: dict[str, tuple[Channel, str, str]] = field(default_factory=dict)
+    refused: dict[str, str] = field(default_factory=dict)
 
     @property
     def texts(self) -> dict[str, str]:
@@ -61,7 +63,7 @@ def collect(channels: dict[int, Channel], hosts: dict[int, str], ask_all: AskAll
         if not isinstance(reply, P.Stacks):
             continue
         host = hosts[index]
-        foreign = sorted(r for r in {*reply.stacks, *reply.traces}
+        foreign = sorted(r for r in {*reply.stacks, *reply.traces, *reply.refused}
                          if owns is not None and not owns(index, r))
         if foreign:
             log.warning("%s: stacks for ranks it does not run, left out: %s", host,
@@ -77,6 +79,9 @@ def collect(channels: dict[int, Channel], hosts: dict[int, str], ask_all: AskAll
             if rank in foreign:
                 continue
             out.dumps[str(rank)] = (channels[index], host, path)
+        for rank, why in reply.refused.items():
+            if rank not in foreign:
+                out.refused[str(rank)] = f"{host}: {why}"
     return out
 
 
@@ -85,8 +90,9 @@ def fetch_dumps(stacks: Stacks, directory: Path, ask_all: AskAll,
                 ) -> dict[str, Any] | None:
     """Flight recorder dumps from the nodes into ``directory`` (what torch's analyzer reads:
     ``python -m torch.distributed.flight_recorder.fr_trace DIR``). Those not fetched within
-    ``budget`` seconds or ``max_bytes`` stay on their nodes."""
-    if not stacks.dumps:
+    ``budget`` seconds or ``max_bytes`` stay on their nodes; those a node refused to take
+    are named with why (``refused``)."""
+    if not stacks.dumps and not stacks.refused:
         return None
     directory.mkdir(parents=True, exist_ok=True)
     deadline, total = time.monotonic() + budget, 0
@@ -107,4 +113,5 @@ def fetch_dumps(stacks: Stacks, directory: Path, ask_all: AskAll,
             total += size
         else:
             left[rank] = f"{host}:{path}"
-    return {"dir": str(directory), "ranks": fetched, "left_on_nodes": left}
+    return {"dir": str(directory), "ranks": fetched, "left_on_nodes": left,
+            "refused": dict(stacks.refused)}

@@ -59,6 +59,7 @@ class NodeReport:
     unreachable_ports: list[int] = field(default_factory=list)
     health: list[str] = field(default_factory=list)  # health.node_check's problems, if asked
     health_tail: list[str] = field(default_factory=list)  # the check's last output lines
+    containment: str | None = None  # what keeps its workers' descendants (agents/containment)
     error: str | None = None
 
     @property
@@ -258,6 +259,7 @@ def _connected(spec: JobSpec, node: Node, failed: E.Unavailable | None,
     hello = channel.hello
     report.hostname, report.python, report.torch = hello.hostname, hello.python, hello.torch
     report.gpus = hello.gpus
+    report.containment = hello.containment
     if spec.nproc_per_node == "gpu" and not report.gpus:
         report.error = f"nproc_per_node: gpu, but {node.host} has no GPU"
 

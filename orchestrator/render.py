@@ -139,6 +139,8 @@ def summary_line(data: dict[str, Any]) -> str:
                      "DIR reads NCCL dumps)")
         for rank, where in (recorder.get("left_on_nodes") or {}).items():
             line += f"\nflight recorder dump of rank {rank} left at {where}"
+        for rank, why in (recorder.get("refused") or {}).items():
+            line += f"\nflight recorder dump of rank {rank} refused by its node, {why}"
     return line
 
 
@@ -297,6 +299,10 @@ def print_check(report: dict[str, Any]) -> None:
             "-" if n["gpus"] is None else n["gpus"], n["interface"] or "-",
             _yes(n["master_port_reachable"]), n["error"] or "")))
     console().print(table)
+    for n in report["nodes"]:
+        if n.get("containment"):
+            typer.echo(f"node {n['node_index']} ({visible(n['host'])}) contains its workers' "
+                       f"processes by: {visible(n['containment'])}")
     typer.echo(f"master {report['master_addr']}:{report['master_port'] or '-'}")
     if report["network"]:
         typer.echo(report["network"])

@@ -7,9 +7,10 @@ built from them under ``~/.cache/orchestrator/sync/<tree>`` (the agent does that
 tree costs one manifest and no file contents. What is shipped is what git tracks or would
 track (``shipped_files``: git itself in a work tree, every .gitignore on the way otherwise),
 less the spec's ``exclude`` globs. A symlink is shipped as the file it points to when that
-is inside the tree, and refused when it points outside; a symlink loop, an unreadable file,
-directory or .gitignore, and a tree over ``sync.max_bytes`` are refused too, each in one
-line naming the path, all before anything starts.
+is inside the tree, and refused when it points outside or to a directory (in a git work
+tree or not); a symlink loop, an unreadable file, directory or .gitignore, and a tree over
+``sync.max_bytes`` are refused too, each in one line naming the path, all before anything
+starts.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ class Manifest:
 def build_manifest(root: str | os.PathLike[str], exclude: tuple[str, ...] = (),
                    max_bytes: int | None = None) -> Manifest:
     """Hash what would be shipped from ``root``: what git tracks or would track there (see
-    ``shipped_files``), less ``exclude``. LaunchError names a symlink that leaves the tree, a
-    file that cannot be read, or a tree over ``max_bytes`` (with its largest directories),
-    the last before a single file is hashed."""
+    ``shipped_files``), less ``exclude``. LaunchError names a symlink that leaves the tree or
+    points to a directory, a file that cannot be read, or a tree over ``max_bytes`` (with
+    its largest directories), the last before a single file is hashed."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise LaunchError(f"sync: {root} is not a directory")
@@ -181,9 +182,13 @@ def _walk(root: Path) -> list[str]:
             rules += _rebase(text.splitlines(), rel_dir)
             spec = GitIgnoreSpec.from_lines([".git/", *rules])
         prefix = f"{rel_dir}/" if rel_dir else ""
+        # A symlink to a directory is a file to git (its rules match it as one), listed so
+        # that build_manifest refuses it as it does in a work tree; os.walk never enters it.
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
         # An ignored directory is not entered: nothing below it can be taken back (git).
-        dirnames[:] = sorted(d for d in dirnames if not spec.match_file(f"{prefix}{d}/"))
-        out += [prefix + f for f in filenames if not spec.match_file(prefix + f)]
+        dirnames[:] = sorted(d for d in dirnames
+                             if d not in links and not spec.match_file(f"{prefix}{d}/"))
+        out += [prefix + f for f in filenames + links if not spec.match_file(prefix + f)]
     return sorted(out)
 
 

@@ -228,6 +228,7 @@ class Cluster:
                 _run("ip", "-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0")
                 _run("ip", "-n", h.netns, "link", "set", "eth0", "up")
                 _run("ip", "link", "set", h.host_side_veth, "master", self.bridge, "up")
+            self._bind_cgroups()
             for i in range(self.n):
                 self._start_sshd(i)
             deadline = time.monotonic() + timeout
@@ -276,7 +277,7 @@ class Cluster:
                                   str(self._munge_dir / "munged.pid"))
                 with contextlib.suppress(Exception):
                     _rmtree(self._munge_dir)
-        if self.slurm and self.id:
+        if self.id:
             with contextlib.suppress(Exception):
                 self._release_cgroups()
         if self.bridge:
@@ -291,6 +292,17 @@ class Cluster:
             with contextlib.suppress(Exception):
                 (REGISTRY / f"{self.id}.json").unlink(missing_ok=True)
         self._up = False
+
+    def _bind_cgroups(self) -> None:
+        """`ip netns exec` mounts a fresh /sys for each host's sshd and slurmd, hiding
+        /sys/fs/cgroup, which a real node has: the hierarchies are bound (not shared: no
+        unmount travels back) under /run, which it leaves alone, so that every host sees
+        them (agents contain their workers in cgroups; slurmd's proctrack/cgroup)."""
+        if not os.path.ismount("/sys/fs/cgroup") or os.path.ismount(self._cgroup_dir):
+            return
+        self._cgroup_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _run("mount", "--rbind", "/sys/fs/cgroup", str(self._cgroup_dir))
+        _run("mount", "--make-rslave", str(self._cgroup_dir))
 
     def _release_cgroups(self) -> None:
         """Remove the (empty) cgroups our slurmds made, then unbind the hierarchies."""
@@ -535,13 +547,8 @@ class Cluster:
         _write_file(self.slurm_conf, self.slurm_conf_text(hostname, cpus), 0o644)
         # Next to slurm.conf is where Slurm looks for it.
         cgroup = "CgroupPlugin=cgroup/v1\n"
-        if self.proctrack == "cgroup":
-            # `ip netns exec` mounts a fresh /sys for each slurmd, hiding /sys/fs/cgroup: the
-            # hierarchies are bound (not shared: no unmount travels back) under /run, which
-            # it leaves alone. Each slurmd keeps to slurm_<its node name> in them.
-            self._cgroup_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _run("mount", "--rbind", "/sys/fs/cgroup", str(self._cgroup_dir))
-            _run("mount", "--make-rslave", str(self._cgroup_dir))
+        if self.proctrack == "cgroup" and os.path.ismount(self._cgroup_dir):
+            # Each slurmd keeps to slurm_<its node name> in the bound hierarchies.
             cgroup += f"CgroupMountpoint={self._cgroup_dir}\n"
         _write_file(self.dir / "cgroup.conf", cgroup, 0o644)
         self._start_munged(deadline)

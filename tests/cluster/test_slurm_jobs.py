@@ -520,3 +520,29 @@ def test_a_full_disk_pauses_a_job_on_slurm(sl, tmp_path, monkeypatch):
                                             logs={"min_free_bytes": 1 << 20},
                                             env={"STEPS": "600", "STEP_SLEEP": "0.05"}),
                                  home, 2, 600)
+
+
+def _escaping(tmp_path, **extra):
+    directory = tmp_path / "escapees"
+    directory.mkdir()
+    env = {"ESCAPE_DIR": str(directory), **extra.pop("env", {})}
+    from tests.integration.test_containment import ESCAPER
+    return orchestrator.submit(slurm_spec(tmp_path, ESCAPER, nodes=2, env=env,
+                                          stop_grace_period=1, **extra)), directory
+
+
+def test_cancel_leaves_no_descendant_on_any_slurm_node(sl, tmp_path):
+    from tests.integration.test_containment import cancel_leaves_nothing
+    cancel_leaves_nothing(*_escaping(tmp_path, max_restarts=0), 4)
+
+
+def test_a_failure_leaves_no_descendant_on_any_slurm_node(sl, tmp_path):
+    from tests.integration.test_containment import failure_leaves_nothing
+    failure_leaves_nothing(*_escaping(tmp_path, max_restarts=0, env={"EXIT_AFTER": "3"}), 4)
+
+
+def test_a_slurm_nodes_agent_and_watchdog_sigkilled_leave_no_descendant(sl, tmp_path):
+    from tests.integration.test_containment import killed_agent_and_watchdog_leave_nothing
+    job_id, directory = _escaping(tmp_path, max_restarts=1, restart_backoff={"initial": 0.1})
+    wait_for(lambda: orchestrator.status(job_id)["state"] == "RUNNING", 90, what="RUNNING")
+    killed_agent_and_watchdog_leave_nothing(job_id, directory, 4)

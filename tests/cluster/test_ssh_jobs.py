@@ -211,9 +211,13 @@ def test_check_reports_every_node(cluster, home, tmp_path):
         assert n["reachable"] and n["auth"] and n["host_key"] == "verified"
         assert n["torch"] and n["python"]
         assert n["interface"] == "eth0" and n["master_port_reachable"] is True
+        # These hosts have both hierarchies; the agent takes v2's cgroup.kill.
+        assert n["containment"].startswith("cgroup v2 (cgroup.kill) under /"), n
     table = subprocess.run([PYTHON, "-m", "orchestrator", "check", str(spec)],
                            capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert table.returncode == 0 and cluster.hosts[2].address in table.stdout
+    assert f"node 2 (root@{cluster.hosts[2].address}) contains its workers' processes by: " \
+        "cgroup v2" in table.stdout, table.stdout
 
 
 def test_plain_ssh_works_with_the_generated_config(cluster):

@@ -180,7 +180,7 @@ VALID = [
     {"type": "sync_put", "req": 1, "ok": True}, {"type": "sync_built", "req": 1, "path": "/x"},
     {"type": "setup_done", "req": 1, "exit_code": 0, "cached": False, "tail": ["t"]},
     {"type": "stacks", "req": 1, "stacks": {"0": {"method": "py-spy", "text": "t"}},
-     "traces": {"0": "/t"}},
+     "traces": {"0": "/t"}, "refused": {"1": "a FIFO"}},
     {"type": "trace_chunk", "req": 1, "data": "aGk=", "size": 2},
     {"type": "checked", "req": 1, "problems": ["GPU 0: a row remapping failed"], "tail": []},
     {"type": "net_listening", "req": 1, "port": 40000},

@@ -192,6 +192,28 @@ def test_a_symlink_loop_is_refused_naming_it(tmp_path, in_git):
     assert str(refused.value) == f"sync: {root / 'a'} is a symlink loop"
 
 
+@pytest.mark.parametrize("in_git", [False, True])
+def test_a_symlink_to_a_directory_is_refused_naming_it(tmp_path, in_git):
+    root = tree(tmp_path / "proj", {"train.py": "x", "data/a.txt": "a"})
+    (root / "alias").symlink_to("data")
+    if in_git:
+        git_init(root)
+    with pytest.raises(LaunchError) as refused:
+        build_manifest(root)
+    assert str(refused.value) == (f"sync: {root / 'alias'} is a symlink to a directory; "
+                                  "ship the directory itself or exclude it")
+    # Left out (exclude, or a .gitignore rule that matches it as git does: as a file), it
+    # is not refused, and what it points to is shipped once, as itself.
+    assert [e.path for e in build_manifest(root, ("alias",)).entries] == \
+        ["data/a.txt", "train.py"]
+    (root / ".gitignore").write_text("alias/\n")  # git: a symlink is not a directory
+    with pytest.raises(LaunchError, match="alias is a symlink to a directory"):
+        build_manifest(root)
+    (root / ".gitignore").write_text("alias\n")
+    assert [e.path for e in build_manifest(root).entries] == \
+        [".gitignore", "data/a.txt", "train.py"]
+
+
 UNREADABLE = """
 import sys
 from orchestrator.errors import LaunchError
