@@ -37,7 +37,13 @@ from agents.checkpoints import Store
 from agents.netinfo import gpu_count, torch_version
 from agents.outbox import Outbox
 from agents.paths import alive_path, bind_unix, close_socket, private_base
-from agents.processes import kill_token_processes, processes_with_token, signal_name, start_watchdog
+from agents.processes import (
+    kill_token_processes,
+    processes_with_token,
+    raise_open_files,
+    signal_name,
+    start_watchdog,
+)
 from agents.standby import Standbys
 from agents.workers import Worker, prepare, spawn, worker_env
 
@@ -94,6 +100,7 @@ class Agent:
     def listen(self) -> None:
         # Orphaned descendants of its workers become its children, not init's.
         containment.become_subreaper()
+        raise_open_files()  # its own: what it starts gets the node's back
         # First: it must inherit no socket.
         start_watchdog(self.token, self.directory, self.checkpoints.root, self.cgroups)
         self.checkpoints.start()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import shutil
 import signal
 import time
@@ -35,6 +36,36 @@ def set_pdeathsig() -> None:
     parent): if the agent dies, the kernel kills the worker."""
     if _prctl is not None:
         _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+_node_open_files: tuple[int, int] | None = None  # the node's, before the agent raised its own
+
+
+def raise_open_files() -> None:
+    """The agent's own hardening: each worker holds pipes and a pidfd here, and a node of
+    1,024 local ranks needs more descriptors than the common soft limit of 1,024. What it
+    starts gets the node's own limit back (``as_launched``)."""
+    global _node_open_files
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    except (ValueError, OSError):
+        return
+    _node_open_files = (soft, hard)
+
+
+def as_launched() -> None:
+    """Runs in a child between fork and exec (a worker, a standby, a setup command): it dies
+    with the agent, and has the node's open-files limit, as torchrun's workers would."""
+    set_pdeathsig()
+    if _node_open_files is not None:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, _node_open_files)
+        except (ValueError, OSError):
+            pass
 
 
 def signal_name(number: int) -> str:

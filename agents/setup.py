@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from agents.containment import own
 from agents.netinfo import machine_id
 from agents.paths import Lock, cache
-from agents.processes import TOKEN_VAR, set_pdeathsig
+from agents.processes import TOKEN_VAR, as_launched
 from agents.text import text
 
 TAIL = 20  # lines of a setup's output kept for the failure message
@@ -108,7 +108,7 @@ def _run(argv: list[str], workdir: str, env: dict[str, str],
                                     env=env,  # the token: a cancel's sweep finds it
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=set_pdeathsig))
+                                    preexec_fn=as_launched))
     except OSError as exc:
         return SetupResult(127, tail=(str(exc),))
     assert proc.stdout is not None

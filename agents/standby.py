@@ -28,7 +28,7 @@ from typing import Any
 
 from agents import source
 from agents.containment import own
-from agents.processes import TOKEN_VAR, kill_token_processes, set_pdeathsig, standby_token
+from agents.processes import TOKEN_VAR, as_launched, kill_token_processes, standby_token
 
 # Read by torch, torchelastic and the shims when a worker starts, never at import: they may
 # differ between a standby and the worker it becomes.
@@ -246,7 +246,7 @@ class Standbys:
                     [command.interpreter, *command.flags, boot, str(child.fileno())],
                     cwd=cwd, env=standby_env, stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(child.fileno(),),
-                    start_new_session=True, preexec_fn=set_pdeathsig))
+                    start_new_session=True, preexec_fn=as_launched))
             except OSError:
                 parent.close()
                 raise

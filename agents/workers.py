@@ -30,7 +30,7 @@ from agents.netinfo import (
 )
 from agents.outbox import Outbox
 from agents.paths import traces
-from agents.processes import TOKEN_VAR, pidfd, set_pdeathsig, signal_name
+from agents.processes import TOKEN_VAR, as_launched, pidfd, signal_name
 from agents.text import cut, text
 
 
@@ -98,7 +98,7 @@ def spawn(spec: C.WorkerStart, workdir: str, cgroup: str | None = None
     """Start one worker cold (its own process group, in its attempt's ``cgroup``; killed
     with the agent)."""
     def in_child() -> None:  # between fork and exec: before the worker can start anything
-        set_pdeathsig()
+        as_launched()
         containment.join(cgroup)
 
     return containment.own(subprocess.Popen(

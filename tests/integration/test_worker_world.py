@@ -156,3 +156,27 @@ def test_the_kept_world_is_private_and_never_shown(home, tmp_path):
     wait_for(lambda: not orchestrator.status(job_id)["controller"]["alive"], 10)
     log = (home / "jobs" / job_id / "controller.log").read_text()
     assert "s3cret-value" not in log
+
+
+def test_the_agent_raises_its_own_open_files_limit_and_its_workers_keep_the_shells(home,
+                                                                                   tmp_path):
+    # 1,024 local ranks hold more than 1,024 descriptors in their agent; never in a worker.
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > 1 << 20:
+        hard = 1 << 20
+    soft = min(1000, hard - 1)
+    spec = write_spec(tmp_path, {
+        "name": "limits", "nodes": [{"host": "local"}], "nproc_per_node": 1,
+        "command": ["/bin/sh", "-c", "grep 'Max open files' /proc/$PPID/limits; ulimit -n"],
+        "workdir": str(tmp_path)})
+    run = subprocess.run(
+        [PYTHON, "-m", "orchestrator", "submit", str(spec), "--wait"], cwd=tmp_path,
+        env=shell_env(tmp_path, home), capture_output=True, text=True, timeout=180,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+    assert run.returncode == 0, run.stderr
+    job_id = run.stderr.split()[run.stderr.split().index("submitted") + 1]
+    lines = list(orchestrator.logs(job_id))
+    agent = next(ln for ln in lines if "Max open files" in ln)
+    assert agent.split("Max open files")[1].split()[:2] == [str(hard)] * 2, agent  # raised
+    assert any(ln.endswith(f" {soft}") for ln in lines), lines  # the worker's: the shell's
+    assert_no_job_processes(job_id)
