@@ -101,7 +101,8 @@ def killed_agent_and_watchdog_leave_nothing(job_id: str, directory: Path, nranks
                                             node: int = 1) -> None:
     """SIGKILL one node's agent and its watchdog together: its workers die with the agent
     (PDEATHSIG); their escapees, orphaned to init, are still in the attempt's cgroup, which
-    the node's next agent kills as it starts (the job restarts there). Then a cancel."""
+    the node's next agent kills as it starts (the controller starts one on a lost node at
+    once, for it to rejoin; here the job restarts there). Then a cancel."""
     found = escaped(job_id, directory, nranks)
     agent = orchestrator.status(job_id)["nodes"][node]["agent_pid"]
     watchdog = watchdog_of(agent)
@@ -144,6 +145,20 @@ def test_agent_and_watchdog_sigkilled_leave_no_descendant(home, tmp_path):
     job_id = orchestrator.submit(spec)
     wait_for(lambda: orchestrator.status(job_id)["state"] == "RUNNING", 60, what="RUNNING")
     killed_agent_and_watchdog_leave_nothing(job_id, directory, 4)
+
+
+def test_agent_and_watchdog_sigkilled_in_a_job_that_then_fails_leave_nothing(home, tmp_path):
+    # No restart: the fresh agent the controller starts on the lost node (for it to rejoin)
+    # kills what was left, and is shut down with the job.
+    spec, directory = _spec(tmp_path)
+    job_id = orchestrator.submit(spec)
+    found = escaped(job_id, directory, 4)
+    agent = orchestrator.status(job_id)["nodes"][1]["agent_pid"]
+    os.kill(watchdog_of(agent), signal.SIGKILL)
+    os.kill(agent, signal.SIGKILL)
+    assert orchestrator.wait(job_id, timeout=60)["state"] == "FAILED"
+    assert_all_gone(found, within=15)
+    assert_no_job_processes(job_id)
 
 
 # --- each mechanism alone, on real processes --------------------------------------------------
