@@ -93,7 +93,7 @@ class Agent:
         self.standbys = Standbys(self.token, directory)
         self.sockets = ops.Sockets()  # what the checks' commands hold open (agents/ops.py)
         self.checkpoints = Store(self.job_id, self.node_index, self.outbox, self.secret)
-        self.cgroups = containment.Cgroups(self.job_id, self.node_index)
+        self.cgroups = containment.Cgroups(self.job_id, self.node_index, self.instance)
         self._reaped_at = 0.0
 
     # --- start ---------------------------------------------------------------------------
@@ -108,9 +108,9 @@ class Agent:
         self.alive = os.open(alive_path(self.job_id, self.node_index),
                              os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         fcntl.flock(self.alive, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # No other agent of this job lives on this node now: what is left in its cgroups is
-        # a predecessor's, killed together with its watchdog.
-        self.cgroups.kill_all()
+        # No other agent of this job lives on this node now: what is left in other agents'
+        # cgroups is a predecessor's, killed together with its watchdog.
+        self.cgroups.kill_predecessors()
         self._bind()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda signum, _frame: self.events.put(("signal", signum)))

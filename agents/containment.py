@@ -13,9 +13,11 @@ Two mechanisms, the second where the node offers it:
   kills the whole cgroup: ``cgroup.kill`` on cgroup v2 (a writable part of the unified
   hierarchy: a delegated subtree, a systemd user scope, a Slurm step's cgroup), or on a v1
   hierarchy the freezer, a SIGKILL to every member while none can fork, and a thaw, as
-  Slurm's proctrack/cgroup does. The cgroups live under one directory per job and node
-  (``orchestrator.<job>.<node>``), so the watchdog, or the next agent for the node when the
-  agent and its watchdog were both SIGKILLed, finds and kills what is left.
+  Slurm's proctrack/cgroup does. The cgroups live under one directory per agent
+  (``orchestrator.<job>.<node>.<instance>``): its watchdog kills that one when the agent
+  dies (never a successor's, which may already run), and the next agent for the node kills
+  its predecessors' (``kill_predecessors``) when an agent and its watchdog were both
+  SIGKILLed.
 
 Where neither cgroup version is writable, the subreaper and the token sweep
 (agents/processes.py) remain; ``check`` says which a node has (``Cgroups.describe``).
@@ -129,23 +131,25 @@ def forked(pid: int) -> None:
 # --- cgroups ------------------------------------------------------------------------------------
 class Cgroups:
     """The cgroups of one agent's workers: ``<hierarchy>/<the agent's cgroup>/
-    orchestrator.<job>.<node>/attempt-<N>``, on cgroup v2 where it is writable, else on the
-    v1 freezer hierarchy, else none (``kind`` None)."""
+    orchestrator.<job>.<node>.<instance>/attempt-<N>``, on cgroup v2 where it is writable,
+    else on the v1 freezer hierarchy, else none (``kind`` None). ``parent`` and ``kind``
+    given: that hierarchy, unprobed."""
 
-    def __init__(self, job_id: str, node_index: int, base: str | None = None,
-                 kind: str | None = None):
-        self.name = f"orchestrator.{job_id}.{node_index}"
-        if base is None:
+    def __init__(self, job_id: str, node_index: int, instance: str,
+                 parent: str | None = None, kind: str | None = None):
+        # Job ids are [a-z0-9-] and the node index digits: the dot ends the prefix.
+        self.prefix = f"orchestrator.{job_id}.{node_index}."
+        if parent is None:
             kind, parent = _writable_hierarchy()
-            base = os.path.join(parent, self.name) if parent else None
-        self.kind = kind if base else None
-        self.base = base if kind else None
+        self.kind = kind if parent else None
+        self.parent = parent if kind else None
+        self.base = os.path.join(self.parent, self.prefix + instance) if self.parent else None
 
     def describe(self) -> str:
         if self.kind == "v2":
-            return f"cgroup v2 (cgroup.kill) under {os.path.dirname(self.base or '')}"
+            return f"cgroup v2 (cgroup.kill) under {self.parent}"
         if self.kind == "v1":
-            return f"cgroup v1 freezer under {os.path.dirname(self.base or '')}"
+            return f"cgroup v1 freezer under {self.parent}"
         return "no writable cgroup: child subreaper and the token sweep only"
 
     def attempt(self, number: int) -> str | None:
@@ -168,22 +172,45 @@ class Cgroups:
                 pass
 
     def kill_all(self) -> list[str]:
-        """Kill every process in every attempt's cgroup and remove them; the cgroups that
-        would not empty (left for the next pass)."""
-        if self.base is None or not os.path.isdir(self.base):
+        """Kill every process in every attempt's cgroup of this agent and remove them; the
+        cgroups that would not empty (left for the next pass)."""
+        return _kill_tree(self.base, self.kind or "") if self.base else []
+
+    def kill_predecessors(self) -> list[str]:
+        """Kill what earlier agents of this job on this node left in their cgroups (call it
+        once no other agent of the job lives here: the agent's alive lock)."""
+        if self.parent is None:
+            return []
+        try:
+            names = os.listdir(self.parent)
+        except OSError:
             return []
         left = []
-        for entry in sorted(os.listdir(self.base)):
-            path = os.path.join(self.base, entry)
-            if entry.startswith("attempt-") and os.path.isdir(path):
-                if not kill(path, self.kind or ""):
-                    left.append(path)
-        if not left:
-            try:
-                os.rmdir(self.base)
-            except OSError:
-                pass
+        for name in names:
+            path = os.path.join(self.parent, name)
+            if name.startswith(self.prefix) and path != self.base:
+                left += _kill_tree(path, self.kind or "")
         return left
+
+
+def _kill_tree(base: str, kind: str) -> list[str]:
+    """Kill every attempt's cgroup under ``base`` and remove them all; those that would not
+    empty."""
+    try:
+        entries = sorted(os.listdir(base))
+    except OSError:
+        return []
+    left = []
+    for entry in entries:
+        path = os.path.join(base, entry)
+        if entry.startswith("attempt-") and os.path.isdir(path) and not kill(path, kind):
+            left.append(path)
+    if not left:
+        try:
+            os.rmdir(base)
+        except OSError:
+            pass
+    return left
 
 
 def join(path: str | None) -> None:

@@ -179,15 +179,16 @@ def test_killing_an_attempts_cgroup_kills_what_left_the_session(tmp_path, kind):
     # These machines have both: v1 controllers and a v2 unified mount beside them.
     mounts = containment._cgroup_mounts()
     root = mounts["v2" if kind == "v2" else "freezer"]
-    cgroups = containment.Cgroups(f"test-{os.getpid()}", 0,
-                                  base=os.path.join(root, f"orchestrator.test-{os.getpid()}.0"),
-                                  kind=kind)
+    cgroups = containment.Cgroups(f"test-{os.getpid()}", 0, "a", parent=root, kind=kind)
     path = cgroups.attempt(1)
     assert path is not None and os.path.isdir(path)
     pid = _escape_from(tmp_path / "pid", preexec=lambda: containment.join(path))
     assert still_running([pid]) == [pid]
     assert str(pid) in Path(path, "cgroup.procs").read_text().split()
-    assert cgroups.kill_all() == []
+    # An agent's successor kills what it left (its watchdog would, its own only).
+    successor = containment.Cgroups(f"test-{os.getpid()}", 0, "b", parent=root, kind=kind)
+    assert successor.kill_all() == [] and still_running([pid]) == [pid]
+    assert successor.kill_predecessors() == []
     assert still_running([pid]) == [] and not os.path.exists(cgroups.base or "")
 
 
