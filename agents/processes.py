@@ -57,10 +57,18 @@ def raise_open_files() -> None:
     _node_open_files = (soft, hard)
 
 
+# torchrun handles these (TORCHELASTIC_SIGNALS_TO_HANDLE), so its workers start with them at
+# their defaults even where the shell ignored them (a background shell ignores INT and QUIT).
+TORCHRUN_HANDLES = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
 def as_launched() -> None:
     """Runs in a child between fork and exec (a worker, a standby, a setup command): it dies
-    with the agent, and has the node's open-files limit, as torchrun's workers would."""
+    with the agent, and has torchrun's workers' signal dispositions and the node's
+    open-files limit."""
     set_pdeathsig()
+    for sig in TORCHRUN_HANDLES:
+        signal.signal(sig, signal.SIG_DFL)
     if _node_open_files is not None:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, _node_open_files)

@@ -16,6 +16,8 @@ def _orchestrator_hook():
     if stack_dir and os.environ.get("RANK"):
         import faulthandler
         import signal
+        if signal.getsignal(signal.SIGUSR2) is not signal.SIG_DFL:
+            return  # ignored where it was started (as under torchrun), or the worker's own
         path = os.path.join(stack_dir, "stack-%s.txt" % os.environ["RANK"])
         faulthandler.register(signal.SIGUSR2, file=open(path, "a"), all_threads=True,
                               chain=False)

@@ -39,13 +39,13 @@ def shell_env(tmp_path, home, **extra):
     return env
 
 
-def torchrun_world(tmp_path, env, workdir, nproc=2):
+def torchrun_world(tmp_path, env, workdir, nproc=2, preexec=None):
     out = tmp_path / "torchrun"
     out.mkdir()
     run = subprocess.run([PYTHON, "-m", "torch.distributed.run", "--standalone",
                           f"--nproc-per-node={nproc}", WORLD, str(out)],
                          cwd=workdir, env=env, umask=UMASK, capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, preexec_fn=preexec)
     assert run.returncode == 0, run.stderr[-2000:]
     return load_worlds(out)
 
@@ -57,9 +57,10 @@ def job_spec(tmp_path, workdir, out, **extra):
         "stop_grace_period": 2, **extra})
 
 
-def cli(args, env, cwd, umask=UMASK):
+def cli(args, env, cwd, umask=UMASK, preexec=None):
     return subprocess.run([PYTHON, "-m", "orchestrator", *args], cwd=cwd, env=env,
-                          umask=umask, capture_output=True, text=True, timeout=180)
+                          umask=umask, capture_output=True, text=True, timeout=180,
+                          preexec_fn=preexec)
 
 
 def test_a_local_workers_world_is_torchruns(home, tmp_path):
@@ -84,6 +85,33 @@ def test_a_local_workers_world_is_torchruns(home, tmp_path):
     assert "PYTHONSAFEPATH" not in ours[0]["env"] and "PYTHONUNBUFFERED" not in ours[0]["env"]
     job_id = run.stderr.split()[run.stderr.split().index("submitted") + 1]
     assert not [ln for ln in orchestrator.logs(job_id) if "Warning" in ln or "deprecated" in ln]
+    assert_no_job_processes(job_id)
+
+
+def test_signals_a_background_shell_ignores_are_torchruns_in_a_worker(home, tmp_path):
+    # A non-interactive shell's `cmd &` ignores INT and QUIT in cmd; torchrun handles TERM,
+    # INT, HUP and QUIT, so its workers have them at their defaults; what else the shell
+    # ignored (here USR2) stays ignored under both.
+    def background():
+        for sig in (signal.SIGINT, signal.SIGQUIT, signal.SIGUSR2):
+            signal.signal(sig, signal.SIG_IGN)
+
+    workdir = tmp_path / "project"
+    workdir.mkdir()
+    env = shell_env(tmp_path, home)
+    reference = torchrun_world(tmp_path, env, workdir, preexec=background)
+    out = tmp_path / "ours"
+    out.mkdir()
+    run = cli(["submit", str(job_spec(tmp_path, workdir, out)), "--wait"], env, workdir,
+              preexec=background)
+    assert run.returncode == 0, run.stderr
+    ours = load_worlds(out)
+    for rank in (0, 1):
+        assert differences(reference[rank], ours[rank]) == [], f"rank {rank}"
+    ignored = int(ours[0]["signals"]["SigIgn"], 16)
+    assert ignored & (1 << (signal.SIGUSR2 - 1))
+    assert not ignored & (1 << (signal.SIGQUIT - 1)) and not ignored & (1 << (signal.SIGINT - 1))
+    job_id = run.stderr.split()[run.stderr.split().index("submitted") + 1]
     assert_no_job_processes(job_id)
 
 
