@@ -99,13 +99,24 @@ def time_lost_line(lost: dict[str, Any]) -> str:
     """``time lost: 7.1 s (28 GPU-s) in 2 incidents (training again 0.3-0.4 s after each
     fault, 15 steps redone); goodput 0.93``: see orchestrator/timelost.py."""
     found = lost["incidents"]
+    unknown = lost.get("unknown") or 0
+    known = len(found) - unknown
     again = [i["recovered_s"] for i in found if i.get("recovered_s") is not None]
     redone = sum(i.get("steps_redone") or 0 for i in found)
-    parts = [f"time lost: {lost['seconds']:g} s ({lost['gpu_seconds']:g} GPU-s) in "
-             f"{len(found)} incident{'s' * (len(found) != 1)}"]
+    parts = []
+    if known:
+        parts.append(f"time lost: {lost['seconds']:g} s ({lost['gpu_seconds']:g} GPU-s) in "
+                     f"{known} incident{'s' * (known != 1)}")
     if again:
         span = f"{min(again):.1f}" + (f"-{max(again):.1f}" if max(again) > min(again) else "")
         parts.append(f" (training again {span} s after each fault, {redone} steps redone)")
+    if unknown:
+        # Unknown is not zero: without steps, only the restart's own time is known.
+        parts.append(("; unknown for " if known else "time lost: unknown for ") +
+                     f"{unknown}{' more' if known else ''} incident{'s' * (unknown != 1)} "
+                     f"(no steps reported by heartbeat(step=...): restarted "
+                     f"{lost.get('unknown_downtime_s') or 0:g} s after the fault"
+                     f"{'s' * (unknown != 1)}, steps redone unknown)")
     if lost.get("goodput") is not None:
         parts.append(f"; goodput {lost['goodput']:.2f}")
     return "".join(parts)

@@ -17,7 +17,8 @@ For each attempt that failed and was followed by another:
 
 The job's ``goodput`` is its useful step time (the steps it advanced, at its pace) over its
 wall time since the first attempt started. Without steps (no ``heartbeat(step=...)``) only
-``detected_s`` and the downtime until the next attempt started are known.
+``detected_s`` and the downtime until the next attempt started are known: such an incident
+counts in ``unknown`` (with that downtime in ``unknown_downtime_s``), never as 0 s lost.
 """
 
 from __future__ import annotations
@@ -89,9 +90,12 @@ def incidents(attempts: list[AttemptRecord],
 
 def summary(attempts: list[AttemptRecord], steps: list[StepSpan] | list[AttemptSteps],
             ended_at: float | None) -> dict[str, Any]:
-    """What ``status --json`` shows as ``time_lost``."""
+    """What ``status --json`` shows as ``time_lost``: ``seconds`` and ``gpu_seconds`` over the
+    incidents whose loss is known; ``unknown``, how many are not (no steps reported), and the
+    downtime those had until the next attempt started."""
     found = incidents(attempts, steps)
     lost = [i.lost_s for i in found if i.lost_s is not None]
+    unknown = [i for i in found if i.lost_s is None]
     gpu = [i.gpu_s for i in found if i.gpu_s is not None]
     goodput = None
     by_attempt = _steps(steps)
@@ -104,4 +108,6 @@ def summary(attempts: list[AttemptRecord], steps: list[StepSpan] | list[AttemptS
             goodput = min(1.0, advanced * statistics.median(paces) / wall)
     return {"seconds": round(sum(lost), 3), "gpu_seconds": round(sum(gpu), 3),
             "goodput": None if goodput is None else round(goodput, 4),
+            "unknown": len(unknown),
+            "unknown_downtime_s": round(sum(i.restarted_s or 0.0 for i in unknown), 3),
             "incidents": [i.to_dict() for i in found]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from orchestrator.records import AttemptRecord, StepSpan
+from orchestrator.render import time_lost_line
 from orchestrator.timelost import incidents, summary
 
 
@@ -45,8 +46,23 @@ def test_without_steps_only_the_timeline_is_known():
     (found,) = incidents(ATTEMPTS, [])
     assert found.restarted_s == pytest.approx(1.0) and found.detected_s == pytest.approx(0.5)
     assert found.recovered_s is None and found.steps_redone is None and found.lost_s is None
-    assert summary(ATTEMPTS, [], None) == {"seconds": 0, "gpu_seconds": 0, "goodput": None,
-                                           "incidents": [found.to_dict()]}
+    shown = summary(ATTEMPTS, [], None)
+    assert shown == {"seconds": 0, "gpu_seconds": 0, "goodput": None, "unknown": 1,
+                     "unknown_downtime_s": 1.0, "incidents": [found.to_dict()]}
+    # Unknown is not zero: the line says what is not known, and what is.
+    line = time_lost_line(shown)
+    assert line == ("time lost: unknown for 1 incident (no steps reported by "
+                    "heartbeat(step=...): restarted 1 s after the fault, steps redone "
+                    "unknown)"), line
+    assert "0 s" not in line
+
+
+def test_known_and_unknown_incidents_are_told_apart():
+    known = summary(ATTEMPTS, STEPS, None)
+    line = time_lost_line({**known, "unknown": 1, "unknown_downtime_s": 2.5,
+                           "incidents": [*known["incidents"], known["incidents"][0]]})
+    assert line.startswith(f"time lost: {known['seconds']:g} s (") and " in 1 incident" in line
+    assert "; unknown for 1 more incident (no steps reported" in line
 
 
 def test_a_next_attempt_not_training_yet_has_no_recovery():

@@ -202,8 +202,11 @@ function timeline(job) {
   // An incident's cost: time until every rank trained again, plus the steps done twice.
   const cost = i => !i ? "" : (i.lost_s !== null ? `${i.lost_s.toFixed(1)} s` : "?") +
     (i.recovered_s !== null ? `: ${i.recovered_s.toFixed(1)} s down, ${i.steps_redone} steps redone` : "");
+  // Unknown is not zero: incidents without steps are counted apart (see timelost.py).
+  const unknown = lost.unknown || 0, known = lost.incidents.length - unknown;
   const total = lost.incidents.length ? el("p", { class: "muted", id: "time-lost" },
-    `time lost: ${lost.seconds} s (${lost.gpu_seconds} GPU-s) in ${lost.incidents.length} incident(s)` +
+    (known ? `time lost: ${lost.seconds} s (${lost.gpu_seconds} GPU-s) in ${known} incident(s)` : "") +
+    (unknown ? `${known ? "; " : "time lost: "}unknown for ${unknown} incident(s) (no steps reported: restarted ${lost.unknown_downtime_s} s after the fault, steps redone unknown)` : "") +
     (lost.goodput !== null ? ` · goodput ${lost.goodput.toFixed(2)}` : "")) : null;
   replace("timeline", el("section", {}, el("h2", {}, "Attempts"), chart, total,
     el("table", {}, el("thead", {}, el("tr", {}, ["#", "STARTED", "ENDED", "OUTCOME", "CLASS", "CAUSE", "STEPS/S", "WARM", "TIME LOST"].map(h => el("th", {}, h)))),
