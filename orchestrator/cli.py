@@ -17,7 +17,7 @@ from typing import Any, NoReturn, TypeVar
 import typer
 
 import orchestrator as api
-from orchestrator import envargs, render
+from orchestrator import envargs, render, runargs
 from orchestrator.errors import JobEndedError, JobNotFoundError, OrchestratorError, SpecError
 from orchestrator.plan import describe
 from orchestrator.render import render_watch, visible
@@ -84,12 +84,7 @@ def submit(
     extra_env, written = _call(lambda: envargs.parse(env or [], env_file or [], os.environ))
     _call(lambda: envargs.refuse_webhook_sets(sets))
     loaded = _call(lambda: api.load_jobspec(spec, env=extra_env, overrides=sets))
-    _call(lambda: envargs.refuse_written_secrets(loaded, written, sets))
-    for path in env_file or []:
-        if not envargs.file_is_private(path):
-            typer.echo(f"warning: {path} is readable by other users (chmod 600 it)", err=True)
-    for warning in loaded.warnings:
-        typer.echo(f"warning: {warning}", err=True)
+    _warn(loaded, written, sets, env_file or [])
     if dry_run:
         plan = _call(lambda: api.dry_run(spec, env=extra_env, overrides=sets))
         if as_json:
@@ -104,10 +99,27 @@ def submit(
         else:
             typer.echo(job_id)
         return
+    _until_end(job_id, follow=follow, as_json=as_json, syncing=loaded.sync is not None)
+
+
+def _warn(loaded: api.JobSpec, written: set[str], sets: list[str], env_files: list[str]
+          ) -> None:
+    """Refuse a secret written on the command line; warn of what works but is unwise."""
+    _call(lambda: envargs.refuse_written_secrets(loaded, written, sets))
+    for path in env_files:
+        if not envargs.file_is_private(path):
+            typer.echo(f"warning: {path} is readable by other users (chmod 600 it)", err=True)
+    for warning in loaded.warnings:
+        typer.echo(f"warning: {warning}", err=True)
+
+
+def _until_end(job_id: str, *, follow: bool, as_json: bool, syncing: bool) -> NoReturn:
+    """``submit --wait/--follow`` once the job is submitted: Ctrl-C cancels it; exit with
+    its outcome (README, "CLI and exit codes")."""
     if not as_json:
         typer.echo(f"submitted {job_id}", err=True)
     _cancel_on_signals(job_id)
-    if loaded.sync is not None and sys.stderr.isatty() and not as_json:
+    if syncing and sys.stderr.isatty() and not as_json:
         _show_sync_progress(job_id)
     if follow:
         show = visible if sys.stdout.isatty() else str
@@ -119,6 +131,38 @@ def submit(
     else:
         typer.echo(visible(render.summary_line(result)), err=True)
     raise typer.Exit(EXIT_FOR_STATE.get(result["state"], 1))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "allow_interspersed_args": False, "help_option_names": []})
+def run(ctx: typer.Context) -> None:
+    """Run a torchrun command line as a job, and follow it (as submit --follow).
+
+    orchestrator run [--hosts H,H | --hostfile F | --slurm-nodes N] [torchrun options]
+    SCRIPT [ARGS...]; `orchestrator run --help` lists the options."""
+    # Raw arguments: click must not parse the script's (everything after it is the script's).
+    cwd = os.getcwd()
+    request = _call(lambda: runargs.spec_from_torchrun_args(
+        ctx.args, cwd=cwd, executable=sys.executable, environ=os.environ,
+        cpus=len(os.sched_getaffinity(0))))
+    if request.help:
+        typer.echo(runargs.USAGE)
+        return
+    for note in request.notes:
+        typer.echo(f"note: {note}", err=True)
+    extra_env, written = _call(lambda: envargs.parse(list(request.env),
+                                                     list(request.env_files), os.environ))
+    loaded = _call(lambda: runargs.load(request, extra_env))
+    _warn(loaded, written, [], list(request.env_files))
+    if request.save_spec is not None:
+        saved = _call(lambda: runargs.save(request, request.save_spec or ""))
+        typer.echo(f"spec written to {saved}: orchestrator submit {request.save_spec} "
+                   "--follow", err=True)
+    if request.dry_run:
+        typer.echo(describe(_call(lambda: api.dry_run(loaded, spec_dir=cwd))))
+        return
+    job_id = _call(lambda: api.submit(loaded, spec_dir=cwd, fork=True))
+    _until_end(job_id, follow=True, as_json=False, syncing=False)
 
 
 def _show_sync_progress(job_id: str) -> None:

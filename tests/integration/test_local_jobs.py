@@ -186,6 +186,27 @@ def test_cli_follow_streams_and_returns_outcome(home, tmp_path, flag):
     assert re.search(r"^\[local:1\] ENV ", run.stdout, re.M)
 
 
+def test_run_takes_a_torchrun_command_line_and_the_script_gets_its_arguments(home, tmp_path):
+    # As after torchrun: the script's arguments reach it untouched, even ones that look like
+    # our flags or a placeholder; the workers run where `run` was started.
+    script = WORKERS / "echo_args.py"
+    done = subprocess.run(
+        [PYTHON, "-m", "orchestrator", "run", "--nproc-per-node", "2", "--rdzv-id", "7",
+         "--save-spec", "job.yaml", str(script), "--some-arg", "x", "--hosts", "${rank}$"],
+        capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    args = '["--some-arg", "x", "--hosts", "${rank}$"]'
+    assert sorted(re.findall(r"^\[local:\d\] rank \d of 2 args .*$", done.stdout, re.M)) == [
+        f"[local:0] rank 0 of 2 args {args}", f"[local:1] rank 1 of 2 args {args}"]
+    assert done.stderr.splitlines()[0].startswith("note: --rdzv-id ignored")
+    job_id = next(ln.split()[1] for ln in done.stderr.splitlines()
+                  if ln.startswith("submitted "))
+    assert orchestrator.status(job_id)["state"] == "SUCCEEDED"
+    saved = orchestrator.load_jobspec(tmp_path / "job.yaml")
+    assert saved.workdir == str(tmp_path) and saved.nproc_per_node == 2
+    assert_no_job_processes(job_id)
+
+
 def test_bad_spec_exits_2_and_starts_nothing(home, tmp_path):
     spec = tmp_path / "bad.yaml"
     spec.write_text("name: x\nnodes: [{host: local}]\ncommand: [true]\nnproc_per_node: two\n")
