@@ -50,7 +50,14 @@ def _call(fn: Callable[[], T]) -> T:
     """Run an API call, mapping our errors to one line and an exit code."""
     try:
         return fn()
-    except (SpecError, JobNotFoundError, JobEndedError) as exc:
+    except SpecError as exc:
+        if _debug:
+            raise
+        *others, last = exc.problems  # every problem of the spec at once, a line each
+        for problem in others:
+            typer.echo(f"error: {problem}{problem.where}", err=True)
+        _fail(f"{last}{last.where}", 2)
+    except (JobNotFoundError, JobEndedError) as exc:
         if _debug:
             raise
         _fail(str(exc), 2)

@@ -39,6 +39,12 @@ class SpecError(OrchestratorError):
         self.message = message
         self.value = value
         self.has_value = has_value
+        # Every problem the spec has, this one first (orchestrator/specwhere.py): a spec with
+        # three errors says all three at once. ``str()`` is the first alone.
+        self.problems: list[SpecError] = [self]
+        self.loc: tuple[Any, ...] = ()  # the field's path as steps, where it is known
+        self.kind = ""  # pydantic's error type, where it is one ("missing", ...)
+        self.where = ""  # " (line 3, column 1)", " (from --set X=Y)": shown after str()
         where = f"{field}: " if field else ""
         shown = f" (got {value!r})" if has_value else ""
         super().__init__(f"{where}{message}{shown}")

@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from orchestrator import placeholders
+from orchestrator import placeholders, specwhere
 from orchestrator.errors import SpecError
 from orchestrator.specparts import (  # noqa: F401 (the sections are part of spec's surface)
     _ENV_NAME_RE,
@@ -359,14 +359,17 @@ def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".",
     as ``submit --env`` and ``--set`` give them; both are validated like the file."""
     if len(text) > MAX_SPEC_BYTES or len(text.encode("utf-8", "surrogatepass")) > MAX_SPEC_BYTES:
         raise SpecError("", f"the spec is larger than {MAX_SPEC_BYTES} bytes")
-    data = load_yaml(text)
-    for item in overrides or ():
-        _apply_override(data, item)
+    positions: specwhere.Positions = {}
+    data = load_yaml(text, positions)
+    set_by = {_apply_override(data, item): item for item in overrides or ()}
     if env:
         current = data.get("env")
         data["env"] = {**(current if isinstance(current, dict) else {}), **env}
     if not isinstance(data.get("hostfile"), str):
-        return validate_jobspec(data)
+        try:
+            return validate_jobspec(data)
+        except SpecError as exc:  # every problem at once, each where it is
+            raise specwhere.located(exc, positions, set_by) from None
     for other in ("nodes", "slurm"):
         if other in data:
             raise SpecError("hostfile", f"give {other} or hostfile, not both", data["hostfile"],
@@ -378,7 +381,7 @@ def parse_jobspec(text: str, *, base_dir: str | os.PathLike[str] = ".",
         # The user wrote a hostfile, not nodes[i]: point at its line instead.
         m = re.match(r"nodes\[(\d+)\]", exc.field)
         if not m:
-            raise
+            raise specwhere.located(exc, positions, set_by) from None
         raise SpecError("hostfile", f"line {lines[int(m[1])]}: {exc.message}", exc.value,
                         has_value=exc.has_value) from None
 
@@ -418,8 +421,8 @@ def parse_override(item: str) -> tuple[str, list[str | int], Any]:
     return path, steps, value
 
 
-def _apply_override(data: dict[str, Any], item: str) -> None:
-    """Apply one ``field.path[i].sub=value`` to the parsed document."""
+def _apply_override(data: dict[str, Any], item: str) -> tuple[str | int, ...]:
+    """Apply one ``field.path[i].sub=value`` to the parsed document; the path it wrote."""
     path, steps, value = parse_override(item)
     target: Any = data
     for here, step in zip(steps, steps[1:], strict=False):
@@ -439,6 +442,7 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
         target[last] = value
     else:
         raise SpecError(path, "not a mapping")
+    return tuple(steps)
 
 
 def validate_jobspec(data: dict[str, Any]) -> JobSpec:
@@ -505,25 +509,6 @@ def _expand_hostfile(data: dict[str, Any], base_dir: Path) -> tuple[dict[str, An
     return out, lines
 
 
-def _path_text(loc: tuple[Any, ...]) -> str:
-    text = ""
-    for part in loc:
-        if isinstance(part, int):
-            text += f"[{part}]"
-        elif part:
-            text += ("." if text else "") + str(part)
-    return text
-
-
-def _value_at(data: Any, loc: tuple[Any, ...]) -> tuple[bool, Any]:
-    for part in loc:
-        try:
-            data = data[part]
-        except (KeyError, IndexError, TypeError):
-            return False, None
-    return True, data
-
-
 _MODELS: dict[str, type[BaseModel]] = {
     "": JobSpec, "nodes": NodeSpec, "rendezvous": RendezvousSpec, "health": HealthSpec,
     "restart_backoff": BackoffSpec, "restart": RestartSpec,
@@ -543,13 +528,33 @@ _MESSAGES = {
 
 
 def _spec_error(exc: ValidationError, data: dict[str, Any]) -> SpecError:
-    """The first pydantic error as a SpecError with a clean path and a short message."""
-    err = exc.errors()[0]
+    """Every pydantic error as a SpecError with a clean path and a short message: the first,
+    holding them all in ``problems``."""
+    problems: list[SpecError] = []
+    for err in exc.errors():
+        problem = _one_error(err, data)
+        if all(str(problem) != str(p) for p in problems):
+            problems.append(problem)
+    problems[0].problems = problems
+    return problems[0]
+
+
+def _one_error(err: Any, data: dict[str, Any]) -> SpecError:
     # Drop the parts of loc that name validators or union arms rather than fields.
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and (
         p.startswith(("function-", "json-or-python", "literal[", "constrained-"))
         or p in ("int", "str", "float"))))
-    field = _path_text(loc)
+    field = specwhere.path_text(loc)
+    return _tagged(_translated(err, data, loc, field), loc, err["type"])
+
+
+def _tagged(error: SpecError, loc: tuple[Any, ...], kind: str) -> SpecError:
+    error.loc, error.kind = loc, kind
+    return error
+
+
+def _translated(err: Any, data: dict[str, Any], loc: tuple[Any, ...], field: str
+                ) -> SpecError:
     ctx_error = (err.get("ctx") or {}).get("error")
     if isinstance(ctx_error, _FieldError):
         sub = ctx_error.field
@@ -558,7 +563,7 @@ def _spec_error(exc: ValidationError, data: dict[str, Any]) -> SpecError:
         has = ctx_error.value is not ...
         return SpecError(field, ctx_error.message, ctx_error.value if has else None,
                          has_value=has)
-    has_value, value = _value_at(data, loc)
+    has_value, value = specwhere.value_at(data, loc)
     if type(value) is int and value.bit_length() > 256:
         has_value, value = False, None  # repr() raises past 4,300 digits, and helps no one
     kind = err["type"]

@@ -115,8 +115,11 @@ def _check_scalar(node: yaml.ScalarNode, path: str) -> None:
         raise SpecError(path, too_large)
 
 
-def load_yaml(text: str) -> dict[str, Any]:
-    """One YAML document that is a mapping, or a SpecError."""
+def load_yaml(text: str, positions: dict[tuple[Any, ...], tuple[int, int]] | None = None
+              ) -> dict[str, Any]:
+    """One YAML document that is a mapping, or a SpecError. ``positions``, when given, is
+    filled with where each field is written: its path (``("nodes", 1, "host")``) -> (line,
+    column), counted from 1."""
     try:
         loader = _SpecLoader(text)  # refuses control characters already
     except yaml.YAMLError as exc:
@@ -129,6 +132,8 @@ def load_yaml(text: str) -> dict[str, Any]:
         if loader.check_node():
             raise SpecError("", "several YAML documents; expected exactly one")
         _check_tree(root, "", {}, set())
+        if positions is not None:
+            _positions(root, (), positions, set())
         data = loader.construct_document(root)
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
@@ -144,6 +149,24 @@ def load_yaml(text: str) -> dict[str, Any]:
         raise SpecError("", f"the spec must be a mapping of fields, not a {type(data).__name__}",
                         data, has_value=True)
     return data
+
+
+def _positions(node: yaml.Node, path: tuple[Any, ...],
+               out: dict[tuple[Any, ...], tuple[int, int]], seen: set[int]) -> None:
+    """Where each key and list item under ``node`` starts (an alias is walked once)."""
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode):
+                here = (*path, key.value)
+                out.setdefault(here, (key.start_mark.line + 1, key.start_mark.column + 1))
+                _positions(value, here, out, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            out.setdefault((*path, i), (item.start_mark.line + 1, item.start_mark.column + 1))
+            _positions(item, (*path, i), out, seen)
 
 
 def read_text(path: Path, field: str, what: str) -> str:
