@@ -17,7 +17,7 @@ from typing import Any, NoReturn, TypeVar
 import typer
 
 import orchestrator as api
-from orchestrator import envargs, render, runargs
+from orchestrator import envargs, render, runargs, starters
 from orchestrator.errors import JobEndedError, JobNotFoundError, OrchestratorError, SpecError
 from orchestrator.plan import describe
 from orchestrator.render import render_watch, visible
@@ -170,6 +170,22 @@ def run(ctx: typer.Context) -> None:
         return
     job_id = _call(lambda: api.submit(loaded, spec_dir=cwd, fork=True))
     _until_end(job_id, follow=True, as_json=False, syncing=False)
+
+
+@app.command()
+def init(
+    file: str = typer.Argument("job.yaml", help="Where to write the spec."),
+    ssh: bool = typer.Option(False, "--ssh", help="Machines over SSH."),
+    slurm: bool = typer.Option(False, "--slurm", help="A Slurm cluster."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing file."),
+) -> None:
+    """Write a commented starter spec that validates (this machine, --ssh or --slurm)."""
+    if ssh and slurm:
+        _fail("--ssh or --slurm, not both", 2)
+    kind = "ssh" if ssh else "slurm" if slurm else "local"
+    path = _call(lambda: starters.write(kind, file, force))
+    typer.echo(f"wrote {path}: edit the lines marked EDIT, then `orchestrator "
+               f"{'check' if ssh else 'submit'} {file}`", err=True)
 
 
 def _show_sync_progress(job_id: str) -> None:
