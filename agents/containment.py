@@ -324,12 +324,7 @@ def _can_use(kind: str, directory: str) -> bool:
 def _cgroup_mounts() -> dict[str, str]:
     """{"v2": the unified mount, "freezer": the v1 freezer mount}, as this process sees them."""
     found: dict[str, str] = {}
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return found
-    for line in lines:
+    for line in _proc_lines("/proc/self/mountinfo"):
         before, _, after = line.partition(" - ")
         fields, tail = before.split(), after.split()
         if len(fields) < 5 or len(tail) < 3:
@@ -345,14 +340,18 @@ def _cgroup_mounts() -> dict[str, str]:
 def _own_cgroups() -> dict[str, str]:
     """This process's cgroup per hierarchy: "" for v2, "freezer" for the v1 freezer."""
     found: dict[str, str] = {}
-    try:
-        with open("/proc/self/cgroup", encoding="utf-8", errors="replace") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return found
-    for line in lines:
+    for line in _proc_lines("/proc/self/cgroup"):
         parts = line.split(":", 2)
         if len(parts) == 3:
             for controller in parts[1].split(","):
                 found.setdefault(controller, parts[2])
     return found
+
+
+def _proc_lines(path: str) -> list[str]:
+    """The lines of a /proc file; none where it cannot be read (not Linux)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read().splitlines()
+    except OSError:
+        return []

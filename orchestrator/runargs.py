@@ -30,6 +30,9 @@ from orchestrator.errors import SpecError
 from orchestrator.spec import JobSpec, parse_jobspec
 from orchestrator.specparts import MAX_LOCAL, _parse_nnodes, split_host
 
+_SHOWN = "every rank's output is kept and shown: orchestrator logs JOB --rank R"
+_GREP = "search the kept output instead: orchestrator logs JOB | grep ..."
+
 #: What each flag does here: "map" (into the spec), "note" (accepted, one note on stderr
 #: saying why it has no effect), "refuse" (an error saying why), "ours" (not torchrun's).
 #: (treatment, takes a value, the note or the refusal).
@@ -62,16 +65,12 @@ _FLAGS: dict[str, tuple[str, bool, str]] = {
                             "and the spec's notify webhooks"),
     "--role": ("note", True, "workers get ROLE_NAME=default"),
     "--log-dir": ("note", True, "every rank's output is kept: orchestrator logs JOB --rank R"),
-    "--redirects": ("note", True, "every rank's output is kept and shown: orchestrator logs "
-                    "JOB --rank R"),
-    "--tee": ("note", True, "every rank's output is kept and shown: orchestrator logs JOB "
-              "--rank R"),
+    "--redirects": ("note", True, _SHOWN),
+    "--tee": ("note", True, _SHOWN),
     "--local-ranks-filter": ("note", True, "every rank is shown; orchestrator logs JOB "
                              "--rank R shows one"),
-    "--duplicate-stdout-filters": ("note", True, "search the kept output instead: "
-                                   "orchestrator logs JOB | grep ..."),
-    "--duplicate-stderr-filters": ("note", True, "search the kept output instead: "
-                                   "orchestrator logs JOB | grep ..."),
+    "--duplicate-stdout-filters": ("note", True, _GREP),
+    "--duplicate-stderr-filters": ("note", True, _GREP),
     "--logs-specs": ("note", True, "the orchestrator keeps every rank's output itself"),
     "--local-addr": ("note", True, "peers reach each node at its host name (a spec's "
                      "nodes[i].address names another)"),
