@@ -180,13 +180,14 @@ class Heartbeat:
 
 @dataclass(frozen=True)
 class RankProgress:
-    """One rank's news: its heartbeat() (``at``, with ``step`` and ``metrics`` when given)
-    and its sampler's [samples, of them waiting in a collective]."""
+    """One rank's news: its heartbeat() (``at``, with ``step``, ``total_steps`` and
+    ``metrics`` when given) and its sampler's [samples, of them waiting in a collective]."""
 
     step: int | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     at: float | None = None
     waits: tuple[int, int] | None = None
+    total_steps: int | None = None
 
 
 @dataclass(frozen=True)
@@ -217,9 +218,10 @@ def _progress(f: Fields) -> Progress:
                 raise r.bad("waits", waits)
             waits = (r.integer("waits", value=waits[0]), r.integer("waits", value=waits[1]))
         step = record.get("step")
+        total = r.integer("total_steps", low=1, high=MAX_COUNT - 1, optional=True)
         ranks[rank] = RankProgress(
             step if type(step) is int and abs(step) < MAX_COUNT else None, kept,
-            r.timestamp("at", optional=True) if "at" in record else None, waits)
+            r.timestamp("at", optional=True) if "at" in record else None, waits, total)
     return Progress(f.integer("attempt"), f.flag("beat", True), ranks)
 
 

@@ -56,7 +56,8 @@ def _json(data: bytes) -> tuple[Any, str | None]:
 
 
 def heartbeat(path: str) -> tuple[dict[str, Any] | None, list[str]]:
-    """``({"step": int | None, "metrics": {name: finite float}}, problems)``; the record is
+    """``({"step": int | None, "metrics": {name: finite float}}, problems)``, with
+    ``total_steps`` (a positive int) when the worker gave one; the record is
     None when there was nothing to use (an empty file is a plain heartbeat, no problem)."""
     data = read_small(path, MAX_HEARTBEAT + 1)
     if not data:
@@ -93,7 +94,15 @@ def heartbeat(path: str) -> tuple[dict[str, Any] | None, list[str]]:
                             "finite number: not kept")
             continue
         metrics[str(name)[:MAX_METRIC_NAME]] = number
-    return {"step": step, "metrics": metrics}, problems
+    kept: dict[str, Any] = {"step": step, "metrics": metrics}
+    total = record.get("total_steps")
+    if total is not None:
+        if type(total) is int and 0 < total < MAX_COUNT:
+            kept["total_steps"] = total
+        else:
+            problems.append(f"heartbeat total_steps {_short(total)} is not an integer "
+                            "from 1 to 2**62: ignored")
+    return kept, problems
 
 
 def waits(path: str) -> tuple[list[int] | None, str | None]:

@@ -291,6 +291,8 @@ class Attempt:
     def _progress_fields(self, rank: int, record: P.RankProgress) -> dict[str, Any]:
         step, at = record.step, record.at
         fields: dict[str, Any] = {"metrics": dict(record.metrics), "heartbeat_at": at}
+        if record.total_steps is not None:
+            fields["total_steps"] = record.total_steps
         if step is not None:
             fields["step"] = self.last_steps[rank] = step
             fields["step_at"] = at

@@ -17,7 +17,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from orchestrator import pids, timeline, timelost
+from orchestrator import pids, progress, timeline, timelost
 from orchestrator.pids import pid_namespace
 from orchestrator.state import AttemptOutcome, JobState
 from orchestrator.store import JobRecord
@@ -151,6 +151,11 @@ def status_dict(job: JobRecord) -> dict[str, Any]:
             "wait_share": None if r.wait_share is None else round(r.wait_share, 3),
             "straggler": r.rank in slow,
         })
+    lost = timelost.summary(job.attempts, job.steps, job.ended_at)
+    now = time.time()
+    done = progress.progress(job, lost, now)
+    if done is not None and done["eta_at"] is not None:
+        done["eta_at"] = iso(done["eta_at"])
     return {
         "job_id": job.job_id,
         "name": job.name,
@@ -189,7 +194,8 @@ def status_dict(job: JobRecord) -> dict[str, Any]:
         "ranks": ranks,
         "stragglers": slow,
         "failure": job.failure,
-        "time_lost": timelost.summary(job.attempts, job.steps, job.ended_at),
+        "time_lost": lost,
+        "progress": done,
         "attempts": [
             {"attempt": a.attempt, "started_at": iso(a.started_at), "ended_at": iso(a.ended_at),
              "outcome": a.outcome or AttemptOutcome.RUNNING.value,

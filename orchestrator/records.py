@@ -28,6 +28,7 @@ class RankRecord:
     first_step: int | None = None  # the first step this attempt saw of the rank, and when
     first_step_at: float | None = None
     step_at: float | None = None  # when it gave ``step``
+    total_steps: int | None = None  # the steps it said the run takes in all
 
 
 @dataclass
@@ -127,6 +128,7 @@ class JobRecord:
     attempts: list[AttemptRecord] = field(default_factory=list)
     steps: list[AttemptSteps] = field(default_factory=list)  # by attempt
     rates: dict[int, float] = field(default_factory=dict)  # attempt -> its slowest steps/s
+    totals: dict[int, int] = field(default_factory=dict)  # attempt -> total_steps its ranks said
 
 
 def per_attempt(spans: list[StepSpan]) -> list[AttemptSteps]:

@@ -85,7 +85,11 @@ def render_watch(data: dict[str, Any], tail: list[str], now: float | None = None
                                   ("-" if share is None else f"{share:.0%}")
                                   + (" STRAGGLER" if r.get("straggler") else ""),
                                   _age(r.get("last_output"), now))))
-    parts: list[Any] = [head, nodes, ranks]
+    parts: list[Any] = [head]
+    done = progress_line(data.get("progress"))
+    if done:
+        parts.append(cell(done))
+    parts += [nodes, ranks]
     if data.get("stragglers"):
         parts.append(Text(stragglers_line(data), style="bold yellow"))
     parts.append(Text("last lines", style="bold"))
@@ -93,6 +97,42 @@ def render_watch(data: dict[str, Any], tail: list[str], now: float | None = None
     if data.get("failure"):
         parts.append(cell(summary_line(data)))
     return Group(*parts)
+
+
+def span(seconds: float) -> str:
+    """``45s``, ``31m 10s``, ``5h 02m``, ``3d 04h``: a duration as a person reads it."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m {s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h {s % 3600 // 60:02d}m"
+    return f"{s // 86400}d {s % 86400 // 3600:02d}h"
+
+
+def progress_line(p: dict[str, Any] | None) -> str | None:
+    """``progress: step 4,200 of 10,000 (42.0%), 3.1 steps/s, ETA 31m 10s (at ...), 4% of the
+    time lost to faults so far counted in``: see orchestrator/progress.py."""
+    if not p:
+        return None
+    step = "no step yet" if p["step"] is None else f"step {p['step']:,}"
+    if p["total_steps"] is None:
+        line = f"progress: {step} (total unknown: heartbeat(total_steps=...) or the spec's " \
+               "total_steps gives percent and ETA)"
+    else:
+        line = f"progress: {step} of {p['total_steps']:,}"
+        if p["percent"] is not None:
+            line += f" ({p['percent']:.1f}%)"
+    if p["steps_per_s"] is not None:
+        line += f", {p['steps_per_s']:.3g} steps/s"
+    if p["eta_s"] is not None:
+        line += f", ETA {span(p['eta_s'])} (at {p['eta_at']})"
+        if p.get("lost_share"):
+            line += f", counting the {p['lost_share']:.0%} of the time lost to faults so far"
+    elif p["total_steps"] is not None and p["remaining_steps"] and p["steps_per_s"] is None:
+        line += ", ETA once steps/s is known"
+    return line
 
 
 def time_lost_line(lost: dict[str, Any]) -> str:
@@ -176,6 +216,9 @@ def print_status(data: dict[str, Any]) -> None:
     typer.echo(f"{data['job_id']}  {data['state']}  attempt {data['attempt']}  "
                f"restarts {data['restarts']}/{data['max_restarts']}{free}  "
                f"submitted {data['submitted_at']}")
+    done = progress_line(data.get("progress"))
+    if done:
+        typer.echo(done)
     c = data["controller"]
     alive = {True: "alive", False: "NOT RUNNING", None: "not visible from here"}[c["alive"]]
     if data["state"] not in _ENDED:

@@ -102,6 +102,9 @@ class JobSpec(_Model):
         default=None, description='wall-clock limit of the whole job: seconds or "HH:MM:SS"; '
                                   "then every worker is stopped and the job FAILS (TIMEOUT), "
                                   "never restarted")
+    total_steps: Annotated[StrictInt, Field(ge=1, lt=1 << 62)] | None = Field(
+        default=None, description="steps the run takes in all, for progress and ETA in status "
+                                  "(a rank's heartbeat(total_steps=...) overrides it)")
     fail_on_exit_codes: tuple[Annotated[StrictInt, Field(ge=1, le=255)], ...] = Field(
         default=(), description="exit codes that fail the job without a restart")
     stop_grace_period: Seconds = 10.0

@@ -74,14 +74,14 @@ def end(db: sqlite3.Connection, job_id: str, attempt: int, outcome: str,
         failure: dict[str, Any] | None, warm_starts: int, now: float) -> None:
     """An attempt's end, with its steps and pace summed up from its ranks."""
     steps = _steps_of(db, job_id, attempt)
-    rate = _rate_of(db, job_id, attempt)
+    rate, total = _rate_of(db, job_id, attempt)
     storedb.update(
         db, "attempts",
         {"ended_at": now, "outcome": outcome,
          "failure_json": json.dumps(failure) if failure else None,
          "warm_starts": warm_starts,
          "steps_json": json.dumps({"steps": steps and asdict(steps),
-                                   "steps_per_s": rate})},
+                                   "steps_per_s": rate, "total_steps": total})},
         job_id=job_id, attempt=attempt,
     )
 
@@ -109,7 +109,7 @@ def read_into(db: sqlite3.Connection, job: JobRecord) -> None:
                    r["state"], r["exit_code"], r["signal"], r["step"],
                    storedb.json_or_none(r["metrics_json"]) or {}, r["steps_per_s"],
                    r["heartbeat_at"], r["output_at"], r["wait_share"],
-                   r["first_step"], r["first_step_at"], r["step_at"])
+                   r["first_step"], r["first_step_at"], r["step_at"], r["total_steps"])
         for r in db.execute(
             "SELECT * FROM ranks WHERE job_id = ? AND attempt = ? ORDER BY rank",
             (job.job_id, job.attempt))
@@ -130,28 +130,34 @@ def read_into(db: sqlite3.Connection, job: JobRecord) -> None:
 
 
 def _attempt_steps(db: sqlite3.Connection, job: JobRecord) -> None:
-    """Each attempt's steps and pace (``job.steps``, ``job.rates``): summed up when it
-    ended, or now from its ranks (the running one, or one an older version ended)."""
+    """Each attempt's steps, pace and the total its ranks said (``job.steps``, ``job.rates``,
+    ``job.totals``): summed up when it ended, or now from its ranks (the running one, or one
+    an older version ended)."""
     summed = {r["attempt"]: storedb.json_or_none(r["steps_json"]) for r in db.execute(
         "SELECT attempt, steps_json FROM attempts WHERE job_id = ?", (job.job_id,))}
     for attempt in sorted(summed):
         kept = summed[attempt]
         if isinstance(kept, dict):
             steps = AttemptSteps(**kept["steps"]) if kept.get("steps") else None
-            rate = kept.get("steps_per_s")
+            rate, total = kept.get("steps_per_s"), kept.get("total_steps")
         else:
             steps = _steps_of(db, job.job_id, attempt)
-            rate = _rate_of(db, job.job_id, attempt)
+            rate, total = _rate_of(db, job.job_id, attempt)
         if steps is not None:
             job.steps.append(steps)
         if rate is not None:
             job.rates[attempt] = rate
+        if total is not None:
+            job.totals[attempt] = total
 
 
-def _rate_of(db: sqlite3.Connection, job_id: str, attempt: int) -> float | None:
-    """An attempt's pace: its slowest rank's steps a second."""
-    return db.execute("SELECT MIN(steps_per_s) FROM ranks WHERE job_id = ? AND attempt = ?",
-                      (job_id, attempt)).fetchone()[0]
+def _rate_of(db: sqlite3.Connection, job_id: str, attempt: int
+             ) -> tuple[float | None, int | None]:
+    """An attempt's pace (its slowest rank's steps a second) and the total steps its ranks
+    said the run takes (the largest, should they differ)."""
+    row = db.execute("SELECT MIN(steps_per_s), MAX(total_steps) FROM ranks"
+                     " WHERE job_id = ? AND attempt = ?", (job_id, attempt)).fetchone()
+    return row[0], row[1]
 
 
 def _steps_of(db: sqlite3.Connection, job_id: str, attempt: int) -> AttemptSteps | None:

@@ -99,6 +99,7 @@ CREATE TABLE IF NOT EXISTS ranks (
     first_step INTEGER,
     first_step_at REAL,
     step_at REAL,
+    total_steps INTEGER,
     PRIMARY KEY (job_id, attempt, rank)
 );
 CREATE TABLE IF NOT EXISTS attempts (
@@ -170,7 +171,8 @@ _ADDED_COLUMNS = {
               "longest_silence": "REAL"},
     "ranks": {"step": "INTEGER", "metrics_json": "TEXT", "steps_per_s": "REAL",
               "heartbeat_at": "REAL", "output_at": "REAL", "wait_share": "REAL",
-              "first_step": "INTEGER", "first_step_at": "REAL", "step_at": "REAL"},
+              "first_step": "INTEGER", "first_step_at": "REAL", "step_at": "REAL",
+              "total_steps": "INTEGER"},
     "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT",
                  "warm_starts": "INTEGER", "steps_json": "TEXT",
                  "restored_step": "INTEGER"},

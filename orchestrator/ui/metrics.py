@@ -28,6 +28,8 @@ Per host with an infrastructure failure in the last day or a quarantine on recor
 
 - ``orchestrator_time_lost_seconds_total{job_id,name}``, ``orchestrator_gpu_seconds_lost_total``
   and ``orchestrator_goodput_ratio``: see orchestrator/timelost.py.
+- ``orchestrator_job_progress_ratio{job_id,name}`` (step over total steps) and
+  ``orchestrator_job_eta_seconds`` (while it runs): see orchestrator/progress.py.
 - ``orchestrator_checkpoint_restored_step{job_id,name}``: the checkpoint step the current
   attempt's ranks resumed (README, "Checkpoints"); ``orchestrator_checkpoint_memory_bytes
   {job_id,node,host}`` and ``orchestrator_checkpoint_newest_step{job_id,node,host,where}``
@@ -42,7 +44,7 @@ import os
 import time
 from typing import Any
 
-from orchestrator import timelost
+from orchestrator import progress, timelost
 from orchestrator.failclass import FailureClass
 from orchestrator.state import AttemptOutcome, JobState, NodeState
 from orchestrator.store import JobRecord, Store
@@ -148,6 +150,11 @@ class _Collector:
         newest = GaugeMetricFamily("orchestrator_checkpoint_newest_step",
                                    "The newest step a node holds of every one of its ranks.",
                                    labels=["job_id", "node", "host", "where"])
+        done = GaugeMetricFamily("orchestrator_job_progress_ratio",
+                                 "The job's step over its total steps.", labels=job_labels)
+        eta = GaugeMetricFamily("orchestrator_job_eta_seconds",
+                                "Seconds until the job's last step, at its pace, counting the "
+                                "share of time lost to faults so far.", labels=job_labels)
         for job in shown:
             _checkpoint_metrics(job, restored, memory, newest)
             infra.add_metric([job.job_id, job.name], job.infra_restarts)
@@ -162,8 +169,15 @@ class _Collector:
             gpu_lost.add_metric([job.job_id, job.name], summary["gpu_seconds"])
             if summary["goodput"] is not None:
                 goodput.add_metric([job.job_id, job.name], summary["goodput"])
+            far = progress.progress(job, summary, now) or {}
+            if far.get("percent") is not None:
+                done.add_metric([job.job_id, job.name],
+                                min(1.0, far["step"] / far["total_steps"]))
+            if far.get("eta_s") is not None:
+                eta.add_metric([job.job_id, job.name], far["eta_s"])
         yield from (restarts, free, attempt, duration, node_state, node_age, step, rate, beat,
-                    wait, slow, lost, gpu_lost, goodput, infra, classes, restored, memory, newest)
+                    wait, slow, lost, gpu_lost, goodput, infra, classes, restored, memory, newest,
+                    done, eta)
 
 
 def _checkpoint_metrics(job: JobRecord, restored: Any, held: Any, newest: Any) -> None:

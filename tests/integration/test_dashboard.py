@@ -440,3 +440,39 @@ def test_https_with_certfile_and_keyfile(restarted_job, tmp_path):
         assert "secure" in redirected.value.headers["set-cookie"].lower()
     finally:
         s.close()
+
+
+def test_a_running_jobs_page_shows_its_progress_and_eta(home, tmp_path):
+    """While the job runs: a progress bar at its percent, the step of the total, steps/s and
+    the ETA, as status --json has them; Prometheus has the ratio and the ETA too."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "long", "nodes": [{"host": "local"}], "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "progress_train.py")], "workdir": str(tmp_path),
+        "health": {"heartbeat_interval": 0.3},
+        "env": {"STEPS": "3000", "GIVE_TOTAL": "1", "STEP_SLEEP": "0.05"}}))
+    s = _Server(home, auth=True)
+    try:
+        def paced() -> bool:
+            p = orchestrator.status(job_id)["progress"]
+            return bool(p and p["eta_s"] and p["step"] >= 10)
+        deadline = time.monotonic() + 60
+        while not paced():
+            assert time.monotonic() < deadline, orchestrator.status(job_id)["progress"]
+            time.sleep(0.3)
+        dom = _render(_chromium(), s.url(f"/jobs/{job_id}"))
+        shown = orchestrator.status(job_id)["progress"]
+        (bar,) = [a for a, _ in dom.find("progress")]
+        assert 0 < float(bar["value"] or 0) <= shown["percent"] and bar["max"] == "100", bar
+        (line,) = [text for _, text in dom.find("div", id="progress")]
+        assert re.fullmatch(r"step [\d,]+ of 3,000 \([\d.]+%\) · [\d.]+ steps/s · ETA "
+                            r"\d+m \d\ds \(.+\)", line), line
+        _, _, body = s.get("/metrics")
+        values = {x.name: x.value for f in text_string_to_metric_families(body.decode())
+                  for x in f.samples if x.labels.get("job_id") == job_id}
+        assert 0 < values["orchestrator_job_progress_ratio"] < 1, values
+        assert values["orchestrator_job_eta_seconds"] > 0, values
+    finally:
+        s.close()
+        orchestrator.cancel(job_id, wait_seconds=30)

@@ -10,6 +10,7 @@ import copy
 import json
 import time
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from rich.console import Console
@@ -169,3 +170,32 @@ def test_a_lone_surrogate_is_refused_at_the_door_and_kept_out_by_the_agent(tmp_p
     assert record == {"step": 3, "metrics": {"loss": 2.0}}
     assert problems == ["heartbeat metric '\\ud800' has a name that is not valid Unicode: "
                         "not kept"], problems
+
+
+@pytest.mark.parametrize("total", ['"100"', "0", "-5", "1.5", str(1 << 62), "true", "[1]"])
+def test_a_total_steps_that_is_not_a_count_is_the_ranks_problem_and_not_kept(tmp_path, total):
+    """heartbeat(total_steps=...) gives status a percentage and an ETA: only a positive
+    count within the protocol's range leaves the node; the agent refuses anything else."""
+    from agents import rankfiles
+
+    beat = tmp_path / "heartbeat"
+    beat.write_text(f'{{"step": 3, "total_steps": {total}}}')
+    record, problems = rankfiles.heartbeat(str(beat))
+    assert record == {"step": 3, "metrics": {}}
+    assert len(problems) == 1 and "total_steps" in problems[0] and "ignored" in problems[0]
+    progress = {"type": "progress", "attempt": 1, "beat": True,
+                "ranks": {"0": {"step": 3, "at": 5.0, "total_steps": json.loads(total)}}}
+    assert "bad total_steps" in P.check(progress)
+
+
+def test_a_total_steps_that_is_a_count_is_kept_and_passes_the_door(tmp_path):
+    from agents import rankfiles
+
+    beat = tmp_path / "heartbeat"
+    beat.write_text('{"step": 3, "total_steps": 9000}')
+    record, problems = rankfiles.heartbeat(str(beat))
+    assert record == {"step": 3, "metrics": {}, "total_steps": 9000} and problems == []
+    progress = {"type": "progress", "attempt": 1, "beat": True,
+                "ranks": {"0": {**record, "at": 5.0}}}
+    assert P.check(progress) is None
+    assert P.parse(progress).ranks[0].total_steps == 9000

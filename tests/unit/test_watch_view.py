@@ -21,3 +21,19 @@ def test_the_watch_view_names_stragglers_and_shows_waiting_shares():
     assert "83%" in rows["0"] and "STRAGGLER" not in rows["0"], text
     assert "2% STRAGGLER" in rows["2"], text
     assert "stragglers: rank 2 (n1) while the others wait 83% of the time" in text, text
+
+
+def test_the_watch_view_shows_progress_under_the_head():
+    data = {"job_id": "j-1", "state": "RUNNING", "attempt": 2, "restarts": 1,
+            "max_restarts": 3, "failure": None, "stragglers": [], "nodes": [], "ranks": [],
+            "progress": {"step": 500, "total_steps": 2000, "total_from": "spec",
+                         "percent": 25.0, "remaining_steps": 1500, "steps_per_s": 5.0,
+                         "lost_share": 0.1, "eta_s": 333.3, "eta_without_faults_s": 300.0,
+                         "eta_at": "2026-11-26T11:00:00+00:00"}}
+    console = Console(record=True, width=200, color_system=None)
+    console.print(render_watch(data, [], now=0.0))
+    lines = console.export_text().splitlines()
+    assert lines[0].startswith("j-1  RUNNING  attempt 2"), lines
+    assert lines[1] == ("progress: step 500 of 2,000 (25.0%), 5 steps/s, ETA 5m 33s (at "
+                        "2026-11-26T11:00:00+00:00), counting the 10% of the time lost to "
+                        "faults so far"), lines

@@ -112,7 +112,30 @@ function summary(job) {
       el("span", {}, `restarts ${job.restarts}/${job.max_restarts}` + (job.free_restarts ? ` (+${job.free_restarts} not charged)` : "")),
       el("span", { class: "muted" }, `submitted ${when(job.submitted_at)}`),
       job.ended_at ? el("span", { class: "muted" }, `ended ${when(job.ended_at)}`) : null,
-      TERMINAL.has(job.state) ? null : el("span", { class: "muted" }, `controller pid ${c.pid} on ${c.host}: ${alive}`))));
+      TERMINAL.has(job.state) ? null : el("span", { class: "muted" }, `controller pid ${c.pid} on ${c.host}: ${alive}`)),
+    progress(job.progress)));
+}
+
+// How far, how fast, and when it ends (orchestrator/progress.py); text only from numbers.
+function span(s) {
+  s = Math.round(s);
+  if (s < 60) return `${s}s`;
+  const pad = n => String(n).padStart(2, "0");
+  if (s < 3600) return `${Math.floor(s / 60)}m ${pad(s % 60)}s`;
+  if (s < 86400) return `${Math.floor(s / 3600)}h ${pad(Math.floor(s % 3600 / 60))}m`;
+  return `${Math.floor(s / 86400)}d ${pad(Math.floor(s % 86400 / 3600))}h`;
+}
+
+function progress(p) {
+  if (!p) return null;
+  const parts = [p.step === null ? "no step yet" : `step ${p.step.toLocaleString()}`];
+  if (p.total_steps !== null) parts[0] += ` of ${p.total_steps.toLocaleString()}` + (p.percent !== null ? ` (${p.percent.toFixed(1)}%)` : "");
+  else parts.push("total unknown");
+  if (p.steps_per_s !== null) parts.push(`${Number(p.steps_per_s.toPrecision(3))} steps/s`);
+  if (p.eta_s !== null) parts.push(`ETA ${span(p.eta_s)} (${when(p.eta_at)})` + (p.lost_share ? `, counting ${Math.round(p.lost_share * 100)}% of the time lost to faults so far` : ""));
+  return el("div", { id: "progress", class: "progress" },
+    p.percent !== null ? el("progress", { max: 100, value: p.percent }) : null,
+    el("span", {}, parts.join(" · ")));
 }
 
 function failure(job) {
