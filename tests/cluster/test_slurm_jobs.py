@@ -147,6 +147,26 @@ def test_ddp_collectives_over_three_slurm_nodes(sl, tmp_path):
     print(f"3-node x 2-rank Slurm job, submit to SUCCEEDED: {elapsed:.1f}s")
 
 
+def test_orchestrator_run_with_slurm_nodes_trains_in_its_own_allocation(sl, tmp_path):
+    """A torchrun line after `orchestrator run --slurm-nodes 2`: the allocation asked for,
+    the ranks spread over it, given back at the end, and the run's exit code the job's."""
+    run = subprocess.run(
+        [PYTHON, "-m", "orchestrator", "run", "--slurm-nodes", "2", "--python", PYTHON,
+         "--nnodes", "2", "--nproc-per-node", "2", str(WORKERS / "collectives.py")],
+        capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    found = re.search(r"submitted (\S+)", run.stderr)
+    assert found, run.stderr
+    ok = [ln for ln in run.stdout.splitlines() if "COLLECTIVES OK" in ln]
+    assert len(ok) == 4, run.stdout[-3000:]
+    used = {re.match(r"\[([^:]+):", ln).group(1) for ln in ok}  # type: ignore[union-attr]
+    assert len(used) == 2 and used <= set(sl.slurm_nodes), ok
+    info = orchestrator.status(found.group(1))["slurm"]
+    assert info["owned"] is True and info["released"] is True, info
+    assert our_allocations(sl) == []
+    assert_no_job_processes(found.group(1))
+
+
 def test_a_crash_restarts_inside_the_same_allocation(sl, tmp_path):
     # Attempt 1: rank 3 exits 9; attempt 2 runs the collectives. Each rank says which Slurm
     # job it runs in (its agent is a step of that allocation).
