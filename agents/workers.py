@@ -1,5 +1,5 @@
-"""The workers of one attempt on this node: their world (see README, "Workers see
-torchrun's world"), their start, their output and their exit.
+"""The workers of one attempt on this node: their world (see
+docs/reference/worker-environment.md), their start, their output and their exit.
 
 A worker starts from the agent's own environment, which the agent never changes (the node's:
 the login's over SSH, the step's on Slurm, the submitter's on a local node), and umask; plus

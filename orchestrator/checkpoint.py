@@ -1,5 +1,5 @@
 """For training scripts: checkpoints kept in the memory of the node's agent, persisted in
-the background, verified on load (README, "Checkpoints")::
+the background, verified on load (docs/guides/checkpoints.md)::
 
     from orchestrator import checkpoint
     restored = checkpoint.load()            # (step, state) to resume, or None: start fresh

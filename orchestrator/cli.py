@@ -1,4 +1,4 @@
-"""The ``orchestrator`` command: parse, call the API, print. Exit codes (README, CLI):
+"""The ``orchestrator`` command: parse, call the API, print. Exit codes (docs/reference/cli.md):
 
     0 succeeded   1 failed (or an operational error)   2 bad spec or usage   3 cancelled
 """
@@ -122,7 +122,7 @@ def _warn(loaded: api.JobSpec, written: set[str], sets: list[str], env_files: li
 
 def _until_end(job_id: str, *, follow: bool, as_json: bool, syncing: bool) -> NoReturn:
     """``submit --wait/--follow`` once the job is submitted: Ctrl-C cancels it; exit with
-    its outcome (README, "CLI and exit codes")."""
+    its outcome (docs/reference/cli.md)."""
     if not as_json:
         typer.echo(f"submitted {job_id}", err=True)
     _cancel_on_signals(job_id)

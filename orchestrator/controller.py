@@ -1,6 +1,6 @@
 """The controller: one process per job, the only writer of the job's state.
 
-Its owners (see the README's "How it works"): the :class:`~orchestrator.engine.Engine` turns
+Its owners (see docs/architecture.md): the :class:`~orchestrator.engine.Engine` turns
 the one event loop (every channel, every check) and owns the node book, the node pool and
 the preparer; an :class:`~orchestrator.attempt.Attempt` keeps what one attempt's ranks did;
 :func:`orchestrator.policy.decide` says what comes after an attempt. This module is the

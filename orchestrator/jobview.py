@@ -132,7 +132,7 @@ def _is_spare(job: JobRecord, node: Any) -> bool:
 
 
 def status_dict(job: JobRecord) -> dict[str, Any]:
-    """The job as ``status --json`` shows it (README, CLI): its state, controller, nodes,
+    """The job as ``status --json`` shows it (docs/reference/cli.md): its state, controller, nodes,
     the current attempt's ranks, the attempts, the failure and the time lost."""
     hosts = {n.node_index: n.host for n in job.nodes}
     controller = controller_view(job)

@@ -224,7 +224,8 @@ def check(spec: JobSpec, *, connect: ConnectionFactory = default_connect,
         report.warnings.append(
             f"{master_addr}:{master_port} accepts connections from this machine, which is not "
             "one of the job's nodes: torch's rendezvous store has no authentication, so "
-            "firewall the master port (range) to the nodes (see README, Network trust)")
+            "firewall the master port (range) to the nodes (see docs/guides/security.md, "
+            "'Other hosts on the network')")
     for key in ("torch", "python"):
         versions = {r.__dict__[key] for r in reports if r.reachable and r.auth}
         if len(versions) > 1:

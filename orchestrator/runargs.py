@@ -6,7 +6,7 @@ place of ``torchrun`` it becomes the spec that ``submit`` would take, validated 
 code (``spec.parse_jobspec``, on the very YAML that ``--save-spec`` writes). Every torchrun
 flag is mapped, accepted with a note (it means nothing here, and refusing it would only
 break a paste), or refused with the reason (it would change what the script sees); the
-table is ``_FLAGS`` and the README's "From a torchrun command line". Options stop at the
+table is ``_FLAGS`` and docs/guides/from-torchrun.md. Options stop at the
 script, as torchrun's parser stops there: everything after it is the script's, even what
 looks like one of our flags.
 
@@ -453,7 +453,8 @@ def spec_yaml(request: RunRequest, path: str = "THIS_FILE") -> str:
         "nodes": "nodes ([user@]host[:port] over SSH; local: this machine); node 0 hosts "
                  "the master",
         "hostfile": "DeepSpeed/MPI hostfile (host slots=N), read at submit",
-        "slurm": "nodes allocated by Slurm (partition, time, account, gres: see README)",
+        "slurm": "nodes allocated by Slurm (partition, time, account, gres: see "
+                 "docs/guides/slurm.md)",
         "command": "each worker's argv (a $ is written $$: placeholders such as ${rank} are "
                    "expanded, yours are kept)",
         "workdir": "the workers' directory, the same path on every node",

@@ -267,9 +267,10 @@ class HealthSpec(_Model):
     heartbeat_interval: Seconds = Field(
         default=1.0, description="how often an agent is heard (it beats twice as often, at "
                                  "most every 0.5 s) and the controller pings it")
-    # Measured (README, "Endurance"): healthy nodes on a machine 64x oversubscribed were
-    # never unheard for more than 0.7 s; at 512x, for minutes. Torch elastic allows 15 s,
-    # Slurm 300 s; a false LOST costs a whole restart, a true one is still found within it.
+    # Measured (docs/guides/faults.md, "Endurance"): healthy nodes on a machine 64x
+    # oversubscribed were never unheard for more than 0.7 s; at 512x, for minutes. Torch
+    # elastic allows 15 s, Slurm 300 s; a false LOST costs a whole restart, a true one is
+    # still found within it.
     node_timeout: Seconds = Field(
         default=30.0, description="a node unheard this long is LOST (its channel is dropped "
                                   "and reconnected after half of it)")
@@ -466,7 +467,7 @@ def _size(v: Any) -> Any:
 
 
 class CheckpointSpec(_Model):
-    """Checkpoints saved by ``orchestrator.checkpoint.save`` (README, "Checkpoints"): in the
+    """Checkpoints saved by ``orchestrator.checkpoint.save`` (docs/guides/checkpoints.md): in the
     memory of each node's agent, persisted by it in the background."""
 
     dir: PathText | None = Field(

@@ -17,12 +17,13 @@ max_restarts: 3                # whole-job restarts on a failure (torchrun's --m
 # env: {{WANDB_PROJECT: demo}}   # more variables for the workers; secrets: submit --env KEY
 # rendezvous: {{backend: c10d}}  # static (default): ranks handed out; c10d: torchrun's own
 # health: {{hang_timeout: 1800}} # seconds without output or heartbeat() before a job is HUNG
+# total_steps: 10000           # percent and ETA in status (or the script's heartbeat(total_steps=))
 """
 
 STARTERS = {
     "local": """\
 # A job on this machine, without SSH: `orchestrator submit {file} --follow`.
-# All fields: README "The job spec", or jobspecs/jobspec.schema.json for your editor.
+# All fields: docs/reference/spec.md, or jobspecs/jobspec.schema.json for your editor.
 name: {name}                   # job ids are <name>-<random>: [a-z0-9-]
 nodes:
   - host: local                # this machine; add a second "- host: local" to rehearse two nodes
@@ -40,7 +41,7 @@ ssh:
   connect_timeout: 10
   # identity_file: ~/.ssh/id_ed25519
 python: python3                # the nodes' interpreter for the agent (stdlib only)
-# sync: {{}}                     # ship this directory to every node (git-tracked files)
+# sync: .                      # ship this directory to every node (git-tracked files)
 """ + _COMMON,
     "slurm": """\
 # A job on a Slurm cluster: `orchestrator submit {file} --follow` allocates the nodes

@@ -1,9 +1,10 @@
 """The worker contract, as a test sees it: what may differ between a worker's world under
-``torchrun`` and under the orchestrator (the README's "Workers see torchrun's world"), and a
-comparison that names everything else. tests/workers/world.py writes the worlds.
+``torchrun`` and under the orchestrator (docs/reference/worker-environment.md, "Workers see
+torchrun's world"), and a comparison that names everything else. tests/workers/world.py
+writes the worlds.
 
-Adding a variable to workers means adding it here and to the README (a test checks that
-every name below is in the README's section).
+Adding a variable to workers means adding it here and to that page (a test checks that
+every name below is on it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ TORCHRUN_VALUES = frozenset({
     "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_ERROR_FILE", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS",
 })
-# Ours alone, each documented in the README with its reason.
+# Ours alone, each documented in docs/reference/worker-environment.md with its reason.
 OURS = frozenset({
     "ORCHESTRATOR_JOB_ID", "ORCHESTRATOR_ATTEMPT", "ORCHESTRATOR_AGENT_TOKEN",
     "ORCHESTRATOR_HEARTBEAT_FILE", "ORCHESTRATOR_STACK_DIR", "ORCHESTRATOR_SAMPLED",
@@ -51,7 +52,7 @@ def shim_dir(world: dict) -> str:
 
 # On Slurm: the step of an allocation that the orchestrator requested (salloc --no-shell,
 # then srun --jobid) lacks what salloc puts in the shell it starts, and has two of srun's
-# step variables that a plain ``srun torchrun`` has not (README: Running on Slurm).
+# step variables that a plain ``srun torchrun`` has not (docs/guides/slurm.md).
 SLURM_ALLOCATION_SHELL = frozenset({
     "SLURM_CLUSTER_NAME", "SLURM_JOB_CPUS_PER_NODE", "SLURM_JOB_NUM_NODES",
     "SLURM_SUBMIT_DIR", "SLURM_SUBMIT_HOST"})
@@ -95,10 +96,8 @@ def differences(reference: dict, ours: dict, *, also_differ: frozenset[str] = fr
 
 
 def documented_in_readme() -> list[str]:
-    """Names above that the README's worker environment section does not mention."""
-    text = (ROOT / "README.md").read_text()
-    start = text.index("## Workers see torchrun's world")
-    section = text[start:text.index("\n## ", start + 1)]
+    """Names above that the documentation's worker environment page does not mention."""
+    section = (ROOT / "docs" / "reference" / "worker-environment.md").read_text()
     names = OURS | OURS_MULTI_NODE | OURS_CHECKPOINTS | {
         "PYTHONPATH", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
     return sorted(n for n in names if f"`{n}`" not in section)

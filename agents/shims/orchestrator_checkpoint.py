@@ -9,7 +9,7 @@ where the orchestrator is not installed.
     ...
     ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
 
-Where a copy lives (the README's "Checkpoints" section):
+Where a copy lives (docs/guides/checkpoints.md):
 
 - **Memory**: ``$ORCHESTRATOR_CHECKPOINT_MEMORY/rank-<RANK>/``, a directory on the node's
   ``/dev/shm`` that the agent made and removes. A save takes a *slot* (a file this rank

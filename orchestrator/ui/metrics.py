@@ -31,7 +31,7 @@ Per host with an infrastructure failure in the last day or a quarantine on recor
 - ``orchestrator_job_progress_ratio{job_id,name}`` (step over total steps) and
   ``orchestrator_job_eta_seconds`` (while it runs): see orchestrator/progress.py.
 - ``orchestrator_checkpoint_restored_step{job_id,name}``: the checkpoint step the current
-  attempt's ranks resumed (README, "Checkpoints"); ``orchestrator_checkpoint_memory_bytes
+  attempt's ranks resumed (docs/guides/checkpoints.md); ``orchestrator_checkpoint_memory_bytes
   {job_id,node,host}`` and ``orchestrator_checkpoint_newest_step{job_id,node,host,where}``
   (``memory``, ``persisted``): what each node's agent holds, as it last said.
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from orchestrator import starters
+from orchestrator.errors import SpecError
 from orchestrator.spec import load_jobspec
 from tests.helpers import ROOT
 
@@ -39,3 +40,25 @@ def test_init_never_overwrites_unasked_and_says_what_next(tmp_path):
                            env={**env, "PYTHONPATH": str(ROOT)})
     assert again.returncode == 2 and again.stderr.startswith("error: init: cluster.yaml exists")
     assert (tmp_path / "cluster.yaml").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("kind", ["local", "ssh", "slurm"])
+def test_each_commented_field_validates_when_uncommented(tmp_path, kind):
+    """A starter's commented lines are offers: taking any one of them (removing its '# ')
+    still gives a spec that validates; one offered "instead of" another field is refused
+    beside it, by name."""
+    import re
+
+    path = starters.write(kind, str(tmp_path / "job.yaml"))
+    lines = path.read_text().splitlines()
+    offers = [i for i, line in enumerate(lines) if re.match(r"^\s*# [a-z_]+: \S", line)]
+    assert len(offers) >= 4, lines
+    for i in offers:
+        taken = lines[:i] + [lines[i].replace("# ", "", 1)] + lines[i + 1:]
+        path.write_text("\n".join(taken) + "\n")
+        instead = re.search(r"instead of (\w+)", lines[i])
+        if instead is None:
+            load_jobspec(path)  # raises SpecError naming the field
+            continue
+        with pytest.raises(SpecError, match=f"give {instead.group(1)} or"):
+            load_jobspec(path)
