@@ -7,7 +7,10 @@ and a script that starts its own workers on each node (``launch: per-node``)."""
 from __future__ import annotations
 
 import re
+import shlex
 import shutil
+import site
+import sys
 
 import orchestrator
 from tests.helpers import PYTHON, ROOT, WORKERS, assert_no_job_processes, write_spec
@@ -53,11 +56,27 @@ def test_python_dash_m_with_relative_imports(home, tmp_path):
     assert len(found) == 4 and all("sum 6 from __main__ in mypkg" in ln for ln in found), found
 
 
+def running_interpreters_site_dirs(tmp_path):
+    """A .pth that gives a venv the site directories of the interpreter running the tests,
+    in its order: the system python's (as CI runs them) or a venv's, with or without
+    --system-site-packages (``--system-site-packages`` alone would give a venv made from a
+    venv the base interpreter's, which may have no torch, and a setuptools without
+    bdist_wheel). Through site.addsitedir, so their own .pth files work as they do here."""
+    sites = set(site.getsitepackages()) | {site.getusersitepackages()}
+    pth = tmp_path / "running-interpreter.pth"
+    pth.write_text("".join(f"import site; site.addsitedir({d!r})\n"
+                           for d in dict.fromkeys(p for p in sys.path if p in sites)))
+    return pth
+
+
 def test_a_src_layout_project_installed_by_setup_into_a_venv(home, tmp_path):
     project = copy_project(tmp_path, "srclayout")
-    # The venv sees this machine's torch, pip and setuptools (a venv's own, bundled ones are
-    # older); nothing is fetched (tests stay off the network).
-    setup = [f"{PYTHON} -m venv --system-site-packages --without-pip .venv",
+    # The venv sees the torch, pip and setuptools of the interpreter running the tests (a
+    # venv's own, bundled ones are older, and there is no torch); nothing is fetched (tests
+    # stay off the network).
+    site_packages = f".venv/lib/python{sys.version_info[0]}.{sys.version_info[1]}/site-packages"
+    setup = [f"{shlex.quote(PYTHON)} -m venv --without-pip .venv",
+             f"cp {shlex.quote(str(running_interpreters_site_dirs(tmp_path)))} {site_packages}/",
              ".venv/bin/python -m pip install -q --no-index --no-build-isolation -e ."]
     _, lines = run(local_spec(tmp_path, [".venv/bin/python", "-m", "tinyproj.train"],
                               project, setup=setup), timeout=300)

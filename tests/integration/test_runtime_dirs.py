@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -27,22 +29,55 @@ def spec(tmp_path, **env):
         "env": env, "health": {"heartbeat_interval": 0.5}})
 
 
+def tmp_names_this_run_is_in() -> list[str]:
+    """The entries of /tmp that the python running the tests and the code it runs live in:
+    a clone under /tmp, the venv inside it."""
+    paths = [sys.executable, sys.prefix, sys.exec_prefix, sys.base_prefix, str(ROOT),
+             os.path.dirname(orchestrator.__file__), *sys.path]
+    names = set()
+    for path in paths:
+        for seen in (os.path.abspath(path), os.path.realpath(path)):
+            parts = Path(seen).parts
+            if parts[:2] == ("/", "tmp") and len(parts) > 2 and os.path.lexists(seen):
+                names.add(parts[2])
+    return sorted(names)
+
+
+def keep_from_tmp(name: str, private: Path) -> str:
+    """The shell command that shows /tmp/``name`` in ``private`` (a /tmp of a test's own):
+    bound from the real one (a link: copied)."""
+    real, there = Path("/tmp", name), shlex.quote(str(private / name))
+    if real.is_symlink():
+        return f"ln -s {shlex.quote(os.readlink(real))} {there}"
+    make = "mkdir" if real.is_dir() else "touch"
+    return f"{make} {there} && mount --rbind {shlex.quote(str(real))} {there}"
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                     reason="plants a directory as another user in a private /tmp: needs root")
 def test_a_directory_another_user_planted_in_tmp_does_not_stop_anyone():
     """/tmp/orchestrator-<uid>, made first by another user (nobody, mode 0777), in a /tmp of
     this test's own (a mount namespace): the job runs, its agents under the cache. The home
-    is deep enough that the socket's path is over the 108 bytes a socket address holds."""
+    is deep enough that the socket's path is over the 108 bytes a socket address holds.
+    Where the tests run from /tmp (a clone there, its venv), the private /tmp holds those
+    directories, bound from the real one, and nothing else of it."""
     outside = Path(tempfile.mkdtemp(dir="/var/tmp", prefix="rundir-"))  # not under /tmp
     try:
         home = outside / ("h" * 90) / "home"
         home.mkdir(parents=True)
         spec_path = spec(outside, STEPS="5", STEP_SLEEP="0.05")
         uid = os.getuid()
-        script = (f"mount --make-rprivate / && mount -t tmpfs -o mode=1777 tmpfs /tmp && "
-                  f"mkdir -m 777 /tmp/orchestrator-{uid} && "
-                  f"chown 65534:65534 /tmp/orchestrator-{uid} && "
-                  f"exec {PYTHON} -m orchestrator submit {spec_path} --wait")
+        private = outside / "tmp"  # the private /tmp: made here, then moved over /tmp
+        private.mkdir()
+        kept = tmp_names_this_run_is_in()
+        assert f"orchestrator-{uid}" not in kept, kept  # the tests run from the planted name
+        q = shlex.quote
+        script = " && ".join([
+            "mount --make-rprivate /", f"mount -t tmpfs -o mode=1777 tmpfs {q(str(private))}",
+            *(keep_from_tmp(name, private) for name in kept),
+            f"mount --move {q(str(private))} /tmp",
+            f"mkdir -m 777 /tmp/orchestrator-{uid}", f"chown 65534:65534 /tmp/orchestrator-{uid}",
+            f"exec {q(PYTHON)} -m orchestrator submit {q(str(spec_path))} --wait"])
         done = subprocess.run(["unshare", "--mount", "sh", "-c", script], capture_output=True,
                               text=True, cwd=ROOT, timeout=120,
                               env={**os.environ, "HOME": str(home),
