@@ -251,7 +251,9 @@ def print_status(data: dict[str, Any]) -> None:
     ranks_by_node: dict[int, list[dict[str, Any]]] = {}
     for r in data["ranks"]:
         ranks_by_node.setdefault(r["node_index"], []).append(r)
-    held = any(n.get("checkpoint") for n in data["nodes"])
+    # A column only where a node holds a checkpoint: a job that never saves has no use for it.
+    held = any(c.get("memory_bytes") or c.get("newest_persisted") is not None
+               for n in data["nodes"] if (c := n.get("checkpoint")))
     nodes = Table("NODE", "HOST", "STATE", "RANKS (exit)", *(["CHECKPOINTS"] if held else []),
                   box=None)
     for n in data["nodes"]:

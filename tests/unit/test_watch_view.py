@@ -37,3 +37,26 @@ def test_the_watch_view_shows_progress_under_the_head():
     assert lines[1] == ("progress: step 500 of 2,000 (25.0%), 5 steps/s, ETA 5m 33s (at "
                         "2026-11-26T11:00:00+00:00), counting the 10% of the time lost to "
                         "faults so far"), lines
+
+
+def _status(checkpoint):
+    return {"job_id": "j-1", "state": "SUCCEEDED", "recorded_state": "SUCCEEDED", "attempt": 1,
+            "restarts": 0, "max_restarts": 0, "submitted_at": "t", "failure": None,
+            "controller": {"alive": None}, "stragglers": [], "attempts": [], "time_lost": {},
+            "nodes": [{"node_index": 0, "node_rank": 0, "host": "n1", "state": "DONE",
+                       "checkpoint": checkpoint}],
+            "ranks": [{"rank": 0, "node_index": 0, "state": "SUCCEEDED", "exit_code": 0,
+                       "signal": None, "step": None}]}
+
+
+def test_status_shows_a_checkpoints_column_only_where_a_node_holds_one(capsys, monkeypatch):
+    from orchestrator import render
+
+    monkeypatch.setattr(render, "console", lambda: Console(width=140, color_system=None))
+    nothing = {"memory_bytes": 0, "ranks": 0, "newest_in_memory": None,
+               "newest_persisted": None}
+    render.print_status(_status(nothing))
+    assert "CHECKPOINTS" not in capsys.readouterr().out
+    render.print_status(_status({**nothing, "memory_bytes": 3 << 20, "newest_in_memory": 7}))
+    out = capsys.readouterr().out
+    assert "CHECKPOINTS" in out and "3 MiB, step 7" in out, out
