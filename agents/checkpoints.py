@@ -36,6 +36,7 @@ from typing import Any
 
 from agents import commands as C
 from agents import protocol as P
+from agents import rankfiles
 from agents.outbox import Outbox
 from agents.paths import memory_root
 from agents.replicas import ReplicaError, Server
@@ -66,6 +67,7 @@ class Store:
         self.replicas: Server | None = None  # its buddy's copies (agents/replicas.py)
         self.buddy: tuple[str, int] | None = None  # where this node's copies go
         self._pushed: dict[int, int] = {}  # rank -> the newest step the buddy took
+        self._saves: dict[int, list[int | float]] = {}  # rank -> [step, bytes, block_s]
         self.config = C.CheckpointConfig()
         self.persist_dir: str | None = None
         self.store_id: str | None = None
@@ -121,7 +123,7 @@ class Store:
                               f"{pull.rank} from {pull.address}:{pull.port}: {exc}")
                 continue
             meta = json.loads(meta_bytes)
-            meta.update(slot=slot, persist=False)
+            meta.update(slot=slot, persist=False, pulled=True)  # its load says "buddy"
             meta_bytes = json.dumps(meta).encode()
             man = json.loads(manifest)
             man["meta"] = zlib.crc32(meta_bytes)  # the data's checksums stay the sender's
@@ -282,6 +284,10 @@ class Store:
             fcntl.flock(fd, fcntl.LOCK_SH)
             if F.read_bytes(base + ".meta") != meta_bytes:
                 return  # the slot was written again before we had it
+            block = meta.get("block_s")
+            if type(size) is int and 0 <= size < F.MAX_STEP and type(block) in (int, float) \
+                    and 0 <= block < 1e9 and step >= self._saves.get(rank, [-1])[0]:
+                self._saves[rank] = [step, size, float(block)]  # the newest save, as shown
             with _mapped(fd, size) as view:
                 manifest = F.manifest(meta_bytes, F.checksums(view, size), size)
                 F.write_file(base + ".manifest", json.dumps(manifest).encode())
@@ -326,8 +332,10 @@ class Store:
     def holdings(self) -> dict[str, Any]:
         memory: dict[str, list[int]] = {}
         persisted: dict[str, list[int]] = {}
+        restored: dict[str, list[Any]] = {}
         used = 0
-        for rank, rank_dir in self._rank_dirs():
+        ranks = self._rank_dirs()
+        for rank, rank_dir in ranks:
             steps = []
             names = _listdir(rank_dir)
             for name in names:
@@ -342,6 +350,10 @@ class Store:
                         pass
             if steps:
                 memory[str(rank)] = sorted(steps)[-MAX_REPORTED:]
+            if "restored.json" in names:
+                found = _restored(os.path.join(rank_dir, "restored.json"))
+                if found is not None:
+                    restored[str(rank)] = found
         if self.persist_dir:
             for rank, steps in _persisted(self.persist_dir).items():
                 persisted[str(rank)] = sorted(steps)[-MAX_REPORTED:]
@@ -353,7 +365,9 @@ class Store:
         return {"type": P.HELD, "attempt": self.attempt, "memory": memory,
                 "persisted": persisted, "replicas": replicas, "bytes": used,
                 "store": self.store_id,
-                "port": self.replicas.port if self.replicas is not None else None}
+                "port": self.replicas.port if self.replicas is not None else None,
+                "saves": {str(r): v for r, v in self._saves.items() if r in dict(ranks)},
+                "restored": restored}
 
     def _report(self, force: bool = False) -> None:
         conn = self.outbox.current()
@@ -387,6 +401,22 @@ class _mapped:
         self.view.release()  # a mapping with a view on it cannot be closed
         if self.map is not None:
             self.map.close()
+
+
+def _restored(path: str) -> list[Any] | None:
+    """A rank's ``restored.json`` (its load: attempt, step, which copy, seconds, copies
+    skipped), or None when it is not that: the file is the worker's, so anything may be."""
+    record = rankfiles.small_json(path, 4096)
+    if not isinstance(record, dict):
+        return None
+    values: list[Any] = [record.get(k)
+                         for k in ("attempt", "step", "source", "seconds", "skipped")]
+    counts, source, seconds = [values[0], values[1], values[4]], values[2], values[3]
+    if not all(type(v) is int and 0 <= v < F.MAX_STEP for v in counts):
+        return None
+    if source not in P.RESTORE_SOURCES or type(seconds) not in (int, float):
+        return None
+    return values if 0 <= seconds < 1e9 else None
 
 
 def _unlink(path: str) -> None:

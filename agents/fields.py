@@ -43,6 +43,15 @@ def finite(value: Any) -> float | None:
     return number if math.isfinite(number) else None
 
 
+def _fits(kind: str, value: Any, words: tuple[str, ...]) -> bool:
+    if kind == "i":
+        return type(value) is int and 0 <= value < MAX_COUNT
+    if kind == "f":
+        number = finite(value)
+        return number is not None and 0.0 <= number < MAX_TIME
+    return value in words
+
+
 class ProtocolError(ValueError):
     """A message out of protocol: ``field`` names what is wrong."""
 
@@ -132,6 +141,19 @@ class Fields:
         except UnicodeEncodeError:
             raise ProtocolError(self.kind, name, "lines must be valid Unicode") from None
         return tuple(v)
+
+    def rank_tuples(self, name: str, kinds: str, words: tuple[str, ...] = ()
+                    ) -> dict[int, Any]:
+        """``{rank: [...]}``, each list of one shape: per item of ``kinds``, ``i`` a count,
+        ``f`` a finite number from 0 (seconds), ``w`` one of ``words``."""
+        out = {}
+        for key, v in self.mapping(name, optional=True).items():
+            if not (isinstance(v, list) and len(v) == len(kinds)
+                    and all(_fits(kinds[i], v[i], words) for i in range(len(v)))):
+                raise self.bad(name, v)
+            out[self.rank_key(key, name)] = tuple(float(v[i]) if kinds[i] == "f" else v[i]
+                                                  for i in range(len(v)))
+        return out
 
     def rank_key(self, key: Any, name: str) -> int:
         """A mapping key that names a rank ("3")."""

@@ -13,18 +13,14 @@ channel::
 The first line on a channel is for the relay (``connect``, or ``hold`` for a Slurm holder
 step); every line after it is the agent's, starting with ``attach``.
 
-What the controller says (to a relay, a holder, an agent) is in agents/commands.py, one
-class a command, parsed at the agent's door as these messages are at the controller's.
+What the controller says is in agents/commands.py, parsed at the agent's door as these
+messages are at the controller's. Agent -> controller (``type``): the classes below, one a
+message. *Sequenced* messages carry ``seq`` (1, 2, ...), are kept by the agent until
+acknowledged (spooled to disk while no controller is attached) and replayed in order on the
+next ``attach``; the others only matter live. A rank's ``exited`` follows all its output.
 
-Agent -> controller (``type``): the classes below, one a message, each with the fields it
-carries. *Sequenced* messages carry ``seq`` (1, 2, ...) and are kept by the agent until
-acknowledged, spooled to disk while no controller is attached, and replayed in order on the
-next ``attach``; the others are only meaningful live. An agent's ``exited`` for a rank
-always comes after every output line of that rank.
-
-``parse`` is the door: it turns a decoded line into one of these classes, or raises
-ProtocolError naming the field, for anything of the wrong type or out of bounds. Nothing an
-agent sends reaches the controller's logic any other way.
+``parse`` is the door: a decoded line becomes one of these classes, or ProtocolError naming
+the field. Nothing an agent sends reaches the controller's logic any other way.
 """
 
 from __future__ import annotations
@@ -228,8 +224,9 @@ def _progress(f: Fields) -> Progress:
 @dataclass(frozen=True)
 class Held:
     """A node's checkpoints (agents/checkpoints.py): steps per rank in memory, in its
-    checkpoint.dir (``store``: that directory's id) and of its buddy's ranks (``replicas``,
-    served on ``port``), and the memory they take."""
+    checkpoint.dir (``store``: its id), of its buddy's ranks (``replicas``, served on ``port``)
+    and the memory they take; per rank its newest save (``saves``: step, bytes, seconds it held
+    training), its last load (``restored``: attempt, step, source, seconds, copies skipped)."""
 
     attempt: int
     memory: dict[int, tuple[int, ...]]
@@ -238,6 +235,11 @@ class Held:
     store: str | None
     replicas: dict[int, tuple[int, ...]] = field(default_factory=dict)
     port: int | None = None
+    saves: dict[int, tuple[int, int, float]] = field(default_factory=dict)
+    restored: dict[int, tuple[int, int, str, float, int]] = field(default_factory=dict)
+
+
+RESTORE_SOURCES = ("memory", "buddy", "persisted")
 
 
 def _held(f: Fields) -> Held:
@@ -247,7 +249,9 @@ def _held(f: Fields) -> Held:
             f.mapping(name, optional=True).items()}
     return Held(f.integer("attempt"), steps("memory"), steps("persisted"),
                 f.integer("bytes", 0, MAX_COUNT), f.text("store", 64, True),
-                steps("replicas"), f.integer("port", 1, 65535, optional=True))
+                steps("replicas"), f.integer("port", 1, 65535, optional=True),
+                f.rank_tuples("saves", "iif"),
+                f.rank_tuples("restored", "iiwfi", RESTORE_SOURCES))
 
 
 @dataclass(frozen=True)

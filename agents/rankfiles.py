@@ -41,6 +41,14 @@ def read_small(path: str, limit: int) -> bytes | None:
         os.close(fd)
 
 
+def small_json(path: str, limit: int) -> Any:
+    """The JSON document of a small regular file, or None (missing, larger, not JSON)."""
+    data = read_small(path, limit + 1)
+    if not data or len(data) > limit:
+        return None
+    return _json(data)[0]
+
+
 def _json(data: bytes) -> tuple[Any, str | None]:
     """The decoded document, or (None, why not)."""
     try:

@@ -43,15 +43,26 @@ class Holdings:
         self._buddies.pop(node_index, None)  # a new agent there is told again
 
     def summary(self, node_index: int) -> dict[str, Any] | None:
-        """What ``status`` shows of a node's store: bytes of memory, newest steps."""
+        """What ``status`` shows of a node's store: bytes of memory, newest steps, the
+        newest save and this attempt's loads."""
         held = self._nodes.get(node_index)
         if held is None:
             return None
         newest = [max(s) for s in held.memory.values() if s]
         stored = [max(s) for s in held.persisted.values() if s]
+        last = max((s[0] for s in held.saves.values()), default=None)
+        saves = [s for s in held.saves.values() if s[0] == last]
         return {"memory_bytes": held.bytes, "ranks": len(held.memory),
                 "newest_in_memory": min(newest) if newest else None,
-                "newest_persisted": min(stored) if stored else None}
+                "newest_persisted": min(stored) if stored else None,
+                # The newest save: its ranks' bytes together, and the longest any was held.
+                "last_save": {"step": last, "bytes": sum(s[1] for s in saves),
+                              "block_s": max(s[2] for s in saves)} if saves else None,
+                # This attempt's loads: per rank the step, which copy, seconds, bad copies.
+                "restored": {str(rank): {"step": r[1], "source": r[2], "seconds": r[3],
+                                         "skipped": r[4]}
+                             for rank, r in sorted(held.restored.items())
+                             if r[0] == held.attempt}}
 
     def _local(self, rank: int, node_index: int) -> set[int]:
         """Steps of ``rank`` that ``node_index`` can read without another node: its memory,

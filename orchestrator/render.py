@@ -297,7 +297,8 @@ def print_status(data: dict[str, Any]) -> None:
 
 
 def _held(c: dict[str, Any] | None) -> str:
-    """A node's checkpoint store: memory in use, newest step in memory, persisted."""
+    """A node's checkpoint store: memory in use, newest step in memory, persisted, what its
+    newest save held the training, and where this attempt's ranks restored from."""
     if not c:
         return "-"
     text = f"{c.get('memory_bytes', 0) / (1 << 20):.0f} MiB"
@@ -305,6 +306,15 @@ def _held(c: dict[str, Any] | None) -> str:
         text += f", step {c['newest_in_memory']}"
     if c.get("newest_persisted") is not None:
         text += f" (persisted {c['newest_persisted']})"
+    last = c.get("last_save")
+    if last:
+        text += f"; saves {last['bytes'] / (1 << 20):.0f} MiB, held {last['block_s']:.3f} s"
+    loads = list((c.get("restored") or {}).values())
+    if loads:
+        sources = sorted({r["source"] for r in loads})
+        text += f"; restored {'/'.join(sources)} in {max(r['seconds'] for r in loads):.1f} s"
+        if any(r["skipped"] for r in loads):
+            text += f", {sum(r['skipped'] for r in loads)} bad copies skipped"
     return text
 
 

@@ -99,6 +99,7 @@ class _Slot:
 
 _slots = {}  # type: dict[str, _Slot]  # path -> slot, for this process
 _saves = [0]  # saves this process made: every persist_every-th is persisted
+_skipped = [0]  # copies this process found not good (named on stderr)
 
 
 def _rank():
@@ -256,6 +257,7 @@ def save(step, state):
         slot.ensure(max(size, 1))
         _copy_in(torch, slot, views, entries)
         meta["slot"] = number
+        meta["block_s"] = round(time.perf_counter() - started, 6)  # shown in status
         F.write_file(os.path.join(rank_dir, F.step_name(step) + ".meta"),
                    json.dumps(meta).encode("utf-8"))
     finally:
@@ -416,6 +418,7 @@ def _persisted_copy(torch, root, step):
 
 
 def _mark_corrupt(base):
+    _skipped[0] += 1
     try:
         os.replace(base + ".manifest", base + ".corrupt")
     except OSError:
@@ -435,13 +438,14 @@ def load():
     it, a rank that has no good copy of the agreed step raises CheckpointError (the attempt
     fails, and the next one is agreed on the copies that are left)."""
     import torch
+    started = time.perf_counter()
     root = os.environ.get(F.DIR_VAR)
     text = os.environ.get(F.STEP_VAR)
     if os.environ.get(F.MEMORY_VAR) and text:
         step = int(text)
         found = _copy(torch, root, step)
         if _everyone(torch, found is not None):
-            return step, found[1]
+            return _restored(step, found, started)
         if not _distributed(torch):
             raise CheckpointError("rank %d has no good copy of step %d, the step every rank "
                                   "was to resume" % (_rank(), step))
@@ -456,12 +460,35 @@ def load():
             return None
         found = _copy(torch, root, step)
         if _everyone(torch, found is not None):
-            return step, found[1]
+            return _restored(step, found, started)
         candidates = [s for s in candidates if s < step]
 
 
 def _copy(torch, root, step):
-    return _memory_copy(torch, step) or (root and _persisted_copy(torch, root, step)) or None
+    """``(meta, state, where)`` of the nearest good copy of ``step``: this node's memory (a
+    copy pulled from a buddy says so), else the persisted one; None when neither is good."""
+    found = _memory_copy(torch, step)
+    if found is not None:
+        return found + ("buddy" if found[0].get("pulled") else "memory",)
+    found = _persisted_copy(torch, root, step) if root else None
+    return found + ("persisted",) if found is not None else None
+
+
+def _restored(step, found, started):
+    """``(step, state)``, once the rank's agent is told which copy it was and how long it
+    took (``restored.json`` in the rank's memory directory: status shows it)."""
+    memory = os.environ.get(F.MEMORY_VAR)
+    if memory:
+        record = {"attempt": _int_env("ORCHESTRATOR_ATTEMPT", 0), "step": step,
+                  "source": found[2], "seconds": round(time.perf_counter() - started, 3),
+                  "skipped": _skipped[0]}
+        try:
+            rank_dir = os.path.join(memory, "rank-%d" % _rank())
+            os.makedirs(rank_dir, mode=0o700, exist_ok=True)
+            F.write_file(os.path.join(rank_dir, "restored.json"), json.dumps(record).encode())
+        except OSError:
+            pass  # the agent's report is not worth a training
+    return step, found[1]
 
 
 def _held_steps(root):

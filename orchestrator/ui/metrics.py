@@ -33,7 +33,10 @@ Per host with an infrastructure failure in the last day or a quarantine on recor
 - ``orchestrator_checkpoint_restored_step{job_id,name}``: the checkpoint step the current
   attempt's ranks resumed (docs/guides/checkpoints.md); ``orchestrator_checkpoint_memory_bytes
   {job_id,node,host}`` and ``orchestrator_checkpoint_newest_step{job_id,node,host,where}``
-  (``memory``, ``persisted``): what each node's agent holds, as it last said.
+  (``memory``, ``persisted``): what each node's agent holds, as it last said;
+  ``orchestrator_checkpoint_block_seconds`` and ``orchestrator_checkpoint_bytes``
+  ``{job_id,node,host}``: its newest save; ``orchestrator_checkpoint_restored_ranks
+  {job_id,name,source}``: where the current attempt's ranks restored from.
 
 The ``_total`` ones are counters; the others are gauges.
 """
@@ -155,8 +158,18 @@ class _Collector:
         eta = GaugeMetricFamily("orchestrator_job_eta_seconds",
                                 "Seconds until the job's last step, at its pace, counting the "
                                 "share of time lost to faults so far.", labels=job_labels)
+        block = GaugeMetricFamily("orchestrator_checkpoint_block_seconds",
+                                  "Seconds the node's newest save held training (its slowest "
+                                  "rank).", labels=["job_id", "node", "host"])
+        size = GaugeMetricFamily("orchestrator_checkpoint_bytes",
+                                 "Bytes of the node's newest save, its ranks together.",
+                                 labels=["job_id", "node", "host"])
+        sources = GaugeMetricFamily("orchestrator_checkpoint_restored_ranks",
+                                    "Ranks of the current attempt that restored from each "
+                                    "source (memory, buddy, persisted).",
+                                    labels=[*job_labels, "source"])
         for job in shown:
-            _checkpoint_metrics(job, restored, memory, newest)
+            _checkpoint_metrics(job, restored, memory, newest, (block, size, sources))
             infra.add_metric([job.job_id, job.name], job.infra_restarts)
             for klass in FailureClass:
                 classes.add_metric([job.job_id, job.name, klass.value], sum(
@@ -177,13 +190,16 @@ class _Collector:
                 eta.add_metric([job.job_id, job.name], far["eta_s"])
         yield from (restarts, free, attempt, duration, node_state, node_age, step, rate, beat,
                     wait, slow, lost, gpu_lost, goodput, infra, classes, restored, memory, newest,
-                    done, eta)
+                    done, eta, block, size, sources)
 
 
-def _checkpoint_metrics(job: JobRecord, restored: Any, held: Any, newest: Any) -> None:
+def _checkpoint_metrics(job: JobRecord, restored: Any, held: Any, newest: Any,
+                        saves: tuple[Any, Any, Any]) -> None:
     current = next((a for a in job.attempts if a.attempt == job.attempt), None)
     if current is not None and current.restored_step is not None:
         restored.add_metric([job.job_id, job.name], current.restored_step)
+    block, size, sources = saves
+    loads: dict[str, int] = {}
     for n in job.nodes:
         report = n.info.get("checkpoint")
         if not isinstance(report, dict):
@@ -194,6 +210,14 @@ def _checkpoint_metrics(job: JobRecord, restored: Any, held: Any, newest: Any) -
         for where, key in (("memory", "newest_in_memory"), ("persisted", "newest_persisted")):
             if isinstance(report.get(key), int):
                 newest.add_metric([*labels, where], report[key])
+        last = report.get("last_save")
+        if isinstance(last, dict):
+            block.add_metric(labels, last["block_s"])
+            size.add_metric(labels, last["bytes"])
+        for load in (report.get("restored") or {}).values():
+            loads[load["source"]] = loads.get(load["source"], 0) + 1
+    for source, count in sorted(loads.items()):
+        sources.add_metric([job.job_id, job.name, source], count)
 
 
 def _job_metrics(job: JobRecord, now: float, restarts: Any, free: Any, attempt: Any,

@@ -9,6 +9,7 @@ import glob
 import json
 import os
 import signal
+import subprocess
 
 import torch
 
@@ -148,7 +149,17 @@ def test_no_memory_is_left_after_a_cancel_or_the_agents_death(tmp_path, home):
     wait_for(lambda: memory_dirs(job_id) == [], 10, what="the memory removed")
 
 
-def lost_node_resumes_from_its_buddy(job_id: str, out, before_kill=None) -> dict:
+def restored_from(shown: dict) -> dict[str, int]:
+    """Ranks of the running attempt by where their load found its copy, as status has it."""
+    found: dict[str, int] = {}
+    for n in shown["nodes"]:
+        for load in ((n.get("checkpoint") or {}).get("restored") or {}).values():
+            found[load["source"]] = found.get(load["source"], 0) + 1
+    return found
+
+
+def lost_node_resumes_from_its_buddy(job_id: str, out, before_kill=None,
+                                     while_resumed=None) -> dict:
     """Node rank 1's agent SIGKILLed once rank 3 saved step 15: the job must succeed, every
     rank resuming the same step (from memory, and the lost ranks from their replicas), with
     the weights of a run that never failed, nothing left running and no memory left. The
@@ -168,6 +179,9 @@ def lost_node_resumes_from_its_buddy(job_id: str, out, before_kill=None) -> dict
     wait_for(lambda: min(replicated(2), replicated(3)) >= 15, 60, what="step 15 replicated")
     lost = next(n for n in shown["nodes"] if n["node_rank"] == 1)
     os.kill(lost["agent_pid"], signal.SIGKILL)  # the agent of this test's job on that node
+    if while_resumed is not None:
+        wait_for(lambda: while_resumed(orchestrator.status(job_id)), 60, interval=0.05,
+                 what="the resumed attempt as status shows it")
     result = orchestrator.wait(job_id, timeout=180)
     assert result["state"] == "SUCCEEDED", result["failure"]
     assert result["attempts"][0]["failure"]["cause"] == "NODE_FAIL"
@@ -204,5 +218,46 @@ def test_a_lost_nodes_ranks_resume_from_their_replicas_on_its_buddy(tmp_path, ho
         assert [n["spare"] for n in shown["nodes"]] == [False, False, True]
         replicas = glob.glob(os.path.join(SHM, f"{job_id}.0", "replicas", "rank-*"))
         assert sorted(os.path.basename(r) for r in replicas) == ["rank-2", "rank-3"]
-    result = lost_node_resumes_from_its_buddy(job_id, out, replicas_on_node_0)
+    # While attempt 2 runs, status says where each rank's copy came from: the spare's two
+    # ranks from the replicas it pulled from the buddy, node 0's from its own memory.
+    result = lost_node_resumes_from_its_buddy(
+        job_id, out, replicas_on_node_0,
+        lambda shown: restored_from(shown) == {"memory": 2, "buddy": 2})
     assert {r["node_index"] for r in result["ranks"]} == {0, 2}
+
+
+def test_status_says_what_each_save_held_and_where_each_rank_restored_from(tmp_path, home):
+    """While the resumed attempt runs: per node the newest save's bytes and the seconds it
+    held the training, and per rank which copy it restored and how long that took; the
+    same in the text of status and in Prometheus."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "shown", "nodes": [{"host": "local"}], "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "ckpt_train.py")], "workdir": str(tmp_path),
+        "max_restarts": 1, "restart_backoff": {"initial": 0.1},
+        "env": {"OUT": str(out), "CRASH_AT": "5", "STEPS": "60", "STEP_SLEEP": "0.1",
+                "STATE_MB": "1"}}))
+    seen: dict = {}
+
+    def resumed(shown: dict) -> bool:
+        seen.update(shown)
+        return shown["attempt"] == 2 and restored_from(shown) == {"memory": 2}
+    wait_for(lambda: resumed(orchestrator.status(job_id)), 60, interval=0.05,
+             what="both ranks restored from memory")
+    held = seen["nodes"][0]["checkpoint"]
+    assert {r: load["step"] for r, load in held["restored"].items()} == {"0": 5, "1": 5}
+    assert all(0 <= load["seconds"] < 30 and load["skipped"] == 0
+               for load in held["restored"].values()), held
+    last = held["last_save"]
+    assert last["step"] >= 5 and 0 < last["block_s"] < 5, last
+    assert last["bytes"] >= 2 << 20, last  # both ranks' state: 1 MiB of it each, and more
+    text = subprocess.run([PYTHON, "-m", "orchestrator", "status", job_id], capture_output=True,
+                          text=True, timeout=60).stdout
+    assert "; restored memory in " in text and " MiB, held " in text, text
+    metrics = exposition(home)[0].decode()
+    assert f'orchestrator_checkpoint_restored_ranks{{job_id="{job_id}",name="shown",' \
+        'source="memory"} 2.0' in metrics, [ln for ln in metrics.splitlines() if "restored" in ln]
+    assert "orchestrator_checkpoint_block_seconds{" in metrics
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]

@@ -476,3 +476,26 @@ def test_a_running_jobs_page_shows_its_progress_and_eta(home, tmp_path):
     finally:
         s.close()
         orchestrator.cancel(job_id, wait_seconds=30)
+
+
+def test_a_nodes_card_says_what_it_holds_and_what_a_save_held_the_training(home, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "saving", "nodes": [{"host": "local"}], "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "ckpt_train.py")], "workdir": str(tmp_path),
+        "env": {"OUT": str(out), "STEPS": "400", "STEP_SLEEP": "0.1", "STATE_MB": "1"}}))
+    s = _Server(home, auth=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (orchestrator.status(job_id)["nodes"][0].get("checkpoint") or {}).get(
+                "last_save"):
+            assert time.monotonic() < deadline, orchestrator.status(job_id)["nodes"]
+            time.sleep(0.2)
+        dom = _render(_chromium(), s.url(f"/jobs/{job_id}"))
+        (line,) = [text for a, text in dom.find("div") if "checkpoint" in (a.get("class") or "")]
+        assert re.fullmatch(r"checkpoints \d+ MiB, step \d+ · save of \d+ MiB held [\d.]+ s",
+                            line), line
+    finally:
+        s.close()
+        orchestrator.cancel(job_id, wait_seconds=30)

@@ -196,3 +196,57 @@ def test_a_new_attempt_drops_the_copies_of_steps_after_the_one_it_resumes(store,
     s.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20, None), str(tmp_path), 3, 1)
     assert sorted(os.listdir(os.path.join(s.root, "rank-1"))) == ["slot-0", "slot-1"]
     assert F.persisted_steps(s.persist_dir, 1) == [3]  # a fresh start may resume from disk
+
+
+def test_what_a_save_held_and_where_a_load_came_from_reach_status(store, monkeypatch):
+    """Per save: bytes and the seconds the training was held; per load: which copy, how long,
+    bad copies skipped. The agent reports them in ``held``, the door takes them, and the
+    controller's summary (status, Prometheus) shows them for the current attempt."""
+    s, outbox = store
+    monkeypatch.setenv("ORCHESTRATOR_ATTEMPT", "1")
+    held_for = ckpt.save(7, {"w": torch.randn(1 << 16)})
+    s._pass()
+    held = P.parse(outbox.sent[-1])
+    assert isinstance(held, P.Held)
+    ((step, size, block),) = held.saves.values()
+    assert (step, size) == (7, 4 << 16) and 0 < block <= held_for, held.saves
+    # The memory copy broken: the load takes the persisted one, and says it skipped one.
+    with open(os.path.join(s.root, "rank-1", "slot-0"), "r+b") as f:
+        f.write(b"\xff" * 8)
+    monkeypatch.setenv(F.STEP_VAR, "7")
+    assert ckpt.load()[0] == 7
+    s._pass()
+    held = P.parse(outbox.sent[-1])
+    assert isinstance(held, P.Held)
+    assert held.restored[1][:3] == (1, 7, "persisted") and held.restored[1][4] >= 1
+    book = Holdings()
+    book.update(0, held)
+    shown = book.summary(0)
+    assert shown is not None
+    assert shown["last_save"] == {"step": 7, "bytes": 4 << 16, "block_s": block}
+    assert shown["restored"]["1"]["source"] == "persisted"
+
+
+@pytest.mark.parametrize("record", [
+    '{"attempt": 1, "step": 7, "source": "elsewhere", "seconds": 0.1, "skipped": 0}',
+    '{"attempt": 1, "step": -7, "source": "memory", "seconds": 0.1, "skipped": 0}',
+    '{"attempt": 1, "step": 7, "source": "memory", "seconds": NaN, "skipped": 0}',
+    '[1, 7, "memory", 0.1, 0]', '{"attempt": "1"}', "x" * 5000])
+def test_a_load_record_the_worker_garbled_is_not_reported(store, record):
+    s, outbox = store
+    ckpt.save(7, {"w": torch.zeros(4)})
+    with open(os.path.join(s.root, "rank-1", "restored.json"), "w") as f:
+        f.write(record)
+    s._pass()
+    held = P.parse(outbox.sent[-1])
+    assert isinstance(held, P.Held) and held.memory == {1: (7,)} and held.restored == {}
+
+
+@pytest.mark.parametrize("bad", [{"saves": {"1": [7, 10]}}, {"saves": {"1": [7, 10, -1.0]}},
+                                 {"saves": {"1": [7, 10, "0.1"]}},
+                                 {"restored": {"1": [1, 7, "disk", 0.1, 0]}},
+                                 {"restored": {"1": [1, 7, "memory", 0.1, True]}}])
+def test_the_door_refuses_a_held_with_a_bad_save_or_load(bad):
+    message = {"type": "held", "attempt": 1, "memory": {"1": [7]}, "persisted": {},
+               "bytes": 0, **bad}
+    assert P.check(message) is not None

@@ -179,6 +179,20 @@ function stragglers(job) {
     el("span", { class: "muted" }, " — the other ranks spend their time waiting for these in collectives")));
 }
 
+// A node's checkpoints (orchestrator/checkpoints.py summary): what it holds, what its newest
+// save held the training, where this attempt's ranks restored from; nothing for a job that
+// never saves.
+function held(c) {
+  if (!c || !(c.memory_bytes || c.newest_persisted !== null)) return null;
+  const mib = b => `${(b / 1048576).toFixed(0)} MiB`;
+  const parts = [`checkpoints ${mib(c.memory_bytes)}` + (c.newest_in_memory !== null ? `, step ${c.newest_in_memory}` : "") +
+    (c.newest_persisted !== null ? ` (persisted ${c.newest_persisted})` : "")];
+  if (c.last_save) parts.push(`save of ${mib(c.last_save.bytes)} held ${c.last_save.block_s.toFixed(3)} s`);
+  const loads = Object.values(c.restored || {});
+  if (loads.length) parts.push(`restored from ${[...new Set(loads.map(l => l.source))].sort().join("/")} in ${Math.max(...loads.map(l => l.seconds)).toFixed(1)} s`);
+  return el("div", { class: "muted checkpoint" }, parts.join(" · "));
+}
+
 function grid(job) {
   const byNode = {};
   for (const r of job.ranks) (byNode[r.node_index] = byNode[r.node_index] || []).push(r);
@@ -186,6 +200,7 @@ function grid(job) {
     el("div", { class: "head" }, el("strong", {}, `node ${n.node_rank ?? "-"}`), ` ${n.host} `, badge(n.state),
       n.spare ? el("span", { class: "badge spare", title: "a hot spare: takes a lost or failed node's place" }, "spare") : null,
       el("div", { class: "muted" }, `heard ${age(n.last_heard)}`)),
+    held(n.checkpoint),
     el("div", { class: "ranks" }, (byNode[n.node_index] || []).map(r => el("div", {
       class: "rank" + (r.straggler ? " straggler" : ""), "data-rank": r.rank, "data-state": r.state,
       title: `rank ${r.rank} (local ${r.local_rank}) ${r.state}` + (r.exit_code !== null ? ` exit ${r.exit_code}` : "") +
