@@ -352,6 +352,10 @@ def _restore(torch, meta_bytes, man, path, locked=False):
         kind = getattr(torch, dtype)
         if nbytes:
             t = whole[offset:offset + nbytes].view(kind).reshape(shape)
+            if nbytes <= F.OWN_BELOW:
+                # Small tensors get storage of their own: torch.set_rng_state crashes on a
+                # view into a larger buffer, and a small one would keep the whole copy alive.
+                t = t.clone()
         else:
             t = torch.empty(shape, dtype=kind)
         tensors.append(t)

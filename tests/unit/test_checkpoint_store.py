@@ -20,6 +20,7 @@ from agents.checkpoints import Store
 from agents.shims import orchestrator_checkpoint as ckpt
 from agents.shims import orchestrator_checkpoint_format as F
 from orchestrator.checkpoints import Holdings
+from tests.helpers import ROOT
 
 
 class Outbox:
@@ -250,3 +251,29 @@ def test_the_door_refuses_a_held_with_a_bad_save_or_load(bad):
     message = {"type": "held", "attempt": 1, "memory": {"1": [7]}, "persisted": {},
                "bytes": 0, **bad}
     assert P.check(message) is not None
+
+
+def test_a_loaded_rng_state_can_be_set_again(tmp_path):
+    """torch.set_rng_state of a state as load() gives it back: with the state a view into the
+    copy's one buffer, torch read the wrong bytes (a crash, or 'Invalid mt19937 state').
+    In a process of its own, since the failure may be a segfault."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "from agents.shims import orchestrator_checkpoint as ckpt\n"
+        "ckpt.save(3, {'w': torch.zeros(1 << 18), 'rng': torch.get_rng_state(),\n"
+        "              'after': torch.zeros(100)})\n"
+        "want = torch.rand(4)\n"
+        "step, state = ckpt.load()\n"
+        "torch.set_rng_state(state['rng'])\n"
+        "assert torch.equal(torch.rand(4), want)\n"
+        "assert state['rng'].untyped_storage().nbytes() == state['rng'].numel()\n"
+        "print('same draws')\n")
+    env = {**os.environ, "RANK": "0", F.DIR_VAR: str(tmp_path / "ck")}
+    for name in (F.MEMORY_VAR, F.STEP_VAR):
+        env.pop(name, None)
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120, cwd=str(ROOT))
+    assert done.returncode == 0 and "same draws" in done.stdout, (done.returncode, done.stderr)
