@@ -3,7 +3,8 @@
 
 A worker's ``save()`` (agents/shims/orchestrator_checkpoint.py; the format in
 orchestrator_checkpoint_format.py) copies its state into a slot under ``memory_root()`` and
-writes the save's meta last. On a thread of its own, the store then, for every save it finds:
+writes the save's meta last, then pokes the store (a datagram on ``<memory root>/wake``). On a
+thread of its own, woken so, the store then, for every save it finds:
 
 - **seals** it: a manifest of CRC-32s over the slot's bytes, taken under a shared lock of the
   slot (a save takes an exclusive one, so it never writes what is being read);
@@ -29,7 +30,9 @@ import json
 import mmap
 import os
 import secrets
+import select
 import shutil
+import socket
 import threading
 import zlib
 from typing import Any
@@ -44,7 +47,8 @@ from agents.replicas import pull as pull_replica
 from agents.replicas import push as push_replica
 from agents.shims import orchestrator_checkpoint_format as F
 
-SCAN_EVERY = 0.2  # seconds between looks for new saves
+SCAN_EVERY = 0.2  # seconds between looks for new saves, where saves cannot wake the store
+LOOK_EVERY = 2.0  # and where they can (a look all the same: a datagram may be dropped)
 MAX_REPORTED = 64  # steps per rank in one report (the newest)
 MAX_PROBLEMS = 256  # problems said in the agent's log over its life
 STORE_ID = ".orchestrator-store"  # names a checkpoint.dir: nodes that read the same one share it
@@ -73,7 +77,7 @@ class Store:
         self.store_id: str | None = None
         self.attempt = 0
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._wake = Wake()
         self._closed = False
         self._last: dict[str, Any] | None = None
         self._sent_to: object = None
@@ -85,6 +89,7 @@ class Store:
         """Serve replicas and report, from the agent's start: a controller learns this
         node's replica port before it plans the first attempt's buddies."""
         os.makedirs(self.root, mode=0o700, exist_ok=True)
+        self._wake.listen(os.path.join(self.root, F.WAKE_NAME))
         try:
             self.replicas = Server(self.root, self.secret, self._room, self._problem)
         except OSError as exc:  # no TCP here: the node keeps its own copies only
@@ -196,6 +201,7 @@ class Store:
         if self.replicas is not None:
             self.replicas.close()
             self.replicas = None
+        self._wake.close()
         shutil.rmtree(self.root, ignore_errors=True)
         self._report(force=True)  # nothing held any more: what status shows from now on
 
@@ -206,8 +212,7 @@ class Store:
                 self._pass()
             except Exception as exc:  # never the agent's end: said, and tried again
                 self._problem(f"checkpoint store: {exc!r}")
-            self._wake.wait(SCAN_EVERY)
-            self._wake.clear()
+            self._wake.wait()
 
     def _pass(self, final: bool = False) -> None:
         for rank, rank_dir in self._rank_dirs():
@@ -401,6 +406,69 @@ class _mapped:
         self.view.release()  # a mapping with a view on it cannot be closed
         if self.map is not None:
             self.map.close()
+
+
+class Wake:
+    """What wakes the store's thread: ``set()`` here, or a datagram on the socket at
+    ``<memory root>/wake`` that a worker's save sends (so a save is sealed and replicated at
+    once, and an idle store looks only every LOOK_EVERY). Without the socket (a path too
+    long for an address), a look every SCAN_EVERY."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._sock: socket.socket | None = None
+        self._pipe = os.pipe()  # set() wakes a wait on the socket through it
+        for fd in self._pipe:
+            os.set_blocking(fd, False)
+
+    def listen(self, path: str) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            sock.bind(path)
+        except OSError:
+            sock.close()
+            return
+        sock.setblocking(False)
+        self._sock = sock
+
+    def set(self) -> None:
+        self._event.set()
+        try:
+            os.write(self._pipe[1], b"w")
+        except OSError:
+            pass
+
+    def wait(self) -> None:
+        if self._sock is None:
+            self._event.wait(SCAN_EVERY)
+        elif not self._event.is_set():
+            select.select([self._sock.fileno(), self._pipe[0]], [], [], LOOK_EVERY)
+        self._event.clear()
+        for drain in (self._drain_socket, self._drain_pipe):
+            drain()
+
+    def _drain_socket(self) -> None:
+        try:
+            while self._sock is not None and self._sock.recv(64):
+                pass
+        except OSError:
+            pass
+
+    def _drain_pipe(self) -> None:
+        try:
+            while os.read(self._pipe[0], 64):
+                pass
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+        for fd in self._pipe:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 def _restored(path: str) -> list[Any] | None:

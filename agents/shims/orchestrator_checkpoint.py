@@ -43,6 +43,7 @@ import fcntl
 import json
 import mmap
 import os
+import socket
 import sys
 import time
 import zlib
@@ -262,7 +263,23 @@ def save(step, state):
                    json.dumps(meta).encode("utf-8"))
     finally:
         fcntl.flock(slot.fd, fcntl.LOCK_UN)
+    _poke(os.path.join(memory, F.WAKE_NAME))
     return time.perf_counter() - started
+
+
+_poker = []  # type: list  # this process's datagram socket, made at its first save
+
+
+def _poke(path):
+    """Wake the agent's store now (it seals and replicates this save at once) rather than
+    at its next look; a datagram that cannot go (the agent busy or gone) is no matter."""
+    try:
+        if not _poker:
+            _poker.append(socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC
+                                        | socket.SOCK_NONBLOCK))
+        _poker[0].sendto(b"s", path)
+    except OSError:
+        pass
 
 
 def _copy_in(torch, slot, views, entries):

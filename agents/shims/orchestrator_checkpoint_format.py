@@ -18,6 +18,7 @@ import zlib
 
 FORMAT = 1
 CHUNK = 16 << 20  # bytes a CRC covers: a corrupt byte names a chunk, not the whole copy
+WAKE_NAME = "wake"  # the agent's datagram socket in the memory root: a save pokes it
 OWN_BELOW = 1 << 16  # bytes: a loaded tensor this small is a copy, not a view of the whole
 ALIGN = 64
 MEMORY_VAR = "ORCHESTRATOR_CHECKPOINT_MEMORY"

@@ -277,3 +277,24 @@ def test_a_loaded_rng_state_can_be_set_again(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=120, cwd=str(ROOT))
     assert done.returncode == 0 and "same draws" in done.stdout, (done.returncode, done.stderr)
+
+
+def test_a_save_wakes_the_store_at_once(store, monkeypatch):
+    """The store's thread looks for saves rarely when idle (LOOK_EVERY); a save pokes it, so
+    it is sealed (and replicated) at once, not at the next look."""
+    import time
+
+    from agents import checkpoints
+
+    monkeypatch.setattr(checkpoints, "LOOK_EVERY", 60.0)
+    monkeypatch.setattr(checkpoints, "SCAN_EVERY", 60.0)
+    s, _ = store
+    s.start()
+    time.sleep(0.3)  # its first pass done: now it waits
+    assert os.path.exists(os.path.join(s.root, F.WAKE_NAME))
+    ckpt.save(4, {"w": torch.ones(1000)})
+    manifest = os.path.join(s.root, "rank-1", "step-4.manifest")
+    deadline = time.monotonic() + 10
+    while not os.path.exists(manifest):
+        assert time.monotonic() < deadline, os.listdir(os.path.join(s.root, "rank-1"))
+        time.sleep(0.01)
