@@ -507,6 +507,7 @@ def _restored(step, found, started):
             rank_dir = os.path.join(memory, "rank-%d" % _rank())
             os.makedirs(rank_dir, mode=0o700, exist_ok=True)
             F.write_file(os.path.join(rank_dir, "restored.json"), json.dumps(record).encode())
+            _poke(os.path.join(memory, F.WAKE_NAME))  # reported now, not at the next look
         except OSError:
             pass  # the agent's report is not worth a training
     return step, found[1]
