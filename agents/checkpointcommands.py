@@ -57,17 +57,29 @@ def _bad(f: _Read, name: str, value: Any) -> Any:
 NO_CHECKPOINT = CheckpointConfig()  # the defaults, and no step to resume
 
 
+MAX_TARGETS = 64  # replica servers one node sends to
+
+
 @dataclass(frozen=True)
 class ReplicateTo(Command):
-    """Send this node's checkpoints to its buddy's replica server (port 0: to nobody)."""
+    """Send this node's checkpoints to its buddy's replica server (port 0: to nobody), and
+    ``also`` to these (a hot spare's: it holds them before it may take this node's place)."""
 
     OP = "replicate_to"
     address: str
     port: int
+    also: tuple[tuple[str, int], ...] = ()
 
     @classmethod
     def read(cls, f: _Read) -> ReplicateTo:
-        return cls(f.text("address", 255), f.integer("port", 0, MAX_PORT))
+        also = []
+        for target in f.array("also", True, limit=MAX_TARGETS):
+            if not (isinstance(target, list) and len(target) == 2):
+                _bad(f, "also", target)
+            also.append((f.text("also", 255, value=target[0]),
+                         f.integer("also", 1, MAX_PORT, value=target[1])))
+        return cls(f.text("address", 255), f.integer("port", 0, MAX_PORT), tuple(also))
+
 
 
 @dataclass(frozen=True)

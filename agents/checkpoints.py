@@ -69,8 +69,9 @@ class Store:
         self.outbox = outbox
         self.secret = secret
         self.replicas: Server | None = None  # its buddy's copies (agents/replicas.py)
-        self.buddy: tuple[str, int] | None = None  # where this node's copies go
-        self._pushed: dict[int, int] = {}  # rank -> the newest step the buddy took
+        # Where this node's copies go: a hot spare's replica server, then its buddy's.
+        self.targets: list[tuple[str, int]] = []
+        self._pushed: dict[tuple[tuple[str, int], int], int] = {}  # (target, rank) -> step
         self._saves: dict[int, list[int | float]] = {}  # rank -> [step, bytes, block_s]
         self.config = C.CheckpointConfig()
         self.persist_dir: str | None = None
@@ -91,7 +92,8 @@ class Store:
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._wake.listen(os.path.join(self.root, F.WAKE_NAME))
         try:
-            self.replicas = Server(self.root, self.secret, self._room, self._problem)
+            self.replicas = Server(self.root, self.secret, self._room, self._problem,
+                                   self._wake.set)
         except OSError as exc:  # no TCP here: the node keeps its own copies only
             self._problem(f"checkpoint replicas: cannot listen: {exc}")
         self._thread = threading.Thread(target=self._run, daemon=True, name="checkpoints")
@@ -99,8 +101,11 @@ class Store:
 
     def replicate_to(self, buddy: C.ReplicateTo) -> None:
         with self._lock:
-            self.buddy = (buddy.address, buddy.port) if buddy.port else None
-            self._pushed.clear()
+            # The spare first: it is where a lost node's ranks resume, and what it holds
+            # newest decides whether their copies are there already or must be pulled.
+            first = [(buddy.address, buddy.port)] if buddy.port else []
+            self.targets = [t for t in buddy.also if t not in first] + first
+            self._pushed = {k: v for k, v in self._pushed.items() if k[0] in self.targets}
         self._wake.set()
 
     def retain(self, keep: C.Retain) -> None:
@@ -224,17 +229,17 @@ class Store:
             self._report()
 
     def _replicate(self, rank: int, rank_dir: str) -> None:
-        """The rank's sealed saves the buddy lacks, oldest first (none skipped: the step
+        """The rank's sealed saves each target lacks, oldest first (none skipped: the step
         every rank's buddy holds is what the ranks resume after a node's loss)."""
-        buddy = self.buddy
-        if buddy is None:
-            return
         names = set(_listdir(rank_dir))
-        sealed = sorted(s for s in (F.parse_step(n, suffix=".manifest") for n in names)
-                        if s is not None and s > self._pushed.get(rank, -1))
-        for step in sealed:
-            if self._closed or not self._push(rank, rank_dir, step, buddy):
-                return
+        steps = sorted(s for s in (F.parse_step(n, suffix=".manifest") for n in names)
+                       if s is not None)
+        for target in list(self.targets):
+            for step in steps:
+                if step <= self._pushed.get((target, rank), -1):
+                    continue
+                if self._closed or not self._push(rank, rank_dir, step, target):
+                    break  # this target is behind: the next pass tries again
 
     def _push(self, rank: int, rank_dir: str, step: int, buddy: tuple[str, int]) -> bool:
         base = os.path.join(rank_dir, F.step_name(step))
@@ -252,7 +257,7 @@ class Store:
             with _mapped(fd, meta["size"]) as view:
                 push_replica(buddy[0], buddy[1], self.secret, rank, step, meta_bytes,
                              manifest, view)
-            self._pushed[rank] = step
+            self._pushed[(buddy, rank)] = step
             return True
         except (OSError, ReplicaError) as exc:
             self._problem(f"checkpoint: replicating to {buddy[0]}:{buddy[1]} failed: {exc}")

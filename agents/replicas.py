@@ -164,8 +164,9 @@ class Server:
     """This node's side: takes its buddy's replicas and hands them to a replacement."""
 
     def __init__(self, root: str, secret: str, room: Callable[[], int],
-                 problem: Callable[[str], None]):
+                 problem: Callable[[str], None], kept: Callable[[], None] = lambda: None):
         self.root = os.path.join(root, "replicas")
+        self.kept = kept  # a replica was kept: the node's report of what it holds is news
         self.secret = secret
         self.room = room  # bytes of the node's checkpoint memory still free
         self.problem = problem
@@ -261,6 +262,7 @@ class Server:
             _unlink(base + ".data.tmp")
         self.prune(directory)
         _send_line(conn, {"ok": True})
+        self.kept()
 
     def discard(self, which: Callable[[int | None], bool]) -> None:
         """Replicas of the steps ``which`` names go (a new attempt left them behind)."""

@@ -18,7 +18,7 @@ May call ``plan`` and ``spec`` (types only).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from agents import commands as C
@@ -32,7 +32,7 @@ log = logging.getLogger("orchestrator.controller")
 class Holdings:
     def __init__(self) -> None:
         self._nodes: dict[int, P.Held] = {}
-        self._buddies: dict[int, tuple[str, int]] = {}  # node -> the buddy it was told of
+        self._buddies: dict[int, C.ReplicateTo] = {}  # node -> where it was told to send
         self._retained: int | None = None  # the step the nodes were last told to retain
 
     def update(self, node_index: int, held: P.Held) -> None:
@@ -103,11 +103,17 @@ class Holdings:
             source = self._replicated(rank).get(step)
             if step in self._local(rank, node_index) or source is None:
                 continue
+            if self.holds_replica(node_index, rank, step):
+                source = node_index  # a spare that held them: copied from itself
             port = self._nodes[source].port
             assert port is not None
             out.setdefault(node_index, []).append(
                 C.Pull(rank, step, addresses[source], port))
         return {node: tuple(p) for node, p in out.items()}
+
+    def holds_replica(self, node_index: int, rank: int, step: int) -> bool:
+        held = self._nodes.get(node_index)
+        return held is not None and held.port is not None and step in held.replicas.get(rank, ())
 
     def new_attempt(self) -> None:
         """Agents drop what they retained when an attempt starts: tell them again."""
@@ -130,20 +136,30 @@ class Holdings:
         self._retained = step
         return C.Retain(step)
 
-    def buddies(self, ring: list[int], addresses: Mapping[int, str]) -> dict[int, C.ReplicateTo]:
+    def buddies(self, ring: list[int], addresses: Mapping[int, str],
+                spares: Sequence[int] = ()) -> dict[int, C.ReplicateTo]:
         """What to tell which node (only news): each node of ``ring`` (the attempt's nodes in
         node-rank order) sends its copies to the next one's replica server, the last to the
-        first; a node alone sends them nowhere."""
+        first (a node alone: nowhere), and also to the first hot spare of ``spares``: the one
+        that takes a failed node's place (participants.choose_participants), so it holds
+        that node's copies before it is needed."""
         news = {}
+        also = self._server(spares[0], addresses) if spares else None
         for i, node_index in enumerate(ring):
-            buddy = ring[(i + 1) % len(ring)]
-            held = self._nodes.get(buddy)
-            target = ("", 0) if buddy == node_index or held is None or held.port is None \
-                else (addresses[buddy], held.port)
-            if self._buddies.get(node_index, ("", 0)) != target:
-                self._buddies[node_index] = target
-                news[node_index] = C.ReplicateTo(*target)
+            buddy = self._server(ring[(i + 1) % len(ring)], addresses)
+            told = C.ReplicateTo(*(buddy if buddy and ring[(i + 1) % len(ring)] != node_index
+                                   else ("", 0)), (also,) if also else ())
+            if self._buddies.get(node_index, C.ReplicateTo("", 0)) != told:
+                self._buddies[node_index] = told
+                news[node_index] = told
         return news
+
+    def _server(self, node_index: int, addresses: Mapping[int, str]) -> tuple[str, int] | None:
+        """Where ``node_index`` takes replicas (None: it serves none, or is not heard yet)."""
+        held = self._nodes.get(node_index)
+        if held is None or held.port is None or node_index not in addresses:
+            return None
+        return addresses[node_index], held.port
 
 
 def attempt_config(spec: JobSpec, holdings: Holdings, plan: LaunchPlan,
@@ -156,10 +172,13 @@ def attempt_config(spec: JobSpec, holdings: Holdings, plan: LaunchPlan,
     step = holdings.agreed_step(where)
     pulls: dict[int, tuple[C.Pull, ...]] = {}
     if step is not None:
-        pulls = holdings.pulls(where, step, {i: node_address(spec.nodes[i])
-                                             for i in range(len(spec.nodes))})
+        addresses = {i: node_address(spec.nodes[i]) for i in range(len(spec.nodes))}
+        pulls = holdings.pulls(where, step, addresses)
+        held = sum(1 for node, its in pulls.items() for pull in its
+                   if holdings.holds_replica(node, pull.rank, step))
         log.info("attempt %d resumes checkpoint step %d%s", plan.attempt, step,
-                 f" ({sum(map(len, pulls.values()))} ranks from replicas)" if pulls else "")
+                 f" ({sum(map(len, pulls.values()))} ranks from replicas, {held} of them "
+                 "held by the node that runs them)" if pulls else "")
     section = spec.checkpoint
     return C.CheckpointConfig(section.dir, section.persist_every, section.keep,
                               section.memory, step), pulls

@@ -109,19 +109,21 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
 
 
 def assign_buddies(engine: Engine) -> None:
-    """Tell the running attempt's nodes where their checkpoints go and which steps they
-    keep (what changed)."""
+    """Tell the running attempt's nodes where their checkpoints go (their buddy, and the
+    spare that would take their place) and which steps they and the spares keep (what
+    changed)."""
     attempt = engine.current
     if attempt is None or attempt.ended:
         return
-    addresses = {i: node_address(engine.spec.nodes[i]) for i in attempt.participants}
+    spares = [n.index for n in engine.nodes if n.usable and n.index not in attempt.participants]
+    addresses = {i: node_address(engine.spec.nodes[i]) for i in [*attempt.participants, *spares]}
     news: list[tuple[int, C.Command]] = list(
-        engine.holdings.buddies(attempt.participants, addresses).items())
+        engine.holdings.buddies(attempt.participants, addresses, spares).items())
     per_node = engine.spec.nproc_per_node
     keep = engine.holdings.retained(placement(
         attempt.plan, attempt.nprocs, per_node if isinstance(per_node, int) else 1))
     if keep is not None:
-        news += [(index, keep) for index in attempt.participants]
+        news += [(index, keep) for index in [*attempt.participants, *spares]]
     for index, command in news:
         if engine.nodes[index].channel is not None:
             engine.pool.send(engine.nodes[index], command)

@@ -218,12 +218,22 @@ def test_a_lost_nodes_ranks_resume_from_their_replicas_on_its_buddy(tmp_path, ho
         assert [n["spare"] for n in shown["nodes"]] == [False, False, True]
         replicas = glob.glob(os.path.join(SHM, f"{job_id}.0", "replicas", "rank-*"))
         assert sorted(os.path.basename(r) for r in replicas) == ["rank-2", "rank-3"]
+        # The spare holds every participant's copies before it is needed.
+        def on_spare() -> set[str]:
+            return {os.path.basename(os.path.dirname(r)) for r in glob.glob(os.path.join(
+                SHM, f"{job_id}.2", "replicas", "rank-*", "step-*.manifest"))}
+        wait_for(lambda: on_spare() == {"rank-0", "rank-1", "rank-2", "rank-3"}, 30,
+                 what="every rank's replicas on the spare")
     # While attempt 2 runs, status says where each rank's copy came from: the spare's two
     # ranks from the replicas it pulled from the buddy, node 0's from its own memory.
     result = lost_node_resumes_from_its_buddy(
         job_id, out, replicas_on_node_0,
         lambda shown: restored_from(shown) == {"memory": 2, "buddy": 2})
     assert {r["node_index"] for r in result["ranks"]} == {0, 2}
+    # The spare took the lost node's place with its copies already in its own replicas.
+    log = (home / "jobs" / job_id / "controller.log").read_text()
+    assert "(2 ranks from replicas, 2 of them held by the node that runs them)" in log, \
+        [ln for ln in log.splitlines() if "resumes checkpoint" in ln]
 
 
 def test_status_says_what_each_save_held_and_where_each_rank_restored_from(tmp_path, home):

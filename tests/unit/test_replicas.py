@@ -102,6 +102,36 @@ def test_each_node_replicates_to_the_next_and_is_told_only_news():
     assert h.buddies([0], addresses) == {0: C.ReplicateTo("", 0)}  # alone: nowhere
 
 
+def test_every_node_also_replicates_to_the_first_spare_which_pulls_from_itself():
+    """The first hot spare (the one that takes a failed node's place) holds every
+    participant's copies before it is needed; taking a place, it copies them from itself."""
+    h = Holdings()
+    addresses = {0: "a", 1: "b", 2: "c", 3: "d"}
+    for index in range(4):
+        h.update(index, held(port=4000 + index))
+    assert h.buddies([0, 1], addresses, [2, 3]) == {
+        0: C.ReplicateTo("b", 4001, (("c", 4002),)), 1: C.ReplicateTo("a", 4000, (("c", 4002),))}
+    assert h.buddies([0, 1], addresses, [2, 3]) == {}  # only news
+    assert h.buddies([0, 1], addresses, [3]) == {  # spare 2 took a place elsewhere, or left
+        0: C.ReplicateTo("b", 4001, (("d", 4003),)), 1: C.ReplicateTo("a", 4000, (("d", 4003),))}
+    # Node 1 lost: spare 2 takes its place; it holds node 1's ranks (2, 3) at step 7 itself.
+    h.update(0, held({0: [7], 1: [7]}, {2: [7], 3: [7]}, port=4000))
+    h.update(2, held(replicas={0: [7], 1: [7], 2: [7], 3: [7]}, port=4002))
+    where = {0: 0, 1: 0, 2: 2, 3: 2}
+    assert h.agreed_step(where) == 7
+    assert h.pulls(where, 7, addresses) == {2: (C.Pull(2, 7, "c", 4002), C.Pull(3, 7, "c", 4002))}
+
+
+def test_the_door_reads_where_a_node_replicates():
+    from agents import commands
+
+    told = C.ReplicateTo("10.0.0.2", 4001, (("10.0.0.3", 4002),))
+    assert commands.parse(commands.wire(told)) == (told, None)
+    for bad in ([["10.0.0.3"]], [["10.0.0.3", 0]], [[3, 4002]], "10.0.0.3:4002"):
+        with pytest.raises(P.ProtocolError):
+            commands.parse({**commands.wire(told), "also": bad})
+
+
 def test_the_step_every_rank_could_resume_after_a_node_loss_is_retained():
     h = Holdings()
     h.update(0, held({}, {2: [5, 6], 3: [5, 6, 7]}, port=4000))
