@@ -84,6 +84,7 @@ class AttemptResult:
 
     outcome: AttemptOutcome
     failure: Failure | None = None
+    restored_step: int | None = None  # the checkpoint step its ranks resumed (None: fresh)
 
 
 class Attempt:
@@ -379,7 +380,8 @@ class Attempt:
     def result(self) -> AttemptResult | None:
         """None while the attempt runs."""
         if self.failure is not None:
-            return AttemptResult(AttemptOutcome.FAILED, self.failure)
+            return AttemptResult(AttemptOutcome.FAILED, self.failure,
+                                 self.checkpoint.restore_step)
         if len(self.exits) >= self.expected:
             return AttemptResult(AttemptOutcome.SUCCEEDED)
         return None

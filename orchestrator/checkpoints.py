@@ -34,6 +34,8 @@ class Holdings:
         self._nodes: dict[int, P.Held] = {}
         self._buddies: dict[int, C.ReplicateTo] = {}  # node -> where it was told to send
         self._retained: int | None = None  # the step the nodes were last told to retain
+        self.below: int | None = None  # the next attempt resumes a step older than this
+        self.fell_back = False  # that happened once in this job (policy.decide)
 
     def update(self, node_index: int, held: P.Held) -> None:
         self._nodes[node_index] = held
@@ -89,6 +91,8 @@ class Holdings:
         common: set[int] | None = None
         for rank, node_index in placement.items():
             steps = self._local(rank, node_index) | set(self._replicated(rank))
+            if self.below is not None:  # falling back: the same error came after that step
+                steps = {s for s in steps if s < self.below}
             common = steps if common is None else common & steps
             if not common:
                 return None
@@ -115,9 +119,15 @@ class Holdings:
         held = self._nodes.get(node_index)
         return held is not None and held.port is not None and step in held.replicas.get(rank, ())
 
+    def fall_back(self, below: int | None) -> None:
+        """The next attempt resumes a step older than ``below`` (None: no fall back)."""
+        if below is not None:
+            self.below, self.fell_back = below, True
+
     def new_attempt(self) -> None:
-        """Agents drop what they retained when an attempt starts: tell them again."""
-        self._retained = None
+        """Agents drop what they retained when an attempt starts: tell them again (and a
+        fall back is done)."""
+        self._retained, self.below = None, None
 
     def retained(self, ranks: Iterable[int]) -> C.Retain | None:
         """News for every node, when it changed: the newest step of which every rank of

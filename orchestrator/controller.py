@@ -218,8 +218,8 @@ class Controller:
                 result = self._run_attempt(participants)
                 if result is None:
                     return self._stopped()
-            decision = policy.decide(result, self.restarts, self.spec,
-                                     self.previous_failure, self.infra_restarts)
+            decision = policy.decide(result, self.restarts, self.spec, self.previous_failure,
+                                     self.infra_restarts, engine.holdings.fell_back)
             self.previous_failure = result.failure
             if result.failure is not None:
                 self._guarded(functools.partial(self._keep_reputation, result.failure))
@@ -230,6 +230,7 @@ class Controller:
             self._end_attempt(result)
             if isinstance(decision, policy.Fail):
                 return JobState.FAILED, {"failure": decision.failure}
+            engine.holdings.fall_back(decision.below)
             if result.failure is not None:  # queued: never waits for a receiver
                 self.notifier.restarted(result.failure.to_dict(), self.attempt)
             if decision.charged:

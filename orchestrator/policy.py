@@ -40,6 +40,7 @@ class Restart:
     charged: bool  # counted against max_restarts
     infra: bool = False  # counted against max_infra_restarts instead
     reason: str = field(default="", compare=False)
+    below: int | None = None  # resume a checkpoint older than this step (a fall back)
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,15 @@ Decision = Succeed | Restart | Fail
 
 
 def decide(result: AttemptResult, restarts: int, spec: JobSpec,
-           previous: Failure | None = None, infra_restarts: int = 0) -> Decision:
+           previous: Failure | None = None, infra_restarts: int = 0,
+           fell_back: bool = False) -> Decision:
     """What to do after an attempt that ended with ``result``, ``restarts`` (and
     ``infra_restarts``) having been charged before it; ``previous`` is the failure of the
-    attempt before, if it failed. Writes the class and the decision on ``result.failure``."""
+    attempt before, if it failed. Writes the class and the decision on ``result.failure``.
+
+    The same error again right after resuming a checkpoint may be that checkpoint's (a state
+    that verifies but is bad: NaN, a poisoned batch): once per job (``fell_back``: done), it
+    is restarted from an older checkpoint rather than ended by ``stop_on_repeat``."""
     if result.outcome == AttemptOutcome.SUCCEEDED:
         return Succeed()
     failure = result.failure
@@ -65,7 +71,18 @@ def decide(result: AttemptResult, restarts: int, spec: JobSpec,
     if failure.cause == FailureCause.CONTROLLER_LOST:
         failure.decision = "restarted, not charged: the controller was gone, not the job"
         return Restart(spec.restart_backoff.initial, charged=False, reason=failure.decision)
-    never = _never_restarted(failure, verdict, previous, spec)
+    never = _never_restarted(failure, spec)
+    repeat = (never is None and spec.restart_policy.stop_on_repeat
+              and verdict.klass == FailureClass.USER and failclass.same_error(failure, previous))
+    below = result.restored_step if repeat and not fell_back else None
+    if below is not None and restarts < spec.max_restarts:
+        failure.decision = (f"restarted: restart {restarts + 1} of max_restarts "
+                            f"{spec.max_restarts}, from a checkpoint older than step {below}: "
+                            f"the same error twice, after resuming step {below}")
+        return Restart(backoff(restarts + infra_restarts + 1, spec), charged=True,
+                       reason=failure.decision, below=below)
+    if repeat:
+        never = f"the same error twice ({failure.signature})"
     if never is not None:
         failure.decision = f"not restarted: {never}"
         return Fail(final_failure(failure, restarts, spec, exhausted=False))
@@ -102,9 +119,8 @@ def verdict_of(failure: Failure, spec: JobSpec) -> Verdict:
     return verdict
 
 
-def _never_restarted(failure: Failure, verdict: Verdict, previous: Failure | None,
-                     spec: JobSpec) -> str | None:
-    """Why no restart can help, or None."""
+def _never_restarted(failure: Failure, spec: JobSpec) -> str | None:
+    """Why no restart can help, or None (``stop_on_repeat`` aside: see decide)."""
     if failure.cause == FailureCause.LAUNCH_FAILED:
         return "the launch failed"
     if failure.exit_code is not None and failure.exit_code in spec.fail_on_exit_codes:
@@ -112,9 +128,6 @@ def _never_restarted(failure: Failure, verdict: Verdict, previous: Failure | Non
     line = _matching_line(failure, spec.restart_policy.fail_on_log)
     if line is not None:
         return f"fail_on_log matched: {line}"
-    if (spec.restart_policy.stop_on_repeat and verdict.klass == FailureClass.USER
-            and failclass.same_error(failure, previous)):
-        return f"the same error twice ({failure.signature})"
     return None
 
 

@@ -271,3 +271,34 @@ def test_status_says_what_each_save_held_and_where_each_rank_restored_from(tmp_p
     assert "orchestrator_checkpoint_block_seconds{" in metrics
     result = orchestrator.wait(job_id, timeout=120)
     assert result["state"] == "SUCCEEDED", result["failure"]
+
+
+def test_the_same_error_right_after_a_resume_falls_back_to_an_older_checkpoint_once(tmp_path,
+                                                                                   home):
+    """A copy that verifies but is bad (NaN weights saved at step 6): the first failure
+    restarts from it, the same error right after resuming it would end the job
+    (stop_on_repeat), but once per job the restart goes to an older checkpoint instead, and
+    from there the job trains through."""
+    job_id, result, out = run(tmp_path, home, {"POISON_AT": "6", "STEPS": "12"}, restarts=3)
+    assert result["state"] == "SUCCEEDED", result.get("failure")
+    attempts = result["attempts"]
+    assert [a["restored_step"] for a in attempts] == [None, 6, 5], attempts
+    assert all("FloatingPointError" in (a["failure"]["signature"] or "") for a in attempts[:2]), \
+        [a["failure"] for a in attempts[:2]]
+    assert "from a checkpoint older than step 6: the same error twice, after resuming step 6" \
+        in attempts[1]["failure"]["decision"], attempts[1]["failure"]
+    assert result["restarts"] == 2
+    expected_final = torch.load(out / "final-0.pt")
+    assert not any(torch.isnan(v).any() for v in expected_final.values())
+
+
+def test_a_fall_back_happens_once_then_the_same_error_ends_the_job(tmp_path, home):
+    """Every checkpoint bad from step 6 on and again after the fall back: the second repeat
+    ends the job as stop_on_repeat says, with restarts left."""
+    job_id, result, out = run(tmp_path, home, {"POISON_AT": "6", "STEPS": "12",
+                                               "POISON_ALWAYS": "1"}, restarts=5)
+    assert result["state"] == "FAILED"
+    attempts = result["attempts"]
+    assert [a["restored_step"] for a in attempts][:2] == [None, 6], attempts
+    assert "not restarted: the same error twice" in attempts[-1]["failure"]["decision"]
+    assert result["restarts"] < 5

@@ -71,6 +71,25 @@ def test_the_same_error_twice_ends_the_job_with_the_budget_left():
     assert isinstance(decide(crashed(MISSING_IMPORT), 1, off, previous=first.failure), Restart)
 
 
+def test_the_same_error_right_after_resuming_a_checkpoint_falls_back_once():
+    """A copy that verifies but is bad: the same error right after resuming step 40 is
+    restarted once from a checkpoint older than 40 (charged); a second time, or once the
+    budget is spent, or without a resumed step, stop_on_repeat ends the job as before."""
+    first = crashed(MISSING_IMPORT)
+    resumed = AttemptResult(AttemptOutcome.FAILED, crashed(MISSING_IMPORT).failure, 40)
+    back = decide(resumed, 1, spec(), previous=first.failure)
+    assert isinstance(back, Restart) and back.charged and back.below == 40
+    assert resumed.failure is not None and resumed.failure.decision == (
+        "restarted: restart 2 of max_restarts 5, from a checkpoint older than step 40: the "
+        "same error twice, after resuming step 40")
+    again = AttemptResult(AttemptOutcome.FAILED, crashed(MISSING_IMPORT).failure, 39)
+    assert isinstance(decide(again, 2, spec(), previous=first.failure, fell_back=True), Fail)
+    spent = AttemptResult(AttemptOutcome.FAILED, crashed(MISSING_IMPORT).failure, 40)
+    assert isinstance(decide(spent, 5, spec(), previous=first.failure), Fail)
+    fresh = crashed(MISSING_IMPORT)  # no checkpoint resumed: nothing to fall back from
+    assert isinstance(decide(fresh, 1, spec(), previous=first.failure), Fail)
+
+
 def test_infrastructure_failures_have_their_own_budget_when_asked():
     own = spec("restart_policy: {max_infra_restarts: 2}\n", max_restarts=1)
     killed = crashed(code=None, sig="SIGKILL")

@@ -142,3 +142,14 @@ def test_the_step_every_rank_could_resume_after_a_node_loss_is_retained():
     h.update(0, held({}, {2: [6, 7], 3: [6, 7]}, port=4000))
     assert h.retained([0, 1, 2, 3]) == C.Retain(7)
     assert h.retained([0, 1, 2, 3, 4]) is None  # rank 4 has no replica: nothing to keep
+
+
+def test_a_fall_back_agrees_on_a_step_older_than_the_one_that_failed_once():
+    h = Holdings()
+    h.update(0, held({0: [5, 6, 7], 1: [6, 7]}, port=4000))
+    where = {0: 0, 1: 0}
+    assert h.agreed_step(where) == 7
+    h.fall_back(7)
+    assert h.agreed_step(where) == 6 and h.fell_back
+    h.new_attempt()  # it started: the next restart agrees on the newest again
+    assert h.agreed_step(where) == 7 and h.fell_back

@@ -6,7 +6,10 @@ a run that never failed when no step is lost or done twice with other weights.
 Env: STEPS (default 12); CRASH_AT / CRASH_RANK: in the first attempt, that rank SIGKILLs
 itself right after saving that step; STATE_MB: extra state per rank (a tensor of that size);
 OUT: a directory where each rank writes ``final-<rank>.pt`` and ``resumed-<attempt>-<rank>``;
-STAMPS: print the wall clock at the kill and at the first step after a resume (benchmarks).
+STAMPS: print the wall clock at the kill and at the first step after a resume (benchmarks);
+POISON_AT: in the first attempt (every attempt, with POISON_ALWAYS=1), the weights turn NaN
+at that step and are saved so (a copy that verifies but is bad), then every rank raises the
+error a NaN model raises, as it does right after loading that copy again.
 """
 import os
 import signal
@@ -25,6 +28,12 @@ model = torch.nn.Linear(16, 4)
 opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 extra = torch.zeros(int(float(os.environ.get("STATE_MB", "0")) * (1 << 20)) // 4)
 
+def healthy(model):
+    """Raises the same error, at the same line, whenever the weights are NaN."""
+    if any(torch.isnan(p).any() for p in model.parameters()):
+        raise FloatingPointError("the model's weights are NaN")
+
+
 start = 0
 restored = ckpt.load()
 if restored is not None:
@@ -32,6 +41,7 @@ if restored is not None:
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optim"])
     assert state["step"] == step and state["rank"] == rank, (state["step"], state["rank"])
+    healthy(model)
     start = step + 1
 with open(os.path.join(out, f"resumed-{attempt}-{rank}"), "w") as f:
     f.write(str(start - 1))
@@ -46,11 +56,18 @@ for step in range(start, int(os.environ.get("STEPS", "12"))):
         dist.all_reduce(p.grad)
         p.grad /= world
     opt.step()
+    poisoned = (attempt == "1" or os.environ.get("POISON_ALWAYS") == "1") and \
+        step == int(os.environ.get("POISON_AT", "-1"))
+    if poisoned:
+        with torch.no_grad():
+            model.weight.fill_(float("nan"))
     if restored is not None and step == start and os.environ.get("STAMPS"):
         print(f"rank {rank} trains again at {time.time()}", flush=True)
     blocked = ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
                                "step": step, "rank": rank, "extra": extra})
     print(f"rank {rank} step {step} saved in {blocked * 1000:.1f} ms", flush=True)
+    if poisoned:
+        healthy(model)
     if attempt == "1" and step == int(os.environ.get("CRASH_AT", "-1")) and \
             rank == int(os.environ.get("CRASH_RANK", "1")):
         if os.environ.get("STAMPS"):
