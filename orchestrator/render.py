@@ -306,6 +306,9 @@ def _held(c: dict[str, Any] | None) -> str:
         text += f", step {c['newest_in_memory']}"
     if c.get("newest_persisted") is not None:
         text += f" (persisted {c['newest_persisted']})"
+    replicas = c.get("replicas") or {}
+    if replicas.get("ranks"):
+        text += f"; replicas of {replicas['ranks']} ranks, step {replicas['newest']}"
     last = c.get("last_save")
     if last:
         text += f"; saves {last['bytes'] / (1 << 20):.0f} MiB, held {last['block_s']:.3f} s"

@@ -224,6 +224,8 @@ def test_a_lost_nodes_ranks_resume_from_their_replicas_on_its_buddy(tmp_path, ho
                 SHM, f"{job_id}.2", "replicas", "rank-*", "step-*.manifest"))}
         wait_for(lambda: on_spare() == {"rank-0", "rank-1", "rank-2", "rank-3"}, 30,
                  what="every rank's replicas on the spare")
+        wait_for(lambda: (orchestrator.status(job_id)["nodes"][2]["checkpoint"] or {}).get(
+            "replicas", {}).get("ranks") == 4, 30, what="status: the spare's replicas")
     # While attempt 2 runs, status says where each rank's copy came from: the spare's two
     # ranks from the replicas it pulled from the buddy, node 0's from its own memory.
     result = lost_node_resumes_from_its_buddy(
@@ -269,6 +271,14 @@ def test_status_says_what_each_save_held_and_where_each_rank_restored_from(tmp_p
     assert f'orchestrator_checkpoint_restored_ranks{{job_id="{job_id}",name="shown",' \
         'source="memory"} 2.0' in metrics, [ln for ln in metrics.splitlines() if "restored" in ln]
     assert "orchestrator_checkpoint_block_seconds{" in metrics
+    # The dashboard's attempts say the step each resumed.
+    from tests.integration.test_dashboard import _chromium, _render, _Server
+    server = _Server(home, auth=True)
+    try:
+        dom = _render(_chromium(), server.url(f"/jobs/{job_id}"))
+    finally:
+        server.close()
+    assert [text for _, text in dom.find("td", **{"class": "restored-step"})] == ["-", "5"]
     result = orchestrator.wait(job_id, timeout=120)
     assert result["state"] == "SUCCEEDED", result["failure"]
 

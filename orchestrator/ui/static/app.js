@@ -187,6 +187,7 @@ function held(c) {
   const mib = b => `${(b / 1048576).toFixed(0)} MiB`;
   const parts = [`checkpoints ${mib(c.memory_bytes)}` + (c.newest_in_memory !== null ? `, step ${c.newest_in_memory}` : "") +
     (c.newest_persisted !== null ? ` (persisted ${c.newest_persisted})` : "")];
+  if (c.replicas && c.replicas.ranks) parts.push(`replicas of ${c.replicas.ranks} ranks, step ${c.replicas.newest}`);
   if (c.last_save) parts.push(`save of ${mib(c.last_save.bytes)} held ${c.last_save.block_s.toFixed(3)} s`);
   const loads = Object.values(c.restored || {});
   if (loads.length) parts.push(`restored from ${[...new Set(loads.map(l => l.source))].sort().join("/")} in ${Math.max(...loads.map(l => l.seconds)).toFixed(1)} s`);
@@ -247,12 +248,13 @@ function timeline(job) {
     (unknown ? `${known ? "; " : "time lost: "}unknown for ${unknown} incident(s) (no steps reported: restarted ${lost.unknown_downtime_s} s after the fault, steps redone unknown)` : "") +
     (lost.goodput !== null ? ` · goodput ${lost.goodput.toFixed(2)}` : "")) : null;
   replace("timeline", el("section", {}, el("h2", {}, "Attempts"), chart, total,
-    el("table", {}, el("thead", {}, el("tr", {}, ["#", "STARTED", "ENDED", "OUTCOME", "CLASS", "CAUSE", "STEPS/S", "WARM", "TIME LOST"].map(h => el("th", {}, h)))),
+    el("table", {}, el("thead", {}, el("tr", {}, ["#", "STARTED", "ENDED", "OUTCOME", "CLASS", "CAUSE", "STEPS/S", "WARM", "FROM STEP", "TIME LOST"].map(h => el("th", {}, h)))),
       el("tbody", {}, attempts.map(a => el("tr", { "data-attempt": a.attempt }, el("td", {}, a.attempt), el("td", {}, when(a.started_at)),
         el("td", {}, when(a.ended_at)), el("td", {}, badge(a.outcome)),
         el("td", { class: "failure-class" }, a.failure && a.failure.failure_class ? a.failure.failure_class : ""),
         el("td", {}, a.failure ? a.failure.message + (a.failure.decision ? `; ${a.failure.decision}` : "") : ""),
         el("td", {}, a.steps_per_s ? a.steps_per_s.toFixed(2) : "-"), el("td", {}, a.warm_starts || "-"),
+        el("td", { class: "restored-step", title: "the checkpoint step its ranks resumed" }, a.restored_step ?? "-"),
         el("td", {}, cost(incident[a.attempt]))))))));
 }
 
