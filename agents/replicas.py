@@ -183,7 +183,8 @@ class Server:
         threading.Thread(target=self._accept, daemon=True, name="replicas").start()
 
     def close(self) -> None:
-        self._closed = True
+        with self._lock:  # a transfer under way makes nothing from now on (see _put)
+            self._closed = True
         try:
             self.listener.close()
         except OSError:
@@ -250,9 +251,14 @@ class Server:
         _send_line(conn, {"ok": True})  # go on: the sender does not send what is refused
         meta, manifest = _read_exact(conn, meta_len), _read_exact(conn, manifest_len)
         directory = os.path.join(self.root, f"rank-{rank}")
-        os.makedirs(directory, mode=0o700, exist_ok=True)
         base = os.path.join(directory, f"step-{step}")
         with self._lock:
+            if self._closed:  # the node's memory is being removed: never made again here
+                raise ReplicaError("this node's checkpoint store is closing")
+            try:
+                os.mkdir(directory, 0o700)  # not makedirs: a removed store stays removed
+            except FileExistsError:
+                pass
             for suffix in (".manifest", ".meta", ".data"):  # an older copy of this step goes
                 _unlink(base + suffix)
         _receive_to(conn, base + ".data.tmp", size)

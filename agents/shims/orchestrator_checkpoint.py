@@ -246,8 +246,7 @@ def save(step, state):
     if not memory:
         _save_files(step, meta, views, size)
         return time.perf_counter() - started
-    rank_dir = os.path.join(memory, "rank-%d" % meta["rank"])
-    os.makedirs(rank_dir, mode=0o700, exist_ok=True)
+    rank_dir = _rank_dir(memory)
     budget = _int_env(F.BUDGET_VAR, 1 << 62)
     metas = _metas(rank_dir)
     number, slot = _take_slot(rank_dir, size, budget, metas)
@@ -280,6 +279,20 @@ def _poke(path):
         _poker[0].sendto(b"s", path)
     except OSError:
         pass
+
+
+def _rank_dir(memory):
+    """This rank's directory in the agent's memory, made if need be; never the memory itself
+    (the agent makes it, and removes it when it ends: a directory made again would outlive
+    it). Raises CheckpointError when the agent's memory is gone."""
+    rank_dir = os.path.join(memory, "rank-%d" % _rank())
+    try:
+        os.mkdir(rank_dir, 0o700)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        raise CheckpointError("the agent's checkpoint memory %s is gone" % memory) from None
+    return rank_dir
 
 
 def _copy_in(torch, slot, views, entries):
@@ -504,11 +517,10 @@ def _restored(step, found, started):
                   "source": found[2], "seconds": round(time.perf_counter() - started, 3),
                   "skipped": _skipped[0]}
         try:
-            rank_dir = os.path.join(memory, "rank-%d" % _rank())
-            os.makedirs(rank_dir, mode=0o700, exist_ok=True)
+            rank_dir = _rank_dir(memory)
             F.write_file(os.path.join(rank_dir, "restored.json"), json.dumps(record).encode())
             _poke(os.path.join(memory, F.WAKE_NAME))  # reported now, not at the next look
-        except OSError:
+        except (OSError, CheckpointError):
             pass  # the agent's report is not worth a training
     return step, found[1]
 

@@ -298,3 +298,14 @@ def test_a_save_wakes_the_store_at_once(store, monkeypatch):
     while not os.path.exists(manifest):
         assert time.monotonic() < deadline, os.listdir(os.path.join(s.root, "rank-1"))
         time.sleep(0.01)
+
+
+def test_a_save_after_the_agent_removed_its_memory_makes_none_again(store):
+    """A worker that outlived its agent: its save fails, and the memory the agent removed
+    stays removed (a directory made again would stay on /dev/shm)."""
+    s, _ = store
+    ckpt.save(1, {"w": torch.zeros(4)})
+    s.close()
+    with pytest.raises(F.CheckpointError, match="is gone"):
+        ckpt.save(2, {"w": torch.zeros(4)})
+    assert not os.path.exists(s.root)

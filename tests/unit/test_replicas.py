@@ -153,3 +153,25 @@ def test_a_fall_back_agrees_on_a_step_older_than_the_one_that_failed_once():
     assert h.agreed_step(where) == 6 and h.fell_back
     h.new_attempt()  # it started: the next restart agrees on the newest again
     assert h.agreed_step(where) == 7 and h.fell_back
+
+
+def test_a_transfer_accepted_before_the_store_closed_never_makes_it_again(tmp_path,
+                                                                          monkeypatch):
+    """A buddy's push that was accepted just before this node's store closed and removed its
+    memory (a job's end): refused, and nothing of the store made again (a directory made
+    again would outlive the agent on /dev/shm: CI caught one)."""
+    import shutil
+    import socket
+
+    from agents import replicas
+
+    root = tmp_path / "memory"
+    root.mkdir()
+    s = Server(str(root), "s3cret", lambda: 1 << 30, lambda _: None)
+    early = socket.create_connection(("127.0.0.1", s.port))  # accepted: its _serve waits
+    s.close()
+    shutil.rmtree(root)
+    monkeypatch.setattr(replicas.socket, "create_connection", lambda *a, **k: early)
+    with pytest.raises(ReplicaError, match="closing"):
+        push("127.0.0.1", s.port, "s3cret", 3, 1, *copy_of(1))
+    assert not root.exists()
