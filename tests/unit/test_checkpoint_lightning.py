@@ -112,6 +112,7 @@ def expected(steps: range) -> list[tuple[int, int, int, int]]:
 def test_a_fit_resumes_at_the_step_it_saved_with_the_data_where_they_were(
         store, tmp_path, monkeypatch, where, died_at):
     if where == "memory":  # as under an agent: a copy in memory, the step it agreed on
+        (tmp_path / "mem").mkdir(mode=0o700)  # the agent makes its memory, never a worker
         monkeypatch.setenv(F.MEMORY_VAR, str(tmp_path / "mem"))
     total = PER_EPOCH * EPOCHS
     never_died = Tiny()
