@@ -16,6 +16,22 @@ read and write files in ``$ORCHESTRATOR_CHECKPOINT_DIR``.
 
 from __future__ import annotations
 
+from typing import Any
+
 from agents.shims.orchestrator_checkpoint import CheckpointError, load, save
 
-__all__ = ["CheckpointError", "load", "save"]
+__all__ = ["CheckpointError", "load", "load_saved_by", "save"]
+
+
+def load_saved_by(key: str, version: Any, writer: str) -> tuple[int, dict[str, Any]] | None:
+    """``load()`` for a framework's saves, whose state holds ``{key: {"format": version}}``:
+    None (start fresh), or ``(step, state)``; CheckpointError naming ``writer`` when the
+    step every rank holds was saved by something else (checkpoint_accelerate, checkpoint_hf)."""
+    restored = load()
+    if restored is None:
+        return None
+    step, state = restored
+    head = state.get(key) if isinstance(state, dict) else None
+    if not isinstance(head, dict) or head.get("format") != version:
+        raise CheckpointError(f"step {step} was not saved by {writer}")
+    return step, state

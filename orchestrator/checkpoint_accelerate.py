@@ -86,13 +86,10 @@ def load_state(accelerator: Accelerator) -> int | None:
     checkpointing, the step every rank holds; that step, or None (nothing saved: start
     fresh). Call it on every rank, after ``prepare`` and ``register_for_checkpointing``."""
     _check(accelerator)
-    restored = checkpoint.load()
+    restored = checkpoint.load_saved_by("accelerate", FORMAT, "checkpoint_accelerate.save_state")
     if restored is None:
         return None
     step, state = restored
-    head = state.get("accelerate") if isinstance(state, dict) else None
-    if not isinstance(head, dict) or head.get("format") != FORMAT:
-        raise CheckpointError(f"step {step} was not saved by checkpoint_accelerate.save_state")
     pairs = [(name, _match(step, name, state[name], mine)) for name, mine in (
         ("models", accelerator._models), ("optimizers", accelerator._optimizers),
         ("schedulers", accelerator._schedulers), ("dataloaders", accelerator._dataloaders),
@@ -106,7 +103,7 @@ def load_state(accelerator: Accelerator) -> int | None:
     if accelerator.scaler is not None and state["scaler"] is not None:
         accelerator.scaler.load_state_dict(state["scaler"])
     set_rng_state(state["rng"])
-    accelerator.step = head["accumulation_step"]
+    accelerator.step = state["accelerate"]["accumulation_step"]
     return step
 
 

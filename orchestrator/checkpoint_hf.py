@@ -80,14 +80,10 @@ class OrchestratorCheckpointCallback(TrainerCallback):
         self.trainer = trainer
         if self not in trainer.callback_handler.callbacks:
             trainer.add_callback(self)
-        restored = checkpoint.load()
+        restored = checkpoint.load_saved_by("hf", FORMAT, "OrchestratorCheckpointCallback")
         if restored is None:
             return None
         step, state = restored
-        head = state.get("hf") if isinstance(state, dict) else None
-        if not isinstance(head, dict) or head.get("format") != FORMAT:
-            raise CheckpointError(f"step {step} was not saved by "
-                                  "OrchestratorCheckpointCallback")
         self._remove()
         self.resume_dir = _materialize(trainer.args, state)
         return self.resume_dir
