@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -21,6 +22,8 @@ from orchestrator.diagnosis import stragglers
 from orchestrator.logfiles import STDERR_TAIL, LogSink
 from orchestrator.plan import TORCHRUN_LINE_RE, LaunchPlan, NodePlan
 from orchestrator.state import AttemptOutcome, FailureCause, RankState
+
+log = logging.getLogger("orchestrator.controller")
 
 
 def start_command(number: int, node_plan: NodePlan, stop_grace: float, flight_recorder: int,
@@ -367,11 +370,21 @@ class Attempt:
 
     # --- verdicts ------------------------------------------------------------------------------
     def fail(self, failure: Failure) -> None:
-        """Keep the first failure of the attempt; later ones are its consequences."""
-        if self.failure is None:
-            failure.detected_at = failure.detected_at or time.time()
-            failure.at = min(failure.at or failure.detected_at, failure.detected_at)
-            self.failure = failure
+        """Keep the first failure of the attempt; later ones are its consequences. But a
+        node lost that was last heard before a worker's failure was seen is that failure's
+        cause: a node that dies takes its workers along, and their peers' broken
+        collectives can reach us before the node's loss does (which waits for a reconnect
+        or ``node_timeout``). The worker's failure is then kept as its consequence."""
+        first = self.failure
+        if first is not None and not _caused_by(failure, first):
+            return
+        if first is not None:
+            log.warning("%s; counted as the failure of node %s, silent since before it: %s",
+                        first.message, failure.node_rank, failure.message)
+            failure.detected_at = first.detected_at  # when the controller knew of trouble
+        failure.detected_at = failure.detected_at or time.time()
+        failure.at = min(failure.at or failure.detected_at, failure.detected_at)
+        self.failure = failure
 
     @property
     def all_started(self) -> bool:
@@ -425,6 +438,13 @@ class Attempt:
         self.stopping = bool(state.get("stopping"))
         for label, lines in state.get("stderr", {}).items():
             self.sink.stderr[label] = deque(lines, maxlen=STDERR_TAIL)
+
+
+def _caused_by(lost: Failure, first: Failure) -> bool:
+    """Whether node failure ``lost`` explains the worker failure ``first`` (see fail)."""
+    return (lost.cause == FailureCause.NODE_FAIL and first.cause == FailureCause.WORKER_FAILED
+            and lost.at is not None and first.detected_at is not None
+            and lost.at < first.detected_at and lost.node_index != first.node_index)
 
 
 def _ranks_in(node: NodePlan) -> int:

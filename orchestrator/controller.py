@@ -37,7 +37,7 @@ from orchestrator import bringup, healthcheck, pause, policy, reputation, takeov
 from orchestrator.attempt import Attempt, AttemptResult, Failure, start_command
 from orchestrator.checkpoints import attempt_config
 from orchestrator.dispatch import assign_buddies, dispatch
-from orchestrator.engine import Engine, Phase, Stop
+from orchestrator.engine import Engine, Phase, Stop, judge
 from orchestrator.errors import StoreUnwritable
 from orchestrator.logfiles import LogSink
 from orchestrator.nodebook import Node
@@ -218,6 +218,7 @@ class Controller:
                 result = self._run_attempt(participants)
                 if result is None:
                     return self._stopped()
+            result = judge(engine, result, STOP_MARGIN, DRAIN_LIMIT)
             decision = policy.decide(result, self.restarts, self.spec, self.previous_failure,
                                      self.infra_restarts, engine.holdings.fell_back)
             self.previous_failure = result.failure

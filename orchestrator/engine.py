@@ -29,7 +29,7 @@ from typing import Any, TypeVar
 from agents import commands as C
 from agents import protocol as P
 from orchestrator import failpoints, hang
-from orchestrator.attempt import Attempt, Failure
+from orchestrator.attempt import Attempt, AttemptResult, Failure
 from orchestrator.channel import Answer, Channel, ask_all
 from orchestrator.checkpoints import Holdings
 from orchestrator.events import Event, Wake
@@ -474,3 +474,20 @@ class Engine:
     def close(self) -> None:
         self.pool.close()
         self.preparer.close()
+
+
+def judge(engine: Engine, result: AttemptResult, margin: float,
+          drain_limit: float) -> AttemptResult:
+    """A worker's failure is judged once its attempt is stopped and none of its nodes is
+    UNREACHABLE any more (back, or LOST after ``node_timeout``): a node whose agent died
+    took its workers along, and their peers' errors can come before its channel's end.
+    A node lost that way is the failure's cause (Attempt.fail)."""
+    attempt = engine.current
+    if attempt is None or attempt.ended or result.failure is None or \
+            result.failure.cause != FailureCause.WORKER_FAILED:
+        return result
+    engine.stop_attempt(margin, drain_limit)
+    engine.wait(lambda: not any(engine.nodes[i].state == NodeState.UNREACHABLE
+                                for i in attempt.participants),
+                engine.spec.health.node_timeout + 1)
+    return attempt.result() or result

@@ -142,6 +142,24 @@ def test_sigkilled_agent_is_a_node_failure_with_no_orphans(cluster, home, tmp_pa
     assert_no_job_processes(job_id)
 
 
+def test_a_peers_failure_while_a_node_dies_is_that_nodes_failure(cluster, home, tmp_path):
+    """Node 1's agent is SIGKILLed and at once a rank of node 0 dies, as a peer of a dead
+    node's ranks does: node 0's exit comes before node 1's loss can be known over SSH (a
+    reconnect), yet the failure is node 1's, and a restart goes to the nodes that are left."""
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], hosts=cluster.hosts[:2]))
+    status = running(job_id, 4)
+    wait_for_output(job_id, "sleeping", 4)
+    peer = next(r for r in status["ranks"] if r["node_index"] == 0)
+    os.kill(status["nodes"][1]["agent_pid"], signal.SIGKILL)
+    os.kill(peer["pid"], signal.SIGKILL)  # a worker of this test's job
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "FAILED"
+    failure = result["failure"]
+    assert (failure["cause"], failure["node_index"]) == ("NODE_FAIL", 1), failure
+    assert_no_job_processes(job_id)
+
+
 def test_cut_link_is_detected_within_node_timeout(cluster, home, tmp_path):
     job_id = orchestrator.submit(cluster_spec(
         cluster, tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], hosts=cluster.hosts[:2],

@@ -240,6 +240,26 @@ def test_killed_agent_is_a_node_failure_and_leaves_no_orphans(home, tmp_path):
     assert_no_job_processes(job_id)
 
 
+def test_a_peers_failure_while_a_node_dies_is_that_nodes_failure(home, tmp_path):
+    """Node 1's agent is SIGKILLed and, at once, a rank of node 0 dies as a peer of a dead
+    node's ranks does (its collective broken): node 0's exit reaches the controller before
+    node 1's loss can be known, yet the failure is node 1's."""
+    import os
+    import signal
+
+    job_id = orchestrator.submit(local_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")]))
+    _pids_running(job_id)
+    shown = orchestrator.status(job_id)
+    peer = next(r for r in shown["ranks"] if r["node_index"] == 0)
+    os.kill(shown["nodes"][1]["agent_pid"], signal.SIGKILL)  # this test's job's agent
+    os.kill(peer["pid"], signal.SIGKILL)  # and a worker of this test's job
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "FAILED"
+    failure = result["failure"]
+    assert (failure["cause"], failure["node_index"]) == ("NODE_FAIL", 1), failure
+    assert_no_job_processes(job_id)
+
+
 def test_worker_ignoring_sigterm_is_killed_after_grace(home, tmp_path):
     spec = local_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], nodes=1, nproc=2,
                       env={"IGNORE_SIGTERM": "1"}, stop_grace_period=1)
