@@ -39,6 +39,10 @@ START_KEYS = frozenset({
 START_PREFIXES = ("ORCHESTRATOR_", "TORCHELASTIC_")
 KEPT = frozenset({"ORCHESTRATOR_JOB_ID"})  # the same for every attempt: finds the job's processes
 DEFAULT_IMPORTS = ("torch",)
+# Imported if they can be: torch imports its compiler lazily at the first call of anything it
+# wraps against dynamo, which every optimizer's constructor is (0.85 s of a restart on a
+# 2-core machine, for a module the cold worker would import all the same).
+LIKELY_IMPORTS = ("torch._dynamo",)
 _NO_ARGUMENT_FLAGS = set("bBdEIOPqsSuv")
 
 
@@ -254,7 +258,8 @@ class Standbys:
                 child.close()
             self._by_local[local_rank] = Standby(proc, parent, key)
             self._ever = True
-        prepare = {"path0": command.path0(cwd), "imports": [*DEFAULT_IMPORTS, *imports]}
+        prepare = {"path0": command.path0(cwd), "imports": [*DEFAULT_IMPORTS, *imports],
+                   "likely": list(LIKELY_IMPORTS)}
         parent.sendall((json.dumps(prepare) + "\n").encode())
 
     def schedule(self, refills: list[tuple[Any, ...]], at: float) -> None:

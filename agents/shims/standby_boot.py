@@ -36,6 +36,11 @@ def _standby(fresh):
         except BaseException as exc:  # said to the agent, which starts that worker cold
             say(failed=f"import {name}: {type(exc).__name__}: {exc}"[:500])
             os._exit(0)
+    for name in prepare.get("likely") or ():
+        try:  # what the worker will most likely import (agents/standby.py)
+            __import__(name)
+        except Exception:
+            pass  # then the worker imports it, or fails to, as a cold one does
     say(ready=True)
     line = reader.readline()
     if not line:  # the agent closed the channel: not needed any more

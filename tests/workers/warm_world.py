@@ -7,7 +7,8 @@ script sees of its own start: ``__main__``'s globals at its first line, ``__file
 ``<out>/fail`` and exits 3 (the other ranks wait to be stopped); ``WARM_RAISE=1``: raises
 instead, in every attempt."""
 START = {k: type(v).__name__ for k, v in globals().items()}  # first, before any import
-PRELOADED = sorted(m for m in ("torch", "numpy") if m in __import__("sys").modules)
+PRELOADED = sorted(m for m in ("torch", "torch._dynamo", "numpy")
+                   if m in __import__("sys").modules)
 
 import json  # noqa: E402
 import os  # noqa: E402
