@@ -21,8 +21,8 @@ Where a copy lives (docs/guides/checkpoints.md):
   and one of the meta) and **persists** every ``persist_every``-th one to
   ``$ORCHESTRATOR_CHECKPOINT_DIR/step-<S>/rank-<RANK>.{data,meta,manifest}``.
 - ``load()`` restores ``$ORCHESTRATOR_CHECKPOINT_STEP``, the step the controller found every
-  rank holding a good copy of, from the nearest copy that verifies: memory, then persisted. A
-  copy that does not verify is named on stderr, marked, and skipped.
+  rank holding a good copy of, from the nearest copy that verifies: memory (mapped, not
+  copied), then persisted. A copy that does not verify is named on stderr, marked, skipped.
 
 Without an agent (plain ``torchrun``), ``save`` writes the same files to
 ``$ORCHESTRATOR_CHECKPOINT_DIR`` itself (synced before it returns), and ``load`` takes the
@@ -37,7 +37,6 @@ The agent imports the format's part of this module (it never imports torch, and 
 this module until a save or a load needs it).
 """
 
-import concurrent.futures
 import ctypes
 import fcntl
 import json
@@ -46,7 +45,6 @@ import os
 import socket
 import sys
 import time
-import zlib
 
 # On a worker's PYTHONPATH the format is a module beside this one; in the package, a sibling.
 if __package__:
@@ -101,6 +99,7 @@ class _Slot:
 _slots = {}  # type: dict[str, _Slot]  # path -> slot, for this process
 _saves = [0]  # saves this process made: every persist_every-th is persisted
 _skipped = [0]  # copies this process found not good (named on stderr)
+_loaded = set()  # type: set[tuple[int, int]]  # (device, inode) of slot files a load mapped
 
 
 def _rank():
@@ -251,6 +250,7 @@ def save(step, state):
     metas = _metas(rank_dir)
     number, slot = _take_slot(rank_dir, size, budget, metas)
     try:
+        slot = _unshared(slot)
         for s, m in _metas(rank_dir, corrupt=True).items():
             if m.get("slot") == number or s == step:
                 _drop(rank_dir, s)  # its bytes are about to go: it is no longer a copy
@@ -352,16 +352,17 @@ def _say(text):
         pass
 
 
-def _restore(torch, meta_bytes, man, path, locked=False):
+def _restore(torch, meta_bytes, man, path, memory=False):
     """The state a copy holds, verified against its manifest (None: an unsealed memory copy,
-    taken as it is); raises CheckpointError naming why it is not good."""
+    taken as it is); raises CheckpointError naming why it is not good. A memory copy is
+    mapped, not read (see _map)."""
     meta = json.loads(meta_bytes.decode("utf-8"))
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
         raise CheckpointError("its data is missing (%s)" % (exc.strerror,)) from None
     try:
-        if locked:
+        if memory:
             fcntl.flock(fd, fcntl.LOCK_SH)  # no save of this process is writing it now
         length = os.fstat(fd).st_size
         size = meta.get("size") if man is None else man.get("size")
@@ -371,7 +372,8 @@ def _restore(torch, meta_bytes, man, path, locked=False):
             why = F.check_manifest(meta_bytes, man)
             if why is not None:
                 raise CheckpointError(why)
-        whole, crcs = _read(torch, fd, size, man["chunk"] if man else F.CHUNK, man is not None)
+        chunk = man["chunk"] if man else F.CHUNK
+        whole, crcs = (_map if memory else F.read)(torch, fd, size, chunk, man is not None)
         why = None if man is None else F.verify(meta_bytes, man, range(size), crcs)
         if why is not None:
             raise CheckpointError(why)
@@ -392,26 +394,43 @@ def _restore(torch, meta_bytes, man, path, locked=False):
     return meta, F.unflatten(meta["tree"], tensors)
 
 
-def _read(torch, fd, size, chunk, checked):
-    """The file's first ``size`` bytes in a new uint8 tensor (one copy, no zero-filling), and
-    with ``checked`` the CRC-32 of each chunk, each taken on a thread while the next is read."""
-    whole = torch.empty(size, dtype=torch.uint8)
+def _map(torch, fd, size, chunk, checked):
+    """The file's first ``size`` bytes as a uint8 tensor over a private mapping of it (with
+    ``checked``, and the CRC-32 of each chunk): no copy, no fresh pages to clear (0.9 s of a
+    1.2 s read of 512 MB, two ranks on two cores). A later save of this process into that
+    slot writes a new file (_unshared): nothing changes under the loaded tensors."""
     if not size:
-        return whole, []
-    view = memoryview((ctypes.c_char * size).from_address(whole.data_ptr())).cast("B")
-    futures = []
-    with concurrent.futures.ThreadPoolExecutor(F.THREADS) as pool:
-        for at in range(0, size, chunk):
-            piece = view[at:min(at + chunk, size)]
-            done = 0
-            while done < len(piece):
-                n = os.preadv(fd, [piece[done:]], at + done)
-                if n <= 0:
-                    raise CheckpointError("it ended at byte %d of %d" % (at + done, size))
-                done += n
-            if checked:
-                futures.append(pool.submit(zlib.crc32, piece))
-        return whole, [f.result() for f in futures]
+        return torch.empty(0, dtype=torch.uint8), []
+    # Mapped through a new open file: the mapping keeps what it maps open, and the shared
+    # lock of ``fd`` must end with the load (a save would wait for it for ever).
+    own = os.open("/proc/self/fd/%d" % fd, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        view = mmap.mmap(own, size, flags=mmap.MAP_PRIVATE,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(own)
+    st = os.fstat(fd)
+    _loaded.add((st.st_dev, st.st_ino))
+    crcs = F.checksums(memoryview(view), size, chunk) if checked else []
+    return torch.frombuffer(view, dtype=torch.uint8), crcs
+
+
+def _unshared(slot):
+    """``slot``, or a new file in its place where a load of this process mapped it (the old
+    one lives on, unnamed, while the loaded tensors do; locked until the new one is named)."""
+    st = os.fstat(slot.fd)
+    if (st.st_dev, st.st_ino) not in _loaded:
+        return slot
+    _loaded.discard((st.st_dev, st.st_ino))
+    fd = os.open(slot.path + ".new", os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.replace(slot.path + ".new", slot.path)
+    if slot.map is not None:
+        slot._unregister()
+        slot.map.close()
+    os.close(slot.fd)
+    slot = _slots[slot.path] = _Slot(slot.path, fd)
+    return slot
 
 
 def _memory_copy(torch, step):
@@ -428,7 +447,7 @@ def _memory_copy(torch, step):
     try:
         slot = json.loads(meta_bytes.decode("utf-8"))["slot"]
         return _restore(torch, meta_bytes, man, os.path.join(rank_dir, "slot-%d" % slot),
-                        locked=True)
+                        memory=True)
     except (CheckpointError, ValueError, KeyError, TypeError) as exc:
         _say("the memory copy of step %d (rank %d) is not good: %s; skipped"
              % (step, _rank(), exc))

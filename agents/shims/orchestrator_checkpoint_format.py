@@ -1,4 +1,5 @@
-"""The checkpoint format (stdlib only): names, manifests, verification, and a state as data.
+"""The checkpoint format (stdlib only): names, manifests, verification and reading, and a
+state as data (torch only where a caller hands it in).
 
 Shared by a worker's ``orchestrator_checkpoint`` (which writes and reads copies) and the
 node's agent (agents/checkpoints.py: it seals, persists and reports them, and never imports
@@ -11,6 +12,7 @@ the data and one of the meta's bytes). A copy is good only when the manifest mat
 """
 
 import concurrent.futures
+import ctypes
 import json
 import math
 import os
@@ -128,6 +130,28 @@ def verify(meta_bytes, man, view, crcs=None):
             at = i * chunk
             return "chunk %d (bytes %d..%d) fails its checksum" % (i, at, min(at + chunk, size))
     return None
+
+
+def read(torch, fd, size, chunk, checked):
+    """The file's first ``size`` bytes in a new uint8 tensor (one copy, no zero-filling), and
+    with ``checked`` the CRC-32 of each chunk, each taken on a thread while the next is read."""
+    whole = torch.empty(size, dtype=torch.uint8)
+    if not size:
+        return whole, []
+    view = memoryview((ctypes.c_char * size).from_address(whole.data_ptr())).cast("B")
+    futures = []
+    with concurrent.futures.ThreadPoolExecutor(THREADS) as pool:
+        for at in range(0, size, chunk):
+            piece = view[at:min(at + chunk, size)]
+            done = 0
+            while done < len(piece):
+                n = os.preadv(fd, [piece[done:]], at + done)
+                if n <= 0:
+                    raise CheckpointError("it ended at byte %d of %d" % (at + done, size))
+                done += n
+            if checked:
+                futures.append(pool.submit(zlib.crc32, piece))
+        return whole, [f.result() for f in futures]
 
 
 def check_manifest(meta_bytes, man):

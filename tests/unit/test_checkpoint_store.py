@@ -309,3 +309,32 @@ def test_a_save_after_the_agent_removed_its_memory_makes_none_again(store):
     with pytest.raises(F.CheckpointError, match="is gone"):
         ckpt.save(2, {"w": torch.zeros(4)})
     assert not os.path.exists(s.root)
+
+
+def test_a_loaded_state_is_mapped_and_no_later_save_changes_it(store, monkeypatch):
+    """A memory copy loads as a private mapping of its slot (no copy): the training's writes
+    stay its own, and when the same process saves into that slot again, the slot is a new
+    file, so the tensors it loaded keep their values and the agent seals the new save."""
+    s, _ = store
+    big = torch.arange(1 << 18, dtype=torch.float32)  # 1 MiB: a view of the mapping
+    ckpt.save(0, {"w": big})
+    ckpt.save(1, {"w": big + 1})
+    s._pass()
+    monkeypatch.setenv(F.STEP_VAR, "0")
+    _, state = ckpt.load()
+    w = state["w"]
+    assert w.untyped_storage().nbytes() > w.numel() * 4 - 1  # the mapping, not a copy of it
+    w[:4] = -1.0  # the training's own writes
+    rank_dir = os.path.join(s.root, "rank-1")
+    slot0 = os.path.join(rank_dir, "slot-0")
+    before = os.stat(slot0).st_ino
+    monkeypatch.setenv(F.STEP_VAR, "1")
+    ckpt.load()
+    ckpt.save(2, {"w": big * 2})  # into slot 0, step 0's: the one this process loaded
+    assert os.stat(slot0).st_ino != before
+    assert torch.equal(w[4:], big[4:]) and torch.equal(w[:4], torch.full((4,), -1.0))
+    s._pass()
+    monkeypatch.setenv(F.STEP_VAR, "2")
+    assert torch.equal(ckpt.load()[1]["w"], big * 2)  # sealed and verified: the new file
+    assert sorted(n for n in os.listdir(rank_dir) if n.startswith("slot-")) == \
+        ["slot-0", "slot-1"]
