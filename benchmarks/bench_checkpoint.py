@@ -14,7 +14,9 @@ Per size (MiB of float32 per rank, one process):
 - torch.save+fsync to local disk (``$TMPDIR``), and ``dcp.save`` / ``dcp.async_save``
   (torch.distributed.checkpoint, no process group) to the same disk: the time the call holds
   the caller (for async_save, until it returns, not until the write is done);
-- load (memory):   ``checkpoint.load`` of that step, checksums verified, into new tensors.
+- load (memory):   ``checkpoint.load`` of that step, sealed by the agent first (so its
+                   checksums are verified), and copied into the model's tensors (what
+                   ``load_state_dict`` does after it).
 
 With ``--gpu`` (a CUDA device): the same state on the GPU; the floor is one copy into pinned
 host memory, and save copies straight into the slot, registered with CUDA (pinned).
@@ -64,6 +66,18 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def seal(memory: str, step: int) -> None:
+    """What the node's agent does to a save before a load: its manifest of checksums (so that
+    the load verifies it)."""
+    base = os.path.join(memory, "rank-0", F.step_name(step))
+    meta_bytes = Path(base + ".meta").read_bytes()
+    meta = json.loads(meta_bytes)
+    data = Path(memory, "rank-0", f"slot-{meta['slot']}").read_bytes()[:meta["size"]]
+    crcs = F.checksums(memoryview(data), meta["size"])
+    F.write_file(base + ".manifest",
+                 json.dumps(F.manifest(meta_bytes, crcs, meta["size"])).encode())
+
+
 def one_size(mib: int, reps: int, device: str, disk: str) -> dict[str, float | None]:
     state = {"w": torch.randn((mib << 20) // 4, device=device)}
     row: dict[str, float | None] = {}
@@ -82,8 +96,12 @@ def one_size(mib: int, reps: int, device: str, disk: str) -> dict[str, float | N
     step = iter(range(1 << 30))
     try:
         row["save"] = median_of(reps, lambda: ckpt.save(next(step), state), warm=2)
-        os.environ[F.STEP_VAR] = str(next(step) - 1)
-        row["load"] = median_of(reps, ckpt.load, warm=0)
+        last = next(step) - 1
+        seal(memory, last)
+        os.environ[F.STEP_VAR] = str(last)
+        into = torch.empty_like(state["w"])  # the model's tensor a load_state_dict fills
+        row["load"] = median_of(reps, lambda: (into.copy_(ckpt.load()[1]["w"]), sync(device)),
+                                warm=0)
         assert torch.equal(ckpt.load()[1]["w"], state["w"].cpu()), "load differs from save"
     finally:
         os.environ.pop(F.STEP_VAR, None)
