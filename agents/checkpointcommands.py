@@ -58,6 +58,7 @@ NO_CHECKPOINT = CheckpointConfig()  # the defaults, and no step to resume
 
 
 MAX_TARGETS = 64  # replica servers one node sends to
+MAX_HOLD = 86400.0  # seconds ranks may wait at a step a planned move asked for
 
 
 @dataclass(frozen=True)
@@ -92,3 +93,21 @@ class Retain(Command):
     @classmethod
     def read(cls, f: _Read) -> Retain:
         return cls(f.integer("step"))
+
+
+@dataclass(frozen=True)
+class SaveAt(Command):
+    """Every rank of this node saves ``step`` and then waits there up to ``hold`` seconds (a
+    planned interruption: the ranks of every node save the same step, and the job moves on
+    from it with none done twice); None: the request is over, the ranks go on."""
+
+    OP = "save_at"
+    step: int | None
+    hold: float = 0.0
+
+    @classmethod
+    def read(cls, f: _Read) -> SaveAt:
+        hold = f.number("hold")
+        if not 0.0 <= hold <= MAX_HOLD:
+            raise f.bad("hold", hold)
+        return cls(f.integer("step", optional=True), hold)

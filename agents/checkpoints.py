@@ -34,6 +34,7 @@ import select
 import shutil
 import socket
 import threading
+import time
 import zlib
 from typing import Any
 
@@ -116,6 +117,15 @@ class Store:
             self.replicas.retain = keep.step
             self.replicas.prune()
 
+    def save_at(self, at: C.SaveAt) -> None:
+        """Every rank of this node saves ``at.step`` and holds there (the shim reads the file
+        at each save: ``save(step, state, every=N)`` saves that step too); None: over."""
+        path = os.path.join(self.root, F.SAVE_AT_NAME)
+        if at.step is None:
+            _unlink(path)
+        else:  # the hold's end by this node's clock, which the workers share
+            F.write_file(path, F.save_at_text(at.step, time.time() + at.hold))
+
     def install(self, pulls: tuple[C.Pull, ...]) -> None:
         """Copies of ranks that now run here, pulled from the nodes that hold their
         replicas, into this node's memory as if saved here (a node took a lost one's place)."""
@@ -156,6 +166,7 @@ class Store:
                 self.store_id = _store_id(self.persist_dir)
             if new:
                 self._discard_after(config.restore_step)
+                _unlink(os.path.join(self.root, F.SAVE_AT_NAME))  # an attempt before's
         budget = config.memory or default_memory()
         return {F.MEMORY_VAR: self.root,
                 F.BUDGET_VAR: str(budget // max(1, local_ranks)),

@@ -34,6 +34,7 @@ from agents.checkpointcommands import CheckpointConfig as CheckpointConfig
 from agents.checkpointcommands import Pull as Pull
 from agents.checkpointcommands import ReplicateTo as ReplicateTo
 from agents.checkpointcommands import Retain as Retain
+from agents.checkpointcommands import SaveAt as SaveAt
 from agents.commandbase import Command as Command
 from agents.commandbase import R as R
 from agents.commandbase import Request as Request
@@ -496,7 +497,7 @@ def wire(command: Command, req: int | None = None) -> dict[str, Any]:
 
 
 _SESSION = (Connect, Hold, Attach, Ack, Spool, Ping)
-_AGENT = (Start, Warm, Stop, ReplicateTo, Retain, Shutdown, FreePort, Listen, Probe,
+_AGENT = (Start, Warm, Stop, ReplicateTo, Retain, SaveAt, Shutdown, FreePort, Listen, Probe,
           MissingBlobs, PutChunk, BuildTree, RunSetup, CheckNode, NetListen, NetSend, NetClose,
           GetStacks, ReadTrace)
 #: Every op a controller may send, by name.

@@ -12,6 +12,8 @@ The public API, used by the ``orchestrator`` command and by scripts::
 from orchestrator.api import (
     cancel,
     check,
+    drain_node,
+    drains,
     dry_run,
     list_jobs,
     logs,
@@ -24,6 +26,7 @@ from orchestrator.api import (
     stacks,
     status,
     submit,
+    undrain_node,
     wait,
 )
 from orchestrator.errors import (
@@ -63,6 +66,8 @@ __all__ = [
     "TransportError",
     "cancel",
     "check",
+    "drain_node",
+    "drains",
     "dry_run",
     "heartbeat",
     "list_jobs",
@@ -77,5 +82,6 @@ __all__ = [
     "stacks",
     "status",
     "submit",
+    "undrain_node",
     "wait",
 ]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import (
+    drain,
     logfiles,
     logread,
     pids,
@@ -196,7 +197,14 @@ def status(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
     """The job's state as a JSON-ready dict (the documented ``status --json`` shape)."""
     store = Store(home)
     try:
-        return status_dict(store.get_job(check_job_id(job_id)))
+        job = store.get_job(check_job_id(job_id))
+        shown = status_dict(job)
+        held = drain.drained(store.drains(), job.job_id, {n.node_index: n.host for n in job.nodes})
+        for node in shown["nodes"]:
+            d = held.get(node["node_index"])
+            node["drained"] = None if d is None else {"since": iso(d["since"]),
+                                                      "reason": d["reason"]}
+        return shown
     finally:
         store.close()
 
@@ -280,6 +288,54 @@ def release_node(host: str, *, home: str | os.PathLike[str] | None = None) -> bo
     store = Store(home)
     try:
         return store.release_quarantine(host)
+    finally:
+        store.close()
+
+
+def drain_node(target: str, *, job: str | None = None, reason: str = "",
+               within: float = drain.DEFAULT_WITHIN,
+               home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
+    """Drain ``target`` (a host, as a spec names it or as ``nodes`` lists it; with ``job``,
+    also a node index of that job): a running job moves off it at a step every rank saves
+    (within ``within`` seconds), and no job starts work there until ``undrain_node``."""
+    if not target or len(target) > 255 or any(c.isspace() for c in target):
+        raise OrchestratorError(f"drain: not a host: {target!r}")
+    if not 0 < within <= 86400:
+        raise OrchestratorError(f"drain --within: must be 0 to 86400 seconds (got {within!r})")
+    key = _drain_key(target, job)
+    store = Store(home)
+    try:
+        if job is not None:
+            store.get_job(check_job_id(job))  # JobNotFoundError, named
+        store.set_drain(key, job or "", reason[:500], within)
+        return {"target": key, "job_id": job, "reason": reason[:500], "within": within}
+    finally:
+        store.close()
+
+
+def undrain_node(target: str, *, job: str | None = None,
+                 home: str | os.PathLike[str] | None = None) -> bool:
+    """End a drain (``drain_node``'s target and job); False if there was none."""
+    key = _drain_key(target, job)
+    store = Store(home)
+    try:
+        return store.remove_drain(key, job or "")
+    finally:
+        store.close()
+
+
+def _drain_key(target: str, job: str | None) -> str:
+    """How the store keeps a drain's target: a node index of a job, or the host's name."""
+    return target if job is not None and target.isdigit() else \
+        (reputation.host_key(target) or target)
+
+
+def drains(*, home: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """Every drain in force: target, job_id (None: every job), since, reason, within."""
+    store = Store(home)
+    try:
+        return [{**d, "job_id": d["job_id"] or None, "since": iso(d["since"])}
+                for d in store.drains()]
     finally:
         store.close()
 

@@ -7,7 +7,8 @@ the background, verified on load (docs/guides/checkpoints.md)::
         step, state = restored
         model.load_state_dict(state["model"]); opt.load_state_dict(state["optim"])
     ...
-    checkpoint.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+    checkpoint.save(step, {"model": model.state_dict(), "optim": opt.state_dict()},
+                    every=100)          # every 100 steps, and where the controller asks
 
 On nodes where this package is not installed, the agent puts the same module on every
 worker's PYTHONPATH as ``orchestrator_checkpoint``. Under plain ``torchrun`` the same calls
@@ -18,9 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.shims.orchestrator_checkpoint import CheckpointError, load, save
+from agents.shims.orchestrator_checkpoint import CheckpointError, due, load, save
 
-__all__ = ["CheckpointError", "load", "load_saved_by", "save"]
+__all__ = ["CheckpointError", "due", "load", "load_saved_by", "save"]
 
 
 def load_saved_by(key: str, version: Any, writer: str) -> tuple[int, dict[str, Any]] | None:

@@ -118,6 +118,26 @@ class Holdings:
                 C.Pull(rank, step, addresses[source], port))
         return {node: tuple(p) for node, p in out.items()}
 
+    def newest_saved(self, placement: Mapping[int, int]) -> int | None:
+        """The newest step any rank of ``placement`` holds in its node's memory (None: no
+        rank keeps saves there)."""
+        steps = [max(held.memory[rank]) for rank, node in placement.items()
+                 if (held := self._nodes.get(node)) is not None and held.memory.get(rank)]
+        return max(steps, default=None)
+
+    def saved(self, step: int, placement: Mapping[int, int], leaving: Iterable[int]) -> bool:
+        """Whether every rank of ``placement`` holds ``step`` in its node's memory, and the
+        ranks of the ``leaving`` nodes also as a replica on a node that stays."""
+        gone = set(leaving)
+        for rank, node in placement.items():
+            held = self._nodes.get(node)
+            if held is None or step not in held.memory.get(rank, ()):
+                return False
+            if node in gone and not any(index not in gone and self.holds_replica(index, rank, step)
+                                        for index in self._nodes):
+                return False
+        return True
+
     def holds_replica(self, node_index: int, rank: int, step: int) -> bool:
         held = self._nodes.get(node_index)
         return held is not None and held.port is not None and step in held.replicas.get(rank, ())

@@ -302,6 +302,40 @@ def cancel(job: str = typer.Argument(..., help="Job id.")) -> None:
 
 
 @app.command()
+def drain(
+    target: str = typer.Argument(None, help="A host (as a spec names it, or as `nodes` lists "
+                                 "it); with --job, also a node index of that job. None: list "
+                                 "the drains."),
+    job: str = typer.Option(None, "--job", help="Only this job (default: every job)."),
+    reason: str = typer.Option("", "--reason", help="Said in status and the job's failure."),
+    within: str = typer.Option("120", "--within", help="How long the ranks have to save the "
+                               "agreed step (e.g. 90, 5m)."),
+) -> None:
+    """Move running jobs off a node at a step every rank saves (a spare takes its place, no
+    restart charged), and start no work there until `undrain`."""
+    if target is None:
+        for d in _call(api.drains):
+            typer.echo(f"{d['target']}  {d['job_id'] or 'every job'}  since {d['since']}  "
+                       f"{d['reason']}")
+        return
+    data = _call(lambda: api.drain_node(target, job=job, reason=reason,
+                                        within=_seconds(within, "--within")))
+    typer.echo(f"drained {data['target']}" + (f" for {job}" if job else ""))
+
+
+@app.command()
+def undrain(
+    target: str = typer.Argument(..., help="What `drain` was given."),
+    job: str = typer.Option(None, "--job", help="What `drain` was given."),
+) -> None:
+    """End a drain: the node takes work again."""
+    if _call(lambda: api.undrain_node(target, job=job)):
+        typer.echo(f"undrained {target}")
+    else:
+        _fail(f"{target} is not drained" + (f" for {job}" if job else ""), 1)
+
+
+@app.command()
 def resume(
     job: str = typer.Argument(..., help="Job id."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),

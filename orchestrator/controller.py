@@ -37,6 +37,7 @@ from orchestrator import bringup, healthcheck, pause, policy, reputation, takeov
 from orchestrator.attempt import Attempt, AttemptResult, Failure, start_command
 from orchestrator.checkpoints import attempt_config
 from orchestrator.dispatch import assign_buddies, dispatch
+from orchestrator.drain import Mover
 from orchestrator.engine import Engine, Phase, Stop, judge
 from orchestrator.errors import StoreUnwritable
 from orchestrator.logfiles import LogSink
@@ -74,6 +75,8 @@ class Controller:
         self.engine = Engine(store, job_id, spec, spec_dir, connect,
                              secret or secrets.token_hex(16), dispatch, resuming=resume)
         self.nodes = self.engine.nodes
+        self.mover = Mover(job_id, store, self.engine.hosts)  # planned moves off drained nodes
+        self.engine.on_requests.append(self.mover.look)
         self.resuming = resume
         self.attempt = 0
         self.restarts = 0
@@ -315,7 +318,8 @@ class Controller:
             if isinstance(checked, Failure):
                 return checked
             healthy = checked
-        healthy = healthcheck.leave_out_quarantined(engine, healthy)
+        healthy = self.mover.leave_out(healthcheck.leave_out_quarantined(engine, healthy),
+                                       self.spec.min_nodes)
         engine.timeline.mark("checked", self.attempt + 1)
         return choose_participants(healthy, self.engine.current or self.placed,
                                    self.spec.max_nodes)
@@ -352,7 +356,7 @@ class Controller:
         attempt = Attempt(plan, self._sink(plan.world_size), engine.hosts, self.store,
                           self.job_id, nprocs, checkpoint, pulls)
         engine.begin_attempt(attempt)
-        self._prune_logs()
+        prune_logs(self)
         ranks = [(w.rank, n.node_index, w.local_rank) for n in plan.nodes for w in n.workers
                  if w.rank is not None]
         self.store.start_attempt(self.job_id, self.attempt, plan.master_addr, port or 0,
@@ -376,12 +380,6 @@ class Controller:
         return LogSink(self.store.log_dir(self.job_id, self.attempt), sizes,
                        cap=logs.max_bytes_per_rank, ranks=ranks, min_free=logs.min_free_bytes,
                        state=state, max_open=log_files_budget(len(self.nodes)))
-
-    def _prune_logs(self) -> None:
-        keep = self.spec.logs.keep_attempts
-        if keep is not None:
-            for old in range(1, self.attempt - keep + 1):
-                shutil.rmtree(self.store.log_dir(self.job_id, old), ignore_errors=True)
 
     def _watch(self, attempt: Attempt) -> AttemptResult | None:
         """Until the attempt ends (None: a stop reason came first)."""
@@ -520,3 +518,10 @@ def _describe(exc: BaseException) -> str:
                 f"and resume or submit again ({exc!r})")
     return repr(exc)
 
+
+def prune_logs(c: Controller) -> None:
+    """Only the last ``logs.keep_attempts`` attempts' logs are kept."""
+    keep = c.spec.logs.keep_attempts
+    if keep is not None:
+        for old in range(1, c.attempt - keep + 1):
+            shutil.rmtree(c.store.log_dir(c.job_id, old), ignore_errors=True)

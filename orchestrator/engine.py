@@ -94,6 +94,8 @@ class Engine:
         self.holdings = Holdings()  # the nodes' checkpoints, from their ``held`` reports
         self.hosts = {n.index: "local" if n.spec.is_local else n.spec.hostname
                       for n in self.nodes}
+        # Looks of the controller's, as often as readers' requests (the drains: drain.py).
+        self.on_requests: list[Callable[[Engine], None]] = []
         self.state = JobState.PENDING
         self.current: Attempt | None = None
         # The attempt before: its log stays open so that what an agent that was unreachable
@@ -252,6 +254,8 @@ class Engine:
             self.cancel_requested = self.cancel_requested or cancel
             if stacks_wanted and not self.cancel_requested and not self._collecting:
                 self._answer_stacks()
+            for look in self.on_requests:
+                look(self)
         if self.stop is None:
             if self.cancel_requested:
                 self.stop = Stop.CANCEL

@@ -9,7 +9,8 @@ cluster's own failures::
                     OOM killer, most often), a bus error, a gloo/NCCL connection or timeout
                     error, a GPU error, a host that cannot be reached
     preempted       a SIGTERM (or SIGHUP, SIGINT) from outside the orchestrator: ours never
-                    end an attempt's first failure (e.g. a Slurm preemption)
+                    end an attempt's first failure (e.g. a Slurm preemption); a planned
+                    move off drained nodes (orchestrator/drain.py)
     hung            no output and no heartbeat for health.hang_timeout
     unknown         none of those (SIGSEGV, SIGABRT, max_duration)
 
@@ -74,6 +75,8 @@ def classify(failure: Failure) -> Verdict:
     cause = failure.cause
     if cause == FailureCause.HUNG:
         return Verdict(FailureClass.HUNG, failure.message)
+    if cause == FailureCause.PREEMPTED:
+        return Verdict(FailureClass.PREEMPTED, failure.message)
     if cause in _INFRA_CAUSES:
         return Verdict(FailureClass.INFRASTRUCTURE, f"{_INFRA_CAUSES[cause]}: {failure.message}")
     if cause == FailureCause.LAUNCH_FAILED:

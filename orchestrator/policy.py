@@ -4,6 +4,7 @@ of torch's ``_invoke_run``: the controller asks, and does what it is told.
 - every rank exited 0: the job SUCCEEDED;
 - the agents gave up while no controller was there (CONTROLLER_LOST): restart, not charged
   to ``max_restarts`` (infrastructure failures are not the user's budget);
+- a planned interruption (PREEMPTED: orchestrator/drain.py): restart at once, not charged;
 - never restarted: a launch failure, an exit code in ``fail_on_exit_codes``, a line matching
   ``restart_policy.fail_on_log``, or (``stop_on_repeat``) the same error from the same rank
   at the same step as in the attempt before: no restart can fix those;
@@ -71,6 +72,9 @@ def decide(result: AttemptResult, restarts: int, spec: JobSpec,
     if failure.cause == FailureCause.CONTROLLER_LOST:
         failure.decision = "restarted, not charged: the controller was gone, not the job"
         return Restart(spec.restart_backoff.initial, charged=False, reason=failure.decision)
+    if failure.cause == FailureCause.PREEMPTED:
+        failure.decision = "moved, not charged: a planned interruption"
+        return Restart(0.0, charged=False, reason=failure.decision)
     never = _never_restarted(failure, spec)
     repeat = (never is None and spec.restart_policy.stop_on_repeat
               and verdict.klass == FailureClass.USER and failclass.same_error(failure, previous))

@@ -267,6 +267,8 @@ def print_status(data: dict[str, Any]) -> None:
         node_rank = "-" if n["node_rank"] is None else str(n["node_rank"])
         state = n["state"] + (f" ({n['error']})" if n.get("error") else "") + \
             (" (spare)" if n.get("spare") else "")
+        if n.get("drained"):
+            state += f" (drained: {n['drained']['reason'] or 'no reason given'})"
         gaps = (n.get("entered") or {}).get("UNREACHABLE", 0)
         if gaps:
             state += f" [unreachable {gaps}x]"

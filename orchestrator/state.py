@@ -96,6 +96,9 @@ class FailureCause(str, Enum):
     # cannot run in): after the agents' controller_grace (or a cancel) the job ends, naming
     # the error; no restart is charged (orchestrator/supervisor.py).
     CONTROLLER_FAILED = "CONTROLLER_FAILED"
+    # A planned interruption (orchestrator/drain.py): the ranks saved an agreed step and the
+    # job goes on without the drained nodes, at once, no restart charged.
+    PREEMPTED = "PREEMPTED"
 
 
 _TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})

@@ -391,6 +391,19 @@ class Store:
         with self._transaction() as db:
             return storehosts.release_quarantine(db, host, now)
 
+    def set_drain(self, target: str, job_id: str, reason: str, within: float) -> None:
+        """Drain ``target`` (a host; with a job, also a node index) for ``job_id`` ('': all)."""
+        with self._transaction() as db:
+            storehosts.set_drain(db, target, job_id, time.time(), reason, within)
+
+    def remove_drain(self, target: str, job_id: str) -> bool:
+        with self._transaction() as db:
+            return storehosts.remove_drain(db, target, job_id)
+
+    def drains(self) -> list[dict[str, Any]]:
+        """Every drain in force, oldest first: {target, job_id, since, reason, within}."""
+        return storehosts.drains(self._db)
+
     # --- reads ---------------------------------------------------------------------------
     def get_job(self, job_id: str) -> JobRecord:
         check_job_id(job_id)

@@ -137,6 +137,16 @@ CREATE TABLE IF NOT EXISTS quarantine (
     reason TEXT NOT NULL,
     released_at REAL
 );
+-- Hosts drained by an operator (`orchestrator drain`): for every job (job_id ''), or for one,
+-- where target may also be a node index of that job (orchestrator/drain.py).
+CREATE TABLE IF NOT EXISTS drains (
+    target TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    since REAL NOT NULL,
+    reason TEXT NOT NULL,
+    within REAL NOT NULL,
+    PRIMARY KEY (target, job_id)
+);
 -- Settings of this home, across jobs (the quarantine's thresholds: `orchestrator nodes policy`).
 CREATE TABLE IF NOT EXISTS settings (
     name TEXT PRIMARY KEY,

@@ -1,5 +1,6 @@
 """The tables across jobs: what happened to each host (``host_events``: infrastructure
-failures it was part of), the hosts quarantined for it (``quarantine``), and this home's
+failures it was part of), the hosts quarantined for it (``quarantine``), those an operator
+drained (``drains``: orchestrator/drain.py), and this home's
 settings (``settings``: the quarantine's thresholds, the retention). What they mean is
 ``reputation.py``'s and ``retention.py``'s; this is only how they are kept.
 
@@ -58,3 +59,18 @@ def settings(db: sqlite3.Connection, prefix: str) -> dict[str, str]:
 def set_settings(db: sqlite3.Connection, values: dict[str, str]) -> None:
     db.executemany("INSERT OR REPLACE INTO settings (name, value) VALUES (?, ?)",
                    list(values.items()))
+
+
+def set_drain(db: sqlite3.Connection, target: str, job_id: str, since: float, reason: str,
+              within: float) -> None:
+    db.execute("INSERT OR REPLACE INTO drains (target, job_id, since, reason, within) "
+               "VALUES (?, ?, ?, ?, ?)", (target, job_id, since, reason, within))
+
+
+def remove_drain(db: sqlite3.Connection, target: str, job_id: str) -> bool:
+    done = db.execute("DELETE FROM drains WHERE target = ? AND job_id = ?", (target, job_id))
+    return done.rowcount > 0
+
+
+def drains(db: sqlite3.Connection) -> list[dict[str, Any]]:
+    return [dict(r) for r in db.execute("SELECT * FROM drains ORDER BY since").fetchall()]

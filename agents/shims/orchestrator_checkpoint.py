@@ -225,11 +225,24 @@ def _open_slot(path):
     return slot
 
 
-def save(step, state):
-    """Checkpoint ``state`` as of ``step`` (an int, the same on every rank). Returns the
-    seconds the training was held (the copy into memory; with no agent, the whole write)."""
+def due(step, every=None):
+    """Whether ``save(step, state, every=every)`` saves: ``step`` is a multiple of ``every``
+    (every step when None), or the step the controller asked every rank to save (a planned
+    interruption: a drain, a preemption notice)."""
+    return every is None or step % every == 0 or \
+        F.asked(os.environ.get(F.MEMORY_VAR))[0] == step
+
+
+def save(step, state, every=None):
+    """Checkpoint ``state`` as of ``step`` (an int, the same on every rank); with ``every``,
+    only where ``due(step, every)``: call it at every step. Returns the seconds the training
+    was held (the copy into memory; with no agent, the whole write), 0.0 when not due."""
     if type(step) is not int or not 0 <= step < F.MAX_STEP:
         raise CheckpointError("step must be an integer from 0 to 2**62, not %r" % (step,))
+    if every is not None and (type(every) is not int or every < 1):
+        raise CheckpointError("every must be a positive integer, not %r" % (every,))
+    if not due(step, every):
+        return 0.0
     started = time.perf_counter()
     tree, tensors = F.flatten(state)
     import torch
@@ -263,7 +276,9 @@ def save(step, state):
     finally:
         fcntl.flock(slot.fd, fcntl.LOCK_UN)
     _poke(os.path.join(memory, F.WAKE_NAME))
-    return time.perf_counter() - started
+    held = time.perf_counter() - started
+    F.hold(memory, step)  # where a planned move asked for this step
+    return held
 
 
 _poker = []  # type: list  # this process's datagram socket, made at its first save
@@ -580,4 +595,4 @@ def _everyone(torch, good):
     return bool(good)
 
 
-__all__ = ["CheckpointError", "load", "save"]
+__all__ = ["CheckpointError", "due", "load", "save"]

@@ -16,11 +16,13 @@ import ctypes
 import json
 import math
 import os
+import time
 import zlib
 
 FORMAT = 1
 CHUNK = 16 << 20  # bytes a CRC covers: a corrupt byte names a chunk, not the whole copy
 WAKE_NAME = "wake"  # the agent's datagram socket in the memory root: a save pokes it
+SAVE_AT_NAME = "save-at"  # in the memory root: the step the controller asks every rank to save
 OWN_BELOW = 1 << 16  # bytes: a loaded tensor this small is a copy, not a view of the whole
 ALIGN = 64
 MEMORY_VAR = "ORCHESTRATOR_CHECKPOINT_MEMORY"
@@ -56,6 +58,31 @@ def parse_step(name, prefix="step-", suffix=""):
         return None
     step = int(digits)
     return step if step < MAX_STEP else None
+
+
+def save_at_text(step, until):
+    """The ``save-at`` file: the step every rank saves, and until when it holds there."""
+    return ("%d %.3f" % (step, until)).encode()
+
+
+def asked(memory):
+    """``(step, hold until)``: what the controller asked every rank to save, or (None, 0)."""
+    data = read_bytes(os.path.join(memory, SAVE_AT_NAME), 64) if memory else None
+    try:
+        step, until = data.split()
+        return int(step), float(until)
+    except (AttributeError, ValueError):
+        return None, 0.0
+
+
+def hold(memory, step):
+    """Where ``step`` is the one a planned move asked for (and it is saved): wait there until
+    the move stops this worker (no step is then done twice), the request is over, or the
+    hold's end."""
+    asked_step, until = asked(memory)
+    while asked_step == step and time.time() < until:
+        time.sleep(0.02)
+        asked_step, until = asked(memory)
 
 
 def checksums(view, size, chunk=CHUNK):

@@ -338,3 +338,31 @@ def test_a_loaded_state_is_mapped_and_no_later_save_changes_it(store, monkeypatc
     assert torch.equal(ckpt.load()[1]["w"], big * 2)  # sealed and verified: the new file
     assert sorted(n for n in os.listdir(rank_dir) if n.startswith("slot-")) == \
         ["slot-0", "slot-1"]
+
+
+def test_save_every_n_saves_its_multiples_and_the_step_a_planned_move_asks_for(
+        store, monkeypatch):
+    """``save(step, state, every=N)`` at every step saves the multiples of N, and the step the
+    controller asked for (``save_at``), where it then waits until the request is over or its
+    hold ends; a new attempt forgets the request."""
+    import time
+
+    s, _ = store
+    rank_dir = os.path.join(s.root, "rank-1")
+    s.save_at(C.SaveAt(7, 0.3))
+    assert [ckpt.due(step, every=5) for step in (5, 6, 7, 8)] == [True, False, True, False]
+    held = {}
+    for step in range(12):
+        started = time.monotonic()
+        blocked = ckpt.save(step, {"w": torch.full((10,), float(step))}, every=5)
+        held[step] = time.monotonic() - started
+        assert (blocked > 0) == (step in (0, 5, 7, 10)), (step, blocked)
+    assert sorted(ckpt._metas(rank_dir)) == [0, 5, 7, 10]
+    assert held[7] >= 0.25 and max(v for k, v in held.items() if k != 7) < 0.25, held
+    s.save_at(C.SaveAt(None))  # over: the step is saved, and nobody waits for it
+    assert not ckpt.due(7, every=5)
+    s.save_at(C.SaveAt(13, 60.0))
+    s.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20), "/tmp", 2, 1)  # the next attempt
+    assert not ckpt.due(13, every=5)
+    with pytest.raises(F.CheckpointError, match="every must be a positive integer"):
+        ckpt.save(15, {"w": torch.zeros(1)}, every=0)

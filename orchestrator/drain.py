@@ -1,0 +1,213 @@
+"""Planned interruptions: a node an operator drains (``orchestrator drain``) leaves the job at
+a step every rank saved, and a spare (or the remaining nodes, within ``nnodes`` MIN) takes
+over from that step: no restart charged, nothing redone.
+
+The store keeps the drains (for every job, or for one, where a node index may name the node).
+The engine's checks call :meth:`Mover.look` four times a second. When a participant of the
+running attempt is drained and the job can go on without it, the mover picks the agreed
+step: past the highest step any rank reported (heartbeat steps and saves both lag), by a
+second's worth of steps and one more. It tells every participant's agent (``save_at``); a
+script that saves every step, or with ``checkpoint.save(step, state, every=N)``, saves it
+and waits there (up to ``within``), so that no step is done twice.
+Once every rank holds it in its node's memory, and each drained node's ranks also have a
+replica elsewhere, the attempt ends with cause PREEMPTED (class preempted: restarted at
+once, not charged), and the next one runs without the drained nodes from that step. Past
+the drain's ``within`` seconds it ends all the same, and the next attempt resumes the newest
+step every rank holds (the failure says so). A job that cannot go on without a drained node
+keeps it (a drain stops new work, as Slurm's does) and says so once; so does a job whose
+ranks save nothing in the agents' memory, which restarts from its own checkpoints instead.
+
+May call ``attempt``, ``checkpoints`` and ``spec``; the engine is handed in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from agents import commands as C
+from orchestrator.attempt import Attempt, Failure
+from orchestrator.reputation import host_key
+from orchestrator.state import FailureCause, JobState
+from orchestrator.store import Store
+
+if TYPE_CHECKING:
+    from orchestrator.engine import Engine
+
+log = logging.getLogger("orchestrator.controller")
+
+DEFAULT_WITHIN = 120.0  # seconds a drain gives the ranks to save the agreed step
+# The agreed step is ahead of the highest reported one by what the ranks do in LEAD seconds
+# (reports lag: a heartbeat file read, a save sealed and reported) and one, at least MARGIN.
+LEAD = 1.5
+MARGIN = 2
+PACE_LOOKS = 12  # looks (a quarter second apart) the pace is taken over
+
+
+def matches(drain: dict[str, Any], job_id: str, node_index: int, host: str) -> bool:
+    """Whether ``drain`` (a row of the store's drains) holds node ``node_index`` of
+    ``job_id``, whose spec host is ``host``."""
+    if drain["job_id"] not in ("", job_id):
+        return False
+    target = drain["target"]
+    return target in (host, host_key(host)) or (
+        drain["job_id"] == job_id and target == str(node_index))
+
+
+def drained(drains: list[dict[str, Any]], job_id: str,
+            hosts: dict[int, str]) -> dict[int, dict[str, Any]]:
+    """Node index -> the drain that holds it (of ``hosts``: node index -> spec host)."""
+    out: dict[int, dict[str, Any]] = {}
+    for index, host in hosts.items():
+        for drain in drains:
+            if matches(drain, job_id, index, host):
+                out.setdefault(index, drain)
+    return out
+
+
+@dataclass
+class Move:
+    """A planned move under way: ``nodes`` leave once every rank saved ``step``."""
+
+    attempt: int
+    nodes: tuple[int, ...]
+    reason: str
+    step: int
+    deadline: float  # monotonic
+    within: float
+
+
+class Mover:
+    """The planned moves of one job (the engine's; its checks call :meth:`look`)."""
+
+    def __init__(self, job_id: str, store: Store, hosts: dict[int, str]):
+        self.job_id, self.store, self.hosts = job_id, store, hosts
+        self.drained: dict[int, dict[str, Any]] = {}  # node index -> its drain, as last read
+        self.move: Move | None = None
+        self._said: set[tuple[int, ...]] = set()
+        # (monotonic time, attempt, highest step reported) at each look: the ranks' pace.
+        self._seen: deque[tuple[float, int, int]] = deque(maxlen=PACE_LOOKS)
+
+    def look(self, engine: Engine) -> None:
+        self.drained = drained(self.store.drains(), self.job_id, self.hosts)
+        attempt = engine.current
+        if attempt is None or attempt.ended or attempt.failure is not None or \
+                attempt.stopping or engine.state != JobState.RUNNING:
+            return
+        highest = self._highest(engine, attempt)
+        if highest is not None:
+            self._seen.append((time.monotonic(), attempt.number, highest))
+        move = self.move
+        if move is not None and move.attempt == attempt.number:
+            if all(i in self.drained for i in move.nodes):
+                self._check(engine, attempt)
+            else:  # undrained meanwhile: the ranks held at the step go on
+                log.warning("%s undrained: the job goes on there", self._names(move.nodes))
+                self.move = None
+                self._tell(engine, attempt, C.SaveAt(None))
+        elif self.drained:
+            self._begin(engine, attempt)
+
+    def leave_out(self, healthy: list[Any], min_nodes: int) -> list[Any]:
+        """``healthy`` nodes less the drained ones, where ``min_nodes`` allows."""
+        kept = [n for n in healthy if n.index not in self.drained]
+        if len(kept) == len(healthy):
+            return healthy
+        if len(kept) >= min_nodes:
+            log.warning("leaving out drained node(s) %s",
+                        ", ".join(self.hosts[n.index] for n in healthy if n not in kept))
+            return kept
+        log.warning("drained node(s) run all the same: without them fewer than nnodes MIN "
+                    "(%d) are left", min_nodes)
+        return healthy
+
+    # --- a move ------------------------------------------------------------------------------
+    def _begin(self, engine: Engine, attempt: Attempt) -> None:
+        leaving = tuple(i for i in attempt.participants if i in self.drained)
+        if not leaving:
+            return
+        spares = [n for n in engine.nodes if n.usable and n.index not in attempt.participants
+                  and n.index not in self.drained]
+        staying = len(attempt.participants) - len(leaving)
+        if staying + len(spares) < engine.spec.min_nodes:
+            self._say_once(leaving, "%s drained, but the job cannot go on without it "
+                           "(nnodes MIN %d, %d spare(s)): it keeps running there",
+                           self._names(leaving), engine.spec.min_nodes, len(spares))
+            return
+        drains = [self.drained[i] for i in leaving]
+        reason = "; ".join(sorted({d["reason"] for d in drains if d["reason"]})) or "drained"
+        within = min(float(d["within"]) for d in drains)
+        placement = _placement(attempt)
+        step = self._agreed_step(engine, attempt, placement)
+        if step is None:
+            self._end(attempt, leaving, reason, "its ranks keep no checkpoint in the agents' "
+                      "memory: the next attempt resumes from the job's own checkpoints")
+            return
+        self._tell(engine, attempt, C.SaveAt(step, within))
+        self.move = Move(attempt.number, leaving, reason, step, time.monotonic() + within,
+                         within)
+        log.warning("%s drained (%s): every rank saves step %d, then the job goes on without "
+                    "it", self._names(leaving), reason, step)
+
+    def _check(self, engine: Engine, attempt: Attempt) -> None:
+        move = self.move
+        assert move is not None
+        if engine.holdings.saved(move.step, _placement(attempt), move.nodes):
+            self._end(attempt, move.nodes, move.reason, f"every rank saved step {move.step}")
+        elif time.monotonic() > move.deadline:
+            self._end(attempt, move.nodes, move.reason,
+                      f"not every rank saved step {move.step} within {move.within:g}s: the "
+                      "next attempt resumes the newest step every rank holds")
+
+    def _end(self, attempt: Attempt, leaving: tuple[int, ...], reason: str, what: str) -> None:
+        self.move = None
+        first = leaving[0]
+        attempt.fail(Failure(
+            FailureCause.PREEMPTED, f"{self._names(leaving)} drained ({reason}): {what}; the "
+            "job goes on without it", node_index=first, node_rank=attempt.node_ranks.get(first),
+            host=self.hosts[first]))
+
+    @staticmethod
+    def _highest(engine: Engine, attempt: Attempt) -> int | None:
+        """The highest step any rank reported (a heartbeat, or a save its agent holds)."""
+        saved = engine.holdings.newest_saved(_placement(attempt))
+        return max([*attempt.last_steps.values(), *([] if saved is None else [saved])],
+                   default=None)
+
+    def _agreed_step(self, engine: Engine, attempt: Attempt,
+                     placement: dict[int, int]) -> int | None:
+        """Past the highest step reported, by what the ranks do in LEAD seconds (their pace
+        over the last looks) and one, at least MARGIN; None when no rank keeps saves in its
+        agent's memory."""
+        if engine.holdings.newest_saved(placement) is None:
+            return None
+        seen = [(t, s) for t, number, s in self._seen if number == attempt.number]
+        highest = self._highest(engine, attempt)
+        assert highest is not None
+        pace = 0.0
+        if len(seen) >= 2 and seen[-1][0] - seen[0][0] >= 0.5:
+            pace = (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
+        return highest + max(MARGIN, 1 + math.ceil(pace * LEAD))
+
+    @staticmethod
+    def _tell(engine: Engine, attempt: Attempt, command: C.SaveAt) -> None:
+        for index in attempt.participants:
+            engine.pool.send(engine.nodes[index], command)
+
+    def _names(self, nodes: tuple[int, ...]) -> str:
+        return ", ".join(f"node {i} ({self.hosts[i]})" for i in nodes)
+
+    def _say_once(self, key: tuple[int, ...], text: str, *args: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.warning(text, *args)
+
+
+def _placement(attempt: Attempt) -> dict[int, int]:
+    """Rank -> the node index it runs on."""
+    return {w.rank: n.node_index for n in attempt.plan.nodes for w in n.workers
+            if w.rank is not None}

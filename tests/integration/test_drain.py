@@ -1,0 +1,98 @@
+"""Planned interruptions with real jobs (orchestrator/drain.py): an operator drains a node of
+a running job; every rank saves the agreed step and waits there, the spare takes the drained
+node's place warm from that step, nothing is redone and no restart is charged, and the
+weights at the end are those of a run never interrupted. The SSH test
+(tests/cluster/test_drain_ssh.py) runs the same over real nodes."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import time
+
+import orchestrator
+from tests.helpers import PYTHON, ROOT, WORKERS, wait_for, wait_for_output, write_spec
+from tests.integration.test_checkpoints import memory_dirs, reference_weights
+
+STEPS = 60
+
+
+def train_spec(tmp_path, nodes, out, **extra):
+    return {"name": "drain", "nodes": nodes, "nnodes": 2, "nproc_per_node": 2,
+            "command": [PYTHON, str(WORKERS / "ckpt_train.py")], "workdir": str(tmp_path),
+            "max_restarts": 0, "restart": {"warm": True}, "stop_grace_period": 2,
+            "env": {"OUT": str(out), "STEPS": str(STEPS), "STEP_SLEEP": "0.1",
+                    "STATE_MB": "1"}, **extra}
+
+
+def drain_moves_to_the_spare(job_id, out, drain) -> dict:
+    """Once rank 3 saved step 10, ``drain(job_id, node)`` drains node rank 1's node: the job
+    must end as one never interrupted, the second attempt on the other two nodes from the
+    agreed step, none done twice, no restart charged."""
+    import torch
+
+    wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
+    shown = orchestrator.status(job_id)
+    leaving = next(n["node_index"] for n in shown["nodes"] if n["node_rank"] == 1)
+    drain(job_id, leaving)
+    # What a user sees while it happens: the node drained, with the reason.
+    wait_for(lambda: (orchestrator.status(job_id)["nodes"][leaving]["drained"] or {})
+             .get("reason") == "maintenance", 10, what="the node shown drained")
+    result = orchestrator.wait(job_id, timeout=180)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    first = result["attempts"][0]["failure"]
+    assert (first["cause"], first["failure_class"], first["node_index"]) == (
+        "PREEMPTED", "preempted", leaving), first
+    agreed = int(re.search(r"every rank saved step (\d+)", first["message"])[1])
+    assert result["restarts"] == 0 and result["attempts"][1]["restored_step"] == agreed
+    assert leaving not in {r["node_index"] for r in result["ranks"]}
+    for rank in range(4):
+        assert (out / f"resumed-2-{rank}").read_text() == str(agreed)
+    # Nothing redone: no rank of the first attempt got past the agreed step.
+    reached = [int(m[1]) for ln in orchestrator.logs(job_id, attempt=1)
+               if (m := re.search(r"step (\d+) saved", ln))]
+    assert max(reached) <= agreed, (max(reached), agreed)
+    expected = reference_weights(STEPS, 4)
+    for rank in range(4):
+        final = torch.load(out / f"final-{rank}.pt")
+        for name, value in expected.items():
+            assert torch.allclose(final[name], value, atol=1e-6), (rank, name)
+    assert result["attempts"][1]["warm_starts"] == 4
+    wait_for(lambda: memory_dirs(job_id) == [], 15, what="every node's memory removed")
+    return result
+
+
+def test_a_drained_node_leaves_at_a_step_every_rank_saved_and_the_spare_goes_on(
+        tmp_path, home):
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, train_spec(
+        tmp_path, [{"host": "local"}] * 3, out)))
+
+    def by_cli(job, node):  # as an operator types it
+        done = subprocess.run([PYTHON, "-m", "orchestrator", "drain", str(node), "--job", job,
+                               "--reason", "maintenance"], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT)
+        assert done.returncode == 0 and f"drained {node} for {job}" in done.stdout, done
+
+    drain_moves_to_the_spare(job_id, out, by_cli)
+    assert [d["target"] for d in orchestrator.drains()] == ["1"]
+    assert orchestrator.undrain_node("1", job=job_id) and orchestrator.drains() == []
+
+
+def test_a_drain_the_job_cannot_do_without_keeps_the_node_and_says_so(tmp_path, home):
+    """Two nodes, nnodes 2, no spare: the drained node keeps running its ranks (a drain
+    stops new work), and the controller's log says why; undrained, nothing happened."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = train_spec(tmp_path, [{"host": "local"}] * 2, out)
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    wait_for_output(job_id, "rank 3 step 5 saved", 1, timeout=120)
+    orchestrator.drain_node("1", job=job_id, reason="maintenance")
+    log = home / "jobs" / job_id / "controller.log"
+    wait_for(lambda: "cannot go on without it" in log.read_text(), 10,
+             what="the controller saying why it stays")
+    time.sleep(1)
+    assert orchestrator.status(job_id)["attempt"] == 1
+    result = orchestrator.wait(job_id, timeout=180)
+    assert result["state"] == "SUCCEEDED" and result["attempt"] == 1, result["failure"]

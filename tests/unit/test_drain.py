@@ -1,0 +1,58 @@
+"""Planned moves off drained nodes, their pure parts (orchestrator/drain.py): which nodes a
+drain holds, when every rank has saved the agreed step, and what the policy does then."""
+
+from __future__ import annotations
+
+from agents import protocol as P
+from orchestrator.attempt import AttemptResult, Failure
+from orchestrator.checkpoints import Holdings
+from orchestrator.drain import drained, matches
+from orchestrator.policy import Restart, decide
+from orchestrator.spec import parse_jobspec
+from orchestrator.state import AttemptOutcome, FailureCause
+
+
+def drain(target, job_id=""):
+    return {"target": target, "job_id": job_id, "since": 0.0, "reason": "r", "within": 60.0}
+
+
+def test_a_drain_holds_a_host_in_every_job_or_a_node_of_one_job():
+    hosts = {0: "root@10.0.0.1", 1: "10.0.0.2:2222", 2: "local"}
+    assert matches(drain("10.0.0.1"), "j", 0, hosts[0])  # the host as `nodes` lists it
+    assert matches(drain("root@10.0.0.1"), "j", 0, hosts[0])  # as the spec names it
+    assert matches(drain("10.0.0.2"), "j", 1, hosts[1])
+    assert not matches(drain("10.0.0.1", "other"), "j", 0, hosts[0])  # another job's drain
+    assert matches(drain("2", "j"), "j", 2, hosts[2])  # a node index, for its job only
+    assert not matches(drain("2"), "j", 2, hosts[2])
+    assert drained([drain("10.0.0.2"), drain("0", "j")], "j", hosts) == {
+        0: drain("0", "j"), 1: drain("10.0.0.2")}
+
+
+def held(memory, replicas=None, port=None):
+    return P.Held(1, {r: tuple(s) for r, s in memory.items()}, {}, 0, None,
+                  {r: tuple(s) for r, s in (replicas or {}).items()}, port)
+
+
+def test_a_move_waits_for_every_rank_in_memory_and_the_leaving_ranks_elsewhere():
+    h = Holdings()
+    placement = {0: 0, 1: 0, 2: 1, 3: 1}  # node 1 leaves
+    assert h.newest_saved(placement) is None  # nothing saved: no step to agree on
+    h.update(0, held({0: [8, 9], 1: [8, 9]}, {2: [8], 3: [8]}, port=4000))
+    h.update(1, held({2: [8, 9], 3: [8]}))
+    assert h.newest_saved(placement) == 9
+    assert h.saved(8, placement, [1]) and not h.saved(9, placement, [1])
+    h.update(1, held({2: [9], 3: [9]}))
+    assert not h.saved(9, placement, [1])  # in memory everywhere, but node 1's only there
+    h.update(2, held({}, {2: [9], 3: [9]}, port=4001))  # the spare holds replicas
+    assert h.saved(9, placement, [1])
+
+
+def test_a_planned_move_restarts_at_once_and_charges_nothing():
+    spec = parse_jobspec("nodes: [{host: local}]\ncommand: [x]\nmax_restarts: 0\n"
+                         "restart_backoff: {initial: 5}\n")
+    failure = Failure(FailureCause.PREEMPTED, "node 1 drained (maintenance): every rank "
+                      "saved step 9; the job goes on without it", node_index=1)
+    decision = decide(AttemptResult(AttemptOutcome.FAILED, failure), 0, spec)
+    assert decision == Restart(0.0, charged=False)
+    assert (failure.failure_class, failure.decision) == (
+        "preempted", "moved, not charged: a planned interruption")
