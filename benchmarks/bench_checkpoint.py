@@ -189,6 +189,33 @@ def render(rows: dict[int, dict[str, float | None]], device: str,
     return "\n".join(out) + "\n"
 
 
+def plot(rows: dict[int, dict[str, float | None]], device: str, path: Path) -> None:
+    """Seconds the training waits per way of saving, one group of bars per state size (log
+    scale), and the load beside them."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    kinds = ["floor", "save", "dcp.async_save", "dcp.save", "torch.save+fsync", "load"]
+    names = ["one copy", "checkpoint.save", "dcp.async_save", "dcp.save",
+             "torch.save+fsync", "checkpoint.load"]
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    width = 0.8 / len(kinds)
+    for i, (kind, name) in enumerate(zip(kinds, names, strict=True)):
+        values = [rows[m].get(kind) or float("nan") for m in rows]
+        ax.bar([x + i * width for x in range(len(rows))], values, width, label=name)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(rows))],
+                  [f"{m} MiB/rank" for m in rows])
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds the training waits")
+    ax.set_title(f"Checkpoint cost ({device})", fontsize=10)
+    ax.legend(fontsize=7, ncol=3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="64,512")
@@ -197,8 +224,16 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--job", type=int, default=0, metavar="MIB",
                         help="also time a real job's restore with this state per rank")
+    parser.add_argument("--replot", action="store_true",
+                        help="only draw <out>/checkpoint.png from <out>/checkpoint.json")
     args = parser.parse_args()
     device = "cuda" if args.gpu else "cpu"
+    name = "checkpoint-gpu" if args.gpu else "checkpoint"
+    out = Path(args.out)
+    if args.replot:
+        saved = json.loads((out / f"{name}.json").read_text())
+        plot({int(k): v for k, v in saved["rows"].items()}, device, out / f"{name}.png")
+        return
     disk = tempfile.mkdtemp(prefix="bench-ckpt-disk-", dir=os.environ.get("TMPDIR", "/tmp"))
     try:
         rows = {mib: one_size(mib, args.reps, device, disk)
@@ -206,11 +241,10 @@ def main() -> None:
     finally:
         shutil.rmtree(disk, ignore_errors=True)
     job = job_restore(args.job, 3) if args.job else None
-    name = "checkpoint-gpu" if args.gpu else "checkpoint"
     text = render(rows, device, job)
     print(text)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    plot(rows, device, out / f"{name}.png")
     (out / f"{name}.md").write_text(text)
     (out / f"{name}.json").write_text(json.dumps({"device": device, "rows": rows, "job": job},
                                                  indent=1))

@@ -121,6 +121,8 @@ class Holdings:
     def newest_saved(self, placement: Mapping[int, int]) -> int | None:
         """The newest step any rank of ``placement`` holds in its node's memory (None: no
         rank keeps saves there)."""
+        if not self._nodes:
+            return None
         steps = [max(held.memory[rank]) for rank, node in placement.items()
                  if (held := self._nodes.get(node)) is not None and held.memory.get(rank)]
         return max(steps, default=None)

@@ -91,6 +91,7 @@ class Mover:
         self._said: set[tuple[int, ...]] = set()
         # (monotonic time, attempt, highest step reported) at each look: the ranks' pace.
         self._seen: deque[tuple[float, int, int]] = deque(maxlen=PACE_LOOKS)
+        self._placed: tuple[int, dict[int, int]] | None = None
 
     def look(self, engine: Engine) -> None:
         self.drained = drained(self.store.drains(), self.job_id, self.hosts)
@@ -141,7 +142,7 @@ class Mover:
         drains = [self.drained[i] for i in leaving]
         reason = "; ".join(sorted({d["reason"] for d in drains if d["reason"]})) or "drained"
         within = min(float(d["within"]) for d in drains)
-        placement = _placement(attempt)
+        placement = self._placement(attempt)
         step = self._agreed_step(engine, attempt, placement)
         if step is None:
             self._end(attempt, leaving, reason, "its ranks keep no checkpoint in the agents' "
@@ -156,7 +157,7 @@ class Mover:
     def _check(self, engine: Engine, attempt: Attempt) -> None:
         move = self.move
         assert move is not None
-        if engine.holdings.saved(move.step, _placement(attempt), move.nodes):
+        if engine.holdings.saved(move.step, self._placement(attempt), move.nodes):
             self._end(attempt, move.nodes, move.reason, f"every rank saved step {move.step}")
         elif time.monotonic() > move.deadline:
             self._end(attempt, move.nodes, move.reason,
@@ -171,12 +172,19 @@ class Mover:
             "job goes on without it", node_index=first, node_rank=attempt.node_ranks.get(first),
             host=self.hosts[first]))
 
-    @staticmethod
-    def _highest(engine: Engine, attempt: Attempt) -> int | None:
+    def _highest(self, engine: Engine, attempt: Attempt) -> int | None:
         """The highest step any rank reported (a heartbeat, or a save its agent holds)."""
-        saved = engine.holdings.newest_saved(_placement(attempt))
+        saved = engine.holdings.newest_saved(self._placement(attempt))
         return max([*attempt.last_steps.values(), *([] if saved is None else [saved])],
                    default=None)
+
+    def _placement(self, attempt: Attempt) -> dict[int, int]:
+        """Rank -> the node index it runs on (once per attempt: looked at four times a
+        second, for thousands of ranks)."""
+        if self._placed is None or self._placed[0] != attempt.number:
+            self._placed = (attempt.number, {w.rank: n.node_index for n in attempt.plan.nodes
+                                             for w in n.workers if w.rank is not None})
+        return self._placed[1]
 
     def _agreed_step(self, engine: Engine, attempt: Attempt,
                      placement: dict[int, int]) -> int | None:
@@ -205,9 +213,3 @@ class Mover:
         if key not in self._said:
             self._said.add(key)
             log.warning(text, *args)
-
-
-def _placement(attempt: Attempt) -> dict[int, int]:
-    """Rank -> the node index it runs on."""
-    return {w.rank: n.node_index for n in attempt.plan.nodes for w in n.workers
-            if w.rank is not None}
