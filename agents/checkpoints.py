@@ -315,7 +315,7 @@ class Store:
                 if meta.get("persist") and self.persist_dir:
                     self._persist(rank, step, meta_bytes, manifest, view)
                     open(base + ".persisted", "w").close()
-                    _trim(self.persist_dir, rank, self.config.keep)
+                    F.trim(self.persist_dir, rank, self.config.keep)
         finally:
             os.close(fd)
 
@@ -542,22 +542,6 @@ def _persisted(root: str) -> dict[int, list[int]]:
             if rank is not None:
                 out.setdefault(rank, []).append(step)
     return out
-
-
-def _trim(root: str, rank: int, keep: int) -> None:
-    """Only the ``keep`` newest persisted steps of ``rank`` (its files; a step's directory
-    goes with its last rank)."""
-    for step in F.persisted_steps(root, rank)[keep:]:
-        directory = F.persisted_dir(root, step)
-        for suffix in (".manifest", ".corrupt", ".meta", ".data"):
-            try:
-                os.unlink(os.path.join(directory, f"rank-{rank}{suffix}"))
-            except OSError:
-                pass
-        try:
-            os.rmdir(directory)
-        except OSError:
-            pass  # other ranks' files are still there
 
 
 def _store_id(directory: str) -> str | None:

@@ -334,7 +334,8 @@ def _int_env(name, default):
 
 
 def _save_files(step, meta, views, size):
-    """No agent: this rank's copy straight to ``$ORCHESTRATOR_CHECKPOINT_DIR``, synced."""
+    """No agent: this rank's copy straight to ``$ORCHESTRATOR_CHECKPOINT_DIR``, synced; the
+    ``$ORCHESTRATOR_CHECKPOINT_KEEP`` (2) newest steps of this rank kept."""
     root = os.environ.get(F.DIR_VAR)
     if not root:
         raise CheckpointError("no checkpoint store: run under the orchestrator, or set "
@@ -355,6 +356,7 @@ def _save_files(step, meta, views, size):
     crcs = F.checksums(memoryview(buf), size)
     F.write_file(base + ".manifest", json.dumps(F.manifest(meta_bytes, crcs, size)).encode(),
                  sync=True)
+    F.trim(root, meta["rank"], max(1, _int_env(F.KEEP_VAR, 2)))  # a bounded directory
 
 
 # --- load ------------------------------------------------------------------------------------

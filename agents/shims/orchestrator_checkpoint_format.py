@@ -30,6 +30,7 @@ BUDGET_VAR = "ORCHESTRATOR_CHECKPOINT_MEMORY_BYTES"
 DIR_VAR = "ORCHESTRATOR_CHECKPOINT_DIR"
 STEP_VAR = "ORCHESTRATOR_CHECKPOINT_STEP"
 PERSIST_VAR = "ORCHESTRATOR_CHECKPOINT_PERSIST_EVERY"
+KEEP_VAR = "ORCHESTRATOR_CHECKPOINT_KEEP"  # steps kept in the directory with no agent (2)
 MAX_META = 64 << 20  # bytes of one save's description (its tree of small values)
 MAX_STEP = 1 << 62
 THREADS = min(8, os.cpu_count() or 1)
@@ -281,3 +282,19 @@ def persisted_steps(root, rank):
     steps = [parse_step(n) for n in names]
     return sorted((s for s in steps if s is not None and os.path.exists(
         os.path.join(persisted_dir(root, s), "rank-%d.manifest" % rank))), reverse=True)
+
+
+def trim(root, rank, keep):
+    """Only the ``keep`` newest persisted steps of ``rank`` (its files; a step's directory
+    goes with its last rank)."""
+    for step in persisted_steps(root, rank)[keep:]:
+        directory = persisted_dir(root, step)
+        for suffix in (".manifest", ".corrupt", ".meta", ".data"):
+            try:
+                os.unlink(os.path.join(directory, "rank-%d%s" % (rank, suffix)))
+            except OSError:
+                pass
+        try:
+            os.rmdir(directory)
+        except OSError:
+            pass  # other ranks' files are still there

@@ -144,6 +144,14 @@ def test_without_an_agent_files_are_written_and_read_back(tmp_path, monkeypatch)
     for step in (1, 2):
         ckpt.save(step, {"w": torch.full((4,), float(step))})
     assert ckpt.load()[0] == 2
+    # A save every step for a week must not fill the disk: the newest two steps are kept,
+    # or as many as ORCHESTRATOR_CHECKPOINT_KEEP says.
+    for step in range(3, 8):
+        ckpt.save(step, {"w": torch.full((4,), float(step))})
+    assert sorted(os.listdir(tmp_path)) == ["step-000000000006", "step-000000000007"]
+    monkeypatch.setenv(F.KEEP_VAR, "3")
+    ckpt.save(8, {"w": torch.zeros(4)})
+    assert F.persisted_steps(str(tmp_path), 0) == [8, 7, 6]
     monkeypatch.delenv(F.DIR_VAR)
     with pytest.raises(F.CheckpointError, match="no checkpoint store"):
         ckpt.save(3, {})
