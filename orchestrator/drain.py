@@ -5,19 +5,21 @@ over from that step: no restart charged, nothing redone.
 The store keeps the drains (for every job, or for one, where a node index may name the node).
 The engine's checks call :meth:`Mover.look` four times a second. When a participant of the
 running attempt is drained and the job can go on without it, the mover picks the agreed
-step: past the highest step any rank reported (heartbeat steps and saves both lag), by a
-second's worth of steps and one more. It tells every participant's agent (``save_at``); a
-script that saves every step, or with ``checkpoint.save(step, state, every=N)``, saves it
-and waits there (up to ``within``), so that no step is done twice.
-Once every rank holds it in its node's memory, and each drained node's ranks also have a
+step: where the ranks are now (the highest step any rank reported, a heartbeat's or a
+save's, and their pace since), plus what they do in 1.5 s (reports lag) and one. It tells
+every participant's agent (``save_at``); a script that saves every step, or with
+``checkpoint.save(step, state, every=N)`` (called at every step: it reports the step as it
+goes), saves it and waits there (up to ``within``), so that no step is done twice. Once
+every rank holds it in its node's memory, and each drained node's ranks also have a
 replica elsewhere, the attempt ends with cause PREEMPTED (class preempted: restarted at
 once, not charged), and the next one runs without the drained nodes from that step. Past
 the drain's ``within`` seconds it ends all the same, and the next attempt resumes the newest
 step every rank holds (the failure says so). A job that cannot go on without a drained node
-keeps it (a drain stops new work, as Slurm's does) and says so once; so does a job whose
-ranks save nothing in the agents' memory, which restarts from its own checkpoints instead.
+keeps it (a drain stops new work, as Slurm's does) and says so once. A job whose ranks keep
+nothing in the agents' memory moves at once, and resumes from its own checkpoints.
 
-May call ``attempt``, ``checkpoints`` and ``spec``; the engine is handed in.
+May call ``attempt``, ``reputation`` (host names) and the store's drains; the engine is
+handed in.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ DEFAULT_WITHIN = 120.0  # seconds a drain gives the ranks to save the agreed ste
 # (reports lag: a heartbeat file read, a save sealed and reported) and one, at least MARGIN.
 LEAD = 1.5
 MARGIN = 2
-PACE_LOOKS = 12  # looks (a quarter second apart) the pace is taken over
+PACE_CHANGES = 8  # the last changes of the highest step reported: the ranks' pace
 
 
 def matches(drain: dict[str, Any], job_id: str, node_index: int, host: str) -> bool:
@@ -89,8 +91,8 @@ class Mover:
         self.drained: dict[int, dict[str, Any]] = {}  # node index -> its drain, as last read
         self.move: Move | None = None
         self._said: set[tuple[int, ...]] = set()
-        # (monotonic time, attempt, highest step reported) at each look: the ranks' pace.
-        self._seen: deque[tuple[float, int, int]] = deque(maxlen=PACE_LOOKS)
+        # (monotonic time, attempt, highest step reported) where it changed: the ranks' pace.
+        self._seen: deque[tuple[float, int, int]] = deque(maxlen=PACE_CHANGES)
         self._placed: tuple[int, dict[int, int]] | None = None
 
     def look(self, engine: Engine) -> None:
@@ -100,8 +102,9 @@ class Mover:
                 attempt.stopping or engine.state != JobState.RUNNING:
             return
         highest = self._highest(engine, attempt)
-        if highest is not None:
-            self._seen.append((time.monotonic(), attempt.number, highest))
+        if highest is not None and (not self._seen or self._seen[-1][1:] != (attempt.number,
+                                                                             highest)):
+            self._seen.append((time.monotonic(), attempt.number, highest))  # when it changed
         move = self.move
         if move is not None and move.attempt == attempt.number:
             if all(i in self.drained for i in move.nodes):
@@ -188,18 +191,20 @@ class Mover:
 
     def _agreed_step(self, engine: Engine, attempt: Attempt,
                      placement: dict[int, int]) -> int | None:
-        """Past the highest step reported, by what the ranks do in LEAD seconds (their pace
-        over the last looks) and one, at least MARGIN; None when no rank keeps saves in its
-        agent's memory."""
+        """Where the ranks are now (the highest step reported, and their pace since: a
+        script that saves every N steps reports every N steps), plus what they do in LEAD
+        seconds and one, at least MARGIN past the highest; None when no rank keeps saves in
+        its agent's memory."""
         if engine.holdings.newest_saved(placement) is None:
             return None
         seen = [(t, s) for t, number, s in self._seen if number == attempt.number]
         highest = self._highest(engine, attempt)
         assert highest is not None
-        pace = 0.0
-        if len(seen) >= 2 and seen[-1][0] - seen[0][0] >= 0.5:
-            pace = (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
-        return highest + max(MARGIN, 1 + math.ceil(pace * LEAD))
+        if len(seen) < 2 or seen[-1][0] - seen[0][0] < 0.5:
+            return highest + MARGIN
+        pace = (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
+        now = highest + pace * (time.monotonic() - seen[-1][0])
+        return max(highest + MARGIN, math.ceil(now + pace * LEAD) + 1)
 
     @staticmethod
     def _tell(engine: Engine, attempt: Attempt, command: C.SaveAt) -> None:

@@ -241,6 +241,7 @@ def save(step, state, every=None):
         raise CheckpointError("step must be an integer from 0 to 2**62, not %r" % (step,))
     if every is not None and (type(every) is not int or every < 1):
         raise CheckpointError("every must be a positive integer, not %r" % (every,))
+    F.report_step(step)  # where the ranks are: a planned move agrees on a step ahead
     if not due(step, every):
         return 0.0
     started = time.perf_counter()
@@ -249,11 +250,10 @@ def save(step, state, every=None):
     views = [F.byte_view(torch, t) for t in tensors]
     entries, size = F.layout(tensors)
     _saves[0] += 1
-    every = _int_env(F.PERSIST_VAR, 0)
-    meta = {"format": F.FORMAT, "step": step, "rank": _rank(),
-            "world_size": _int_env("WORLD_SIZE", 1), "tensors": entries, "tree": tree,
-            "size": size, "saved_at": time.time(),
-            "persist": bool(every) and _saves[0] % every == 0}
+    persist = _int_env(F.PERSIST_VAR, 0)
+    meta = {"format": F.FORMAT, "step": step, "rank": _rank(), "tensors": entries,
+            "world_size": _int_env("WORLD_SIZE", 1), "tree": tree, "size": size,
+            "saved_at": time.time(), "persist": bool(persist) and _saves[0] % persist == 0}
     memory = os.environ.get(F.MEMORY_VAR)
     if not memory:
         _save_files(step, meta, views, size)

@@ -374,3 +374,25 @@ def test_save_every_n_saves_its_multiples_and_the_step_a_planned_move_asks_for(
     assert not ckpt.due(13, every=5)
     with pytest.raises(F.CheckpointError, match="every must be a positive integer"):
         ckpt.save(15, {"w": torch.zeros(1)}, every=0)
+
+
+def test_save_reports_the_step_as_a_heartbeat_does_keeping_the_scripts_own(tmp_path,
+                                                                         monkeypatch):
+    """A script that saves every N steps still tells its agent where it is at every step (a
+    planned move agrees on a step ahead of it), into the heartbeat file, with what the
+    script's own heartbeat() put there kept; at most five times a second."""
+    import json
+
+    from agents.shims.orchestrator_worker import heartbeat
+
+    beat = tmp_path / "heartbeat"
+    monkeypatch.setenv("ORCHESTRATOR_HEARTBEAT_FILE", str(beat))
+    monkeypatch.setenv(F.DIR_VAR, str(tmp_path / "ck"))
+    monkeypatch.delenv(F.MEMORY_VAR, raising=False)
+    heartbeat(step=3, total_steps=100, loss=0.5)
+    monkeypatch.setattr(F, "_reported", [0.0])
+    ckpt.save(4, {"w": torch.zeros(2)}, every=10)  # not saved, but reported
+    assert json.loads(beat.read_text()) == {"step": 4, "total_steps": 100,
+                                            "metrics": {"loss": 0.5}}
+    ckpt.save(5, {"w": torch.zeros(2)}, every=10)  # within 0.2 s: not written again
+    assert json.loads(beat.read_text())["step"] == 4

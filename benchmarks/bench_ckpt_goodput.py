@@ -1,0 +1,367 @@
+#!/usr/bin/env python3
+"""Goodput with a checkpoint every step: the same training (tests/workers/ckpt_goodput_train.py:
+2 ranks, gloo, ``--state-mb`` of state per rank saved with ``orchestrator.checkpoint`` every
+step) with one rank SIGKILLed every ``--fault-every`` seconds, run by the orchestrator (warm
+restarts, saves in the agent's memory) and, as the anchor, by the common workaround: plain
+``torchrun --standalone`` relaunched by a shell loop after each failure (``until torchrun
+...; do :; done``), the same script saving to files on local disk, synced. Interleaved, in one
+invocation.
+
+    python benchmarks/bench_ckpt_goodput.py [--reps 1] [--state-mb 512] [--duration 180]
+                                            [--step-time 0.5] [--fault-every 60]
+
+Each run trains for ``--duration`` seconds from its first step (then it is stopped). Goodput:
+the steps' compute (steps advanced x ``--step-time``) over that time; what a save holds the
+training, a restart's time and the steps redone are the losses. Per kill: the seconds until
+every rank trained again, and the steps redone. Writes ``benchmarks/ckpt-goodput.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+import orchestrator  # noqa: E402
+
+WORKER = str(ROOT / "tests" / "workers" / "ckpt_goodput_train.py")
+PY = sys.executable
+RANKS = 2
+STEP_RE = re.compile(r"STEP \d+ (\d+) (\d+) ([\d.]+)")
+
+
+def env_of(args: argparse.Namespace) -> dict[str, str]:
+    return {"STEPS": "1000000", "STEP_TIME": str(args.step_time),
+            "STATE_MB": str(args.state_mb), "CKPT_EVERY": "1"}
+
+
+def run_orchestrator(work: Path, args: argparse.Namespace) -> tuple[list[str], list[float]]:
+    spec = work / f"ckpt-goodput-{uuid.uuid4().hex[:6]}.yaml"
+    spec.write_text(yaml.safe_dump({
+        "name": "ckpt-goodput", "nodes": [{"host": "local"}], "nproc_per_node": RANKS,
+        "command": [PY, WORKER], "workdir": str(work), "env": env_of(args),
+        "max_restarts": 1000, "stop_grace_period": 2, "restart": {"warm": True},
+        "restart_backoff": {"initial": 0.1, "max": 0.1}}))
+    job = orchestrator.submit(str(spec))
+
+    def pid_of(rank: int) -> int | None:
+        shown = orchestrator.status(job)
+        return next((r["pid"] for r in shown["ranks"] if shown["state"] == "RUNNING"
+                     and r["rank"] == rank and r["state"] == "RUNNING"), None)
+
+    def done() -> bool:
+        return orchestrator.status(job)["state"] not in ("PENDING", "LAUNCHING", "RUNNING",
+                                                         "RESTARTING")
+
+    kills = kill_on_schedule(args, pid_of, done, lambda: list(orchestrator.logs(job)))
+    orchestrator.cancel(job)
+    orchestrator.wait(job, timeout=600)
+    return list(orchestrator.logs(job)), kills
+
+
+def run_torchrun_loop(work: Path, args: argparse.Namespace) -> tuple[list[str], list[float]]:
+    token = uuid.uuid4().hex
+    ckpt = work / f"files-{token[:6]}"
+    torchrun = " ".join([PY, "-m", "torch.distributed.run", "--standalone",
+                         f"--nproc-per-node={RANKS}", WORKER])
+    proc = subprocess.Popen(
+        ["bash", "-c", f"until {torchrun}; do :; done"], cwd=work,
+        env={**os.environ, **env_of(args), "ORCHESTRATOR_CHECKPOINT_DIR": str(ckpt),
+             "BENCH_TOKEN": token},
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")),
+                              daemon=True)
+    reader.start()
+
+    def pid_of(rank: int) -> int | None:  # a worker of this run: its token and its RANK
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                env = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if f"BENCH_TOKEN={token}".encode() in env and f"RANK={rank}".encode() in env:
+                return int(entry)
+        return None
+
+    try:
+        kills = kill_on_schedule(args, pid_of, lambda: proc.poll() is not None,
+                                 lambda: list(lines))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # the loop, torchrun and workers it started
+        proc.wait()
+    reader.join(timeout=10)
+    return lines, kills
+
+
+def kill_on_schedule(args, pid_of, done, lines) -> list[float]:
+    """SIGKILL rank 0, 1, 0, ... every ``fault_every`` s from the first step, each once every
+    rank trained again since the last kill; until ``duration`` s after the first step."""
+    while not _rows(lines()) and not done():
+        time.sleep(0.1)
+    kills: list[float] = []
+    next_kill = time.monotonic() + args.fault_every
+    end = time.monotonic() + args.duration
+    while not done() and time.monotonic() < end:
+        time.sleep(0.05)
+        if time.monotonic() < next_kill:
+            continue
+        rows = _rows(lines())
+        if kills and len({r for r, _, t in rows if t > kills[-1]}) < RANKS:
+            continue  # not training again yet
+        pid = pid_of(len(kills) % RANKS)
+        if pid is None:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)  # a worker of the run this benchmark started
+        except OSError:
+            continue
+        kills.append(time.time())
+        next_kill = time.monotonic() + args.fault_every
+    return kills
+
+
+def _rows(lines: list[str]) -> list[tuple[int, int, float]]:
+    return [(int(m[1]), int(m[2]), float(m[3])) for m in map(STEP_RE.search, lines) if m]
+
+
+def analyse(lines: list[str], kills: list[float], args: argparse.Namespace) -> dict[str, Any]:
+    first = min(t for *_, t in _rows(lines))
+    rows = [(r, s, t) for r, s, t in _rows(lines) if t <= first + args.duration]
+    advanced = max(s for _, s, _ in rows) + 1
+    recover, redone = [], []
+    for kill in kills:
+        before = [s for _, s, t in rows if t <= kill]
+        after = [(r, s, t) for r, s, t in rows if t > kill]
+        firsts: dict[int, float] = {}
+        for r, _, t in after:
+            firsts[r] = min(firsts.get(r, t), t)
+        if len(firsts) == RANKS and before:
+            recover.append(max(firsts.values()) - kill)
+            resumed = min(s for r, s, t in after if t == firsts[r])
+            redone.append(max(before) + 1 - resumed)
+    return {"goodput": advanced * args.step_time / args.duration, "steps": advanced,
+            "kills": len(kills), "recover": recover, "redone": redone}
+
+
+NODE_TIMEOUT = 2.0  # the cut run's health.node_timeout (heartbeat_interval 0.5)
+
+
+def run_cut(args: argparse.Namespace) -> dict[str, Any]:
+    """Over SSH on a 3-host namespace cluster (root): 2 participants x 2 ranks and a hot spare,
+    a save every step; node rank 1's cable is cut once every rank trained ``cut_after``
+    steps, and plugged back in once every rank trains again. Which copies the ranks resumed
+    from is what the status said while the next attempt ran."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_cluster import load_cluster_module
+
+    local_cluster = load_cluster_module()
+    local_cluster.cleanup_stale()
+    with tempfile.TemporaryDirectory() as tmp, \
+            local_cluster.Cluster(3, Path(tmp) / "cluster") as cluster:
+        os.environ["ORCHESTRATOR_HOME"] = str(Path(tmp) / "home")
+        spec = Path(tmp) / "cut.yaml"
+        spec.write_text(yaml.safe_dump({
+            "name": "ckpt-cut", "nodes": [{"host": f"root@{h.address}"} for h in cluster.hosts],
+            "nnodes": 2, "nproc_per_node": RANKS, "python": PY, "command": [PY, WORKER],
+            "workdir": tmp, "env": env_of(args), "max_restarts": 10, "stop_grace_period": 2,
+            "restart": {"warm": True}, "restart_backoff": {"initial": 0.1, "max": 0.1},
+            "ssh": {"identity_file": str(cluster.client_key),
+                    "known_hosts": str(cluster.known_hosts), "connect_timeout": 2},
+            "health": {"heartbeat_interval": 0.5, "node_timeout": NODE_TIMEOUT}}))
+        job = orchestrator.submit(str(spec))
+        ranks = 2 * RANKS
+
+        def rows() -> list[tuple[int, int, float]]:
+            return _rows(list(orchestrator.logs(job)))
+
+        while len({r for r, s, _ in rows() if s >= args.cut_after}) < ranks:
+            time.sleep(0.2)
+        shown = orchestrator.status(job)
+        victim = next(n["node_index"] for n in shown["nodes"] if n["node_rank"] == 1)
+        cluster.link_down(victim)
+        cut = time.time()
+        sources: dict[str, int] = {}
+        try:
+            deadline = time.monotonic() + 120
+            while len({r for r, _, t in rows() if t > cut}) < ranks and \
+                    time.monotonic() < deadline:
+                time.sleep(0.1)
+            shown = orchestrator.status(job)
+            for node in shown["nodes"]:
+                for record in ((node.get("checkpoint") or {}).get("restored") or {}).values():
+                    sources[record["source"]] = sources.get(record["source"], 0) + 1
+        finally:
+            cluster.link_up(victim)
+        orchestrator.cancel(job)
+        orchestrator.wait(job, timeout=120)
+        got = rows()
+        before = [s for _, s, t in got if t <= cut]
+        firsts: dict[int, tuple[float, int]] = {}
+        for r, s, t in got:
+            if t > cut and (r not in firsts or t < firsts[r][0]):
+                firsts[r] = (t, s)
+        again = round(max(t for t, _ in firsts.values()) - cut, 2) \
+            if len(firsts) == ranks else None
+        return {"recover_s": again, "node_timeout": NODE_TIMEOUT, "sources": sources,
+                "redone": max(before) + 1 - min(s for _, s in firsts.values())
+                if firsts else None, "attempt": shown["attempt"]}
+
+
+ATTEMPT_RE = re.compile(r"STEP (\d+) (\d+) (\d+) ([\d.]+)")
+
+
+def run_drain(args: argparse.Namespace) -> dict[str, Any]:
+    """3 local nodes x 2 ranks, nnodes 2 (the third a hot spare), a save every
+    ``--ckpt-every`` steps; node rank 1 drained once every rank trained 10 steps. The pause:
+    from the ranks' last step before the move to every rank training again."""
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["ORCHESTRATOR_HOME"] = str(Path(tmp) / "home")
+        spec = Path(tmp) / "drain.yaml"
+        spec.write_text(yaml.safe_dump({
+            "name": "ckpt-drain", "nodes": [{"host": "local"}] * 3, "nnodes": 2,
+            "nproc_per_node": RANKS, "command": [PY, WORKER], "workdir": tmp,
+            "env": {**env_of(args), "CKPT_EVERY": str(args.ckpt_every)}, "max_restarts": 0,
+            "stop_grace_period": 2, "restart": {"warm": True}}))
+        job = orchestrator.submit(str(spec))
+
+        def rows() -> list[tuple[int, int, int, float]]:
+            return [(int(m[1]), int(m[2]), int(m[3]), float(m[4]))
+                    for m in map(ATTEMPT_RE.search, orchestrator.logs(job)) if m]
+
+        while len({r for _, r, s, _ in rows() if s >= 10}) < 2 * RANKS:
+            time.sleep(0.2)
+        leaving = next(n["node_index"] for n in orchestrator.status(job)["nodes"]
+                       if n["node_rank"] == 1)
+        drained = time.time()
+        orchestrator.drain_node(str(leaving), job=job, reason="benchmark")
+        deadline = time.monotonic() + 180
+        while len({r for a, r, _, _ in rows() if a == 1}) < 2 * RANKS and \
+                time.monotonic() < deadline:
+            time.sleep(0.1)
+        shown = orchestrator.status(job)
+        orchestrator.cancel(job)
+        got = rows()
+    before = [(s, t) for a, _, s, t in got if a == 0]
+    after: dict[int, tuple[float, int]] = {}
+    for a, r, s, t in got:
+        if a == 1 and (r not in after or t < after[r][0]):
+            after[r] = (t, s)
+    stopped = max(t for _, t in before)
+    failure = shown["attempts"][0]["failure"] or {}
+    return {"drain_to_stop_s": round(stopped - drained, 2),
+            "pause_s": round(max(t for t, _ in after.values()) - stopped, 2)
+            if len(after) == 2 * RANKS else None,
+            # The held step's line is never printed (its rank is stopped while it waits
+            # there): the last printed is one before it, hence the max with 0.
+            "redone": max(0, max(s for s, _ in before) + 1 - min(s for _, s in after.values()))
+            if after else None,
+            "restarts": shown["restarts"], "cause": failure.get("cause"),
+            "message": failure.get("message")}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--state-mb", type=float, default=512)
+    p.add_argument("--duration", type=float, default=180.0)
+    p.add_argument("--step-time", type=float, default=0.5)
+    p.add_argument("--fault-every", type=float, default=60.0)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "ckpt-goodput"))
+    p.add_argument("--cut", action="store_true",
+                   help="instead: a node's cable cut once over SSH with a spare (root)")
+    p.add_argument("--cut-after", type=int, default=10)
+    p.add_argument("--drain", action="store_true",
+                   help="instead: a participant drained once, with a hot spare (local)")
+    p.add_argument("--ckpt-every", type=int, default=1)
+    args = p.parse_args()
+    if args.drain:
+        result = run_drain(args)
+        text = (f"`orchestrator drain` of a participant, local: 2 nodes x {RANKS} ranks and a "
+                f"hot spare, {args.state_mb:g} MiB of state per rank, steps of "
+                f"{args.step_time:g} s, a save every {args.ckpt_every} step(s) and the one "
+                f"the move asks for (`python benchmarks/bench_ckpt_goodput.py --drain`).\n\n"
+                f"- drain -> the ranks' last step before the move: {result['drain_to_stop_s']} s\n"
+                f"- pause (that step -> every rank training again on the spare): "
+                f"{result['pause_s']} s\n"
+                f"- steps redone: {result['redone']}; restarts charged: {result['restarts']}\n"
+                f"- {result['cause']}: {result['message']}\n")
+        print(text)
+        Path(args.out + "-drain.md").write_text(text)
+        Path(args.out + "-drain.json").write_text(json.dumps({"args": vars(args), **result},
+                                                             indent=1))
+        return 0
+    if args.cut:
+        result = run_cut(args)
+        text = (f"A cut node with a hot spare, over SSH on the namespace cluster: 2 nodes x "
+                f"{RANKS} ranks and a spare, {args.state_mb:g} MiB of state per rank saved "
+                f"every step of {args.step_time:g} s; node rank 1's cable cut after step "
+                f"{args.cut_after} (`python benchmarks/bench_ckpt_goodput.py --cut`).\n\n"
+                f"- cut -> every rank training again: {result['recover_s']} s "
+                f"(node_timeout {NODE_TIMEOUT:g} s)\n"
+                f"- steps redone: {result['redone']}\n"
+                f"- restored from: {result['sources']}\n")
+        print(text)
+        Path(args.out + "-cut.md").write_text(text)
+        Path(args.out + "-cut.json").write_text(json.dumps({"args": vars(args), **result},
+                                                           indent=1))
+        return 0
+    variants = {"orchestrator warm, memory": run_orchestrator,
+                "torchrun in a shell loop, files": run_torchrun_loop}
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["ORCHESTRATOR_HOME"] = str(Path(tmp) / "home")
+        work = Path(tmp) / "work"
+        work.mkdir()
+        for rep in range(args.reps):
+            for name, run in variants.items():
+                result = analyse(*run(work, args), args)
+                results[name].append(result)
+                print(f"rep {rep} {name}: goodput {result['goodput']:.3f}, recover "
+                      f"{[round(x, 2) for x in result['recover']]}, redone {result['redone']}",
+                      flush=True)
+    anchor = statistics.median(r["goodput"] for r in results["torchrun in a shell loop, files"])
+    out = [f"Goodput with a checkpoint every step: {RANKS} ranks (gloo) on this machine, "
+           f"{args.state_mb:g} MiB of state per rank, {args.duration:g} s of steps of "
+           f"{args.step_time:g} s pretend compute + an all-reduce, one rank SIGKILLed every "
+           f"{args.fault_every:g} s; "
+           f"medians of {args.reps} run(s) per variant "
+           "(`python benchmarks/bench_ckpt_goodput.py`).", "",
+           "| variant | goodput | x torchrun loop | kill -> all ranks training again "
+           "(median) | steps redone per kill | kills | steps |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, runs in results.items():
+        goodput = statistics.median(r["goodput"] for r in runs)
+        recover = [x for r in runs for x in r["recover"]]
+        redone = [x for r in runs for x in r["redone"]]
+        out.append(f"| {name} | {goodput:.3f} | {goodput / anchor:.2f} | "
+                   f"{statistics.median(recover) if recover else float('nan'):.2f} s | "
+                   f"{statistics.median(redone) if redone else float('nan'):g} | "
+                   f"{sum(r['kills'] for r in runs)} | "
+                   f"{statistics.median(r['steps'] for r in runs):g} |")
+    text = "\n".join(out) + "\n"
+    print("\n" + text)
+    Path(args.out + ".md").write_text(text)
+    Path(args.out + ".json").write_text(json.dumps({"args": vars(args), "runs": results},
+                                                   indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

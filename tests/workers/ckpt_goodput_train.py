@@ -1,0 +1,43 @@
+"""The checkpoint goodput benchmark's training (benchmarks/bench_checkpoint.py --goodput): gloo,
+STEP_TIME seconds of pretend compute (a sleep: as on a GPU, the CPU is free meanwhile) and
+one all-reduce per step, STATE_MB of state per rank
+saved with ``orchestrator.checkpoint`` every CKPT_EVERY steps (and at the step a planned move
+asks for) and resumed with its ``load()``.
+Under the orchestrator the saves go to the agent's memory; under plain torchrun to files in
+``$ORCHESTRATOR_CHECKPOINT_DIR``, synced (the same script, unchanged). Prints
+``STEP <restarts> <rank> <step> <unix time>`` after each step."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from orchestrator import checkpoint
+
+
+def main() -> None:
+    steps, step_time = int(os.environ["STEPS"]), float(os.environ["STEP_TIME"])
+    every = int(os.environ.get("CKPT_EVERY", "1"))
+    dist.init_process_group("gloo", init_method="env://")
+    rank, restarts = dist.get_rank(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    state = {"weights": torch.zeros(int(float(os.environ["STATE_MB"]) * (1 << 20)) // 4)}
+    start = 0
+    restored = checkpoint.load()
+    if restored is not None:
+        start = restored[0] + 1
+        state["weights"].copy_(restored[1]["weights"])
+    t = torch.ones(1)
+    for step in range(start, steps):
+        time.sleep(step_time)
+        dist.all_reduce(t)
+        state["weights"][step % state["weights"].numel()] = step
+        checkpoint.save(step, state, every=every)  # and the step a planned move asks for
+        os.write(1, f"STEP {restarts} {rank} {step} {time.time():.4f}\n".encode())
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
