@@ -103,8 +103,14 @@ def run_torchrun_loop(work: Path, args: argparse.Namespace) -> tuple[list[str], 
         kills = kill_on_schedule(args, pid_of, lambda: proc.poll() is not None,
                                  lambda: list(lines))
     finally:
+        workers = [pid_of(r) for r in range(RANKS)]
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # the loop, torchrun and workers it started
+            os.killpg(proc.pid, signal.SIGKILL)  # the loop and torchrun
+        for pid in filter(None, workers):  # in process groups of their own (torchrun's)
+            try:
+                os.kill(pid, signal.SIGKILL)  # a worker of the run this benchmark started
+            except OSError:
+                pass
         proc.wait()
     reader.join(timeout=10)
     return lines, kills
@@ -191,7 +197,13 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
         def rows() -> list[tuple[int, int, float]]:
             return _rows(list(orchestrator.logs(job)))
 
+        started = time.monotonic()
         while len({r for r, s, _ in rows() if s >= args.cut_after}) < ranks:
+            if time.monotonic() > started + 600 or orchestrator.status(job)["state"] in (
+                    "FAILED", "CANCELLED", "SUCCEEDED"):
+                orchestrator.cancel(job)
+                raise SystemExit(f"{job} never trained {args.cut_after} steps on every rank: "
+                                 f"{orchestrator.status(job)['failure']}")
             time.sleep(0.2)
         shown = orchestrator.status(job)
         victim = next(n["node_index"] for n in shown["nodes"] if n["node_rank"] == 1)
@@ -245,7 +257,12 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
             return [(int(m[1]), int(m[2]), int(m[3]), float(m[4]))
                     for m in map(ATTEMPT_RE.search, orchestrator.logs(job)) if m]
 
+        started = time.monotonic()
         while len({r for _, r, s, _ in rows() if s >= 10}) < 2 * RANKS:
+            if time.monotonic() > started + 600 or orchestrator.status(job)["state"] in (
+                    "FAILED", "CANCELLED", "SUCCEEDED"):
+                orchestrator.cancel(job)
+                raise SystemExit(f"{job} never trained 10 steps on every rank")
             time.sleep(0.2)
         leaving = next(n["node_index"] for n in orchestrator.status(job)["nodes"]
                        if n["node_rank"] == 1)
@@ -325,7 +342,7 @@ def main() -> int:
     variants = {"orchestrator warm, memory": run_orchestrator,
                 "torchrun in a shell loop, files": run_torchrun_loop}
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         os.environ["ORCHESTRATOR_HOME"] = str(Path(tmp) / "home")
         work = Path(tmp) / "work"
         work.mkdir()

@@ -4,13 +4,13 @@
 and every turn runs the same checks, in this order: the events of the turn, handled
 (orchestrator/dispatch.py: node news to the node book, agents' messages to the attempt,
 connects, preparations); the node and rank writes of the turn, in one transaction each;
-readers' requests (cancel, stacks); the stop reasons (cancel, a signal, ``max_duration``);
-silent nodes; a hang; the home's free space; a checkpoint; the liveness ``status --watch``
-shows. Nothing here raises for a node's fault: a node that says something out of protocol
-loses its channel and the attempt fails for it, naming the field. What raises is ours (a bug,
-a store or a disk that cannot be written): the controller is crash-only
-(orchestrator/controller.py). A wait returns early when a stop reason is set (unless it must
-not be interrupted) and the caller decides.
+readers' requests (cancel, stacks) and the controller's looks (drains: drain.py); the stop
+reasons (cancel, a signal, ``max_duration``); silent nodes; a hang; the home's free space; a
+checkpoint; the liveness ``status --watch`` shows. Nothing here raises for a node's fault: a
+node that says something out of protocol loses its channel and the attempt fails for it,
+naming the field. What raises is ours (a bug, a store or a disk that cannot be written): the
+controller is crash-only (orchestrator/controller.py). A wait returns early when a stop
+reason is set (unless it must not be interrupted) and the caller decides.
 
 The engine's mode is one :class:`Phase`, which only moves forward. What to do with each
 event is handed in (``handle``: orchestrator/dispatch.py), so that the machinery does not

@@ -253,6 +253,23 @@ def test_a_lost_nodes_checkpoints_come_back_from_its_buddy_inside_the_allocation
     assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
 
 
+def test_a_drained_node_of_the_allocation_leaves_at_a_step_every_rank_saved(sl, tmp_path):
+    """orchestrator drain inside a Slurm allocation (3 nodes, nnodes 2): every rank saves the
+    agreed step, the spare of the allocation goes on from it, nothing redone, no restart
+    charged, and the allocation is given back at the end."""
+    from tests.integration.test_drain import drain_moves_to_the_spare, train_spec
+    out = tmp_path / "out"
+    out.mkdir()
+    data = train_spec(tmp_path, [], out)
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path, data.pop("command"), nodes=3,
+        **{k: v for k, v in data.items() if k not in ("nodes", "name", "workdir")},
+        health={"heartbeat_interval": 0.5, "node_timeout": 2}))
+    result = drain_moves_to_the_spare(job_id, out, lambda job, node: orchestrator.drain_node(
+        str(node), job=job, reason="maintenance"))
+    assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+
+
 def test_cancel_releases_the_allocation(sl, tmp_path):
     spec = slurm_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], nodes=2)
     job_id = orchestrator.submit(spec)
