@@ -127,7 +127,9 @@ def test_under_plain_torchrun_the_same_script_resumes_from_files(tmp_path):
     out.mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ORCHESTRATOR_")}
     env.update({"OUT": str(out), "ORCHESTRATOR_CHECKPOINT_DIR": str(ckdir),
-                "CRASH_AT": str(KILLED_AT), "CRASH_RANK": "1"})
+                "CRASH_AT": str(KILLED_AT), "CRASH_RANK": "1",
+                # Every step kept (the default keeps 2), to see that every save went there.
+                "ORCHESTRATOR_CHECKPOINT_KEEP": str(STEPS)})
     # Two torchrun runs, the second started as a user would after the first failed (a
     # torchrun --max-restarts restart failed here under load, in its gloo init).
     try:

@@ -33,6 +33,7 @@ def store(tmp_path, monkeypatch):
     for name in STORE_ENV:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv(F.DIR_VAR, str(tmp_path / "ck"))
+    monkeypatch.setenv(F.KEEP_VAR, "100")  # every step kept: the tests list them
     monkeypatch.setenv("RANK", "0")
     return tmp_path / "ck"
 
