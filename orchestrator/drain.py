@@ -16,7 +16,8 @@ once, not charged), and the next one runs without the drained nodes from that st
 the drain's ``within`` seconds it ends all the same, and the next attempt resumes the newest
 step every rank holds (the failure says so). A job that cannot go on without a drained node
 keeps it (a drain stops new work, as Slurm's does) and says so once. A job whose ranks keep
-nothing in the agents' memory moves at once, and resumes from its own checkpoints.
+nothing in the agents' memory (none reported within 15 s) moves then, and resumes from its
+own checkpoints.
 
 May call ``attempt``, ``reputation`` (host names) and the store's drains; the engine is
 handed in.
@@ -47,6 +48,7 @@ DEFAULT_WITHIN = 120.0  # seconds a drain gives the ranks to save the agreed ste
 # (reports lag: a heartbeat file read, a save sealed and reported) and one, at least MARGIN.
 LEAD = 1.5
 MARGIN = 2
+NO_SAVES_WAIT = 15.0  # seconds a drain waits for a first save reported before moving
 PACE_CHANGES = 8  # the last changes of the highest step reported: the ranks' pace
 
 
@@ -94,6 +96,7 @@ class Mover:
         # (monotonic time, attempt, highest step reported) where it changed: the ranks' pace.
         self._seen: deque[tuple[float, int, int]] = deque(maxlen=PACE_CHANGES)
         self._placed: tuple[int, dict[int, int]] | None = None
+        self._unsaved: dict[tuple[int, ...], float] = {}  # a drain seen before any save
 
     def look(self, engine: Engine) -> None:
         self.drained = drained(self.store.drains(), self.job_id, self.hosts)
@@ -148,6 +151,12 @@ class Mover:
         placement = self._placement(attempt)
         step = self._agreed_step(engine, attempt, placement)
         if step is None:
+            # No save reported yet: the agents report after sealing and replicating, which
+            # takes seconds for big states. Only a while without any is a script that saves
+            # nothing in their memory.
+            since = self._unsaved.setdefault(leaving, time.monotonic())
+            if time.monotonic() - since < min(within, NO_SAVES_WAIT):
+                return
             self._end(attempt, leaving, reason, "its ranks keep no checkpoint in the agents' "
                       "memory: the next attempt resumes from the job's own checkpoints")
             return
