@@ -197,14 +197,8 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
         def rows() -> list[tuple[int, int, float]]:
             return _rows(list(orchestrator.logs(job)))
 
-        started = time.monotonic()
-        while len({r for r, s, _ in rows() if s >= args.cut_after}) < ranks:
-            if time.monotonic() > started + 600 or orchestrator.status(job)["state"] in (
-                    "FAILED", "CANCELLED", "SUCCEEDED"):
-                orchestrator.cancel(job)
-                raise SystemExit(f"{job} never trained {args.cut_after} steps on every rank: "
-                                 f"{orchestrator.status(job)['failure']}")
-            time.sleep(0.2)
+        _until_trained(job, lambda: len({r for r, s, _ in rows() if s >= args.cut_after})
+                       >= ranks, f"trained {args.cut_after} steps on every rank")
         shown = orchestrator.status(job)
         victim = next(n["node_index"] for n in shown["nodes"] if n["node_rank"] == 1)
         cluster.link_down(victim)
@@ -257,13 +251,8 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
             return [(int(m[1]), int(m[2]), int(m[3]), float(m[4]))
                     for m in map(ATTEMPT_RE.search, orchestrator.logs(job)) if m]
 
-        started = time.monotonic()
-        while len({r for _, r, s, _ in rows() if s >= 10}) < 2 * RANKS:
-            if time.monotonic() > started + 600 or orchestrator.status(job)["state"] in (
-                    "FAILED", "CANCELLED", "SUCCEEDED"):
-                orchestrator.cancel(job)
-                raise SystemExit(f"{job} never trained 10 steps on every rank")
-            time.sleep(0.2)
+        _until_trained(job, lambda: len({r for _, r, s, _ in rows() if s >= 10})
+                       >= 2 * RANKS, "trained 10 steps on every rank")
         leaving = next(n["node_index"] for n in orchestrator.status(job)["nodes"]
                        if n["node_rank"] == 1)
         drained = time.time()
@@ -293,6 +282,24 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
             "message": failure.get("message")}
 
 
+def _write(args: argparse.Namespace, suffix: str, text: str, result: dict[str, Any]) -> None:
+    print(text)
+    Path(args.out + suffix + ".md").write_text(text)
+    Path(args.out + suffix + ".json").write_text(json.dumps({"args": vars(args), **result},
+                                                           indent=1))
+
+
+def _until_trained(job: str, reached: Any, what: str) -> None:
+    """Wait until ``reached()``; give up on a job that ended or after 600 s."""
+    started = time.monotonic()
+    while not reached():
+        if time.monotonic() > started + 600 or orchestrator.status(job)["state"] in (
+                "FAILED", "CANCELLED", "SUCCEEDED"):
+            orchestrator.cancel(job)
+            raise SystemExit(f"{job} never {what}: {orchestrator.status(job)['failure']}")
+        time.sleep(0.2)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=1)
@@ -319,10 +326,7 @@ def main() -> int:
                 f"{result['pause_s']} s\n"
                 f"- steps redone: {result['redone']}; restarts charged: {result['restarts']}\n"
                 f"- {result['cause']}: {result['message']}\n")
-        print(text)
-        Path(args.out + "-drain.md").write_text(text)
-        Path(args.out + "-drain.json").write_text(json.dumps({"args": vars(args), **result},
-                                                             indent=1))
+        _write(args, "-drain", text, result)
         return 0
     if args.cut:
         result = run_cut(args)
@@ -334,10 +338,7 @@ def main() -> int:
                 f"(node_timeout {NODE_TIMEOUT:g} s)\n"
                 f"- steps redone: {result['redone']}\n"
                 f"- restored from: {result['sources']}\n")
-        print(text)
-        Path(args.out + "-cut.md").write_text(text)
-        Path(args.out + "-cut.json").write_text(json.dumps({"args": vars(args), **result},
-                                                           indent=1))
+        _write(args, "-cut", text, result)
         return 0
     variants = {"orchestrator warm, memory": run_orchestrator,
                 "torchrun in a shell loop, files": run_torchrun_loop}
