@@ -95,6 +95,7 @@ class Agent:
         self.checkpoints = Store(self.job_id, self.node_index, self.outbox, self.secret)
         self.cgroups = containment.Cgroups(self.job_id, self.node_index, self.instance)
         self._reaped_at = 0.0
+        self.notice: P.Notice | None = None  # a SIGTERM the controller plans a move for
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
@@ -218,6 +219,9 @@ class Agent:
             except queue.Empty:
                 continue
             if kind == "signal":
+                if self.notice is None and (notice := _notice(self, msg)) is not None:
+                    self.notice = notice
+                    continue
                 self.finish(f"signal {signal_name(msg)}")
                 return 128 + msg
             if kind == "refused":
@@ -246,6 +250,11 @@ class Agent:
         """Progress and grace checks (heartbeats have a thread of their own: ``_beat``).
         True: the agent gave up."""
         self._keep_listening()
+        if self.notice is not None and (not _running(self) or time.time() > self.notice.deadline):
+            if _running(self):  # the deadline passed: the grace is spent
+                self.stop_grace = min(self.stop_grace, 1.0)
+            self.finish(f"signal SIGTERM ({self.notice.source})")
+            return True
         # Here, on the main thread: a child's PDEATHSIG fires when its parent thread ends.
         self.standbys.refill_due(now, all(w.heartbeat_seen for w in self.workers))
         if now - self._reaped_at > REAP_EVERY:
@@ -281,7 +290,8 @@ class Agent:
             if time.monotonic() - self.last_heard > self.node_timeout:
                 self.outbox.detach(conn)
             else:
-                self.outbox.put({"type": P.HEARTBEAT, "attempt": self.attempt})
+                notice = {} if self.notice is None else {"notice": P.plain(self.notice)}
+                self.outbox.put({"type": P.HEARTBEAT, "attempt": self.attempt, **notice})
 
     def finish(self, reason: str | None) -> None:
         """Stop the workers, record why (unless the controller asked), remove our state."""
@@ -452,3 +462,18 @@ class Agent:
             while processes_with_token(self.token) and time.monotonic() < deadline:
                 kill_token_processes(self.token)
                 time.sleep(0.05)
+
+
+def _running(agent: Agent) -> bool:
+    return any(w.proc.poll() is None for w in list(agent.workers))
+
+
+def _notice(agent: Agent, signum: int) -> P.Notice | None:
+    """The notice ``signum`` is, if any: a SIGTERM (the host's shutdown, the scheduler's
+    preemption) while workers run and a controller is attached. The workers go on; the
+    heartbeats say so, and the controller moves the job off this node at a step every rank
+    saves (orchestrator/drain.py) within the job's stop_grace_period, after which the agent
+    leaves (``Agent._tick``). Any other signal, or a second one, stops them at once."""
+    if signum != signal.SIGTERM or agent.outbox.current() is None or not _running(agent):
+        return None
+    return P.Notice("SIGTERM to the agent", time.time() + agent.stop_grace)

@@ -9,6 +9,7 @@ import base64
 import dataclasses
 import json
 import math
+import re
 from typing import Any
 
 MAX_COUNT = 1 << 62  # sequence numbers, attempts, sizes, steps
@@ -20,6 +21,7 @@ MAX_MESSAGE = 4 * 1024 * 1024  # one JSON line (a line count is bounded by it to
 # Unix times a node may report (a heartbeat, an exit): 1970 to 2100. Readers turn them into
 # dates, and a worker sets its heartbeat file's mtime to anything it likes.
 MAX_TIME = 4_102_444_800.0
+_SIGNAL_RE = re.compile(r"^SIG[A-Z0-9+]{1,12}$")
 
 
 def unicode(text: str) -> bool:
@@ -112,6 +114,20 @@ class Fields:
         if v is not None and not 0.0 <= v < MAX_TIME:
             raise self.bad(name, v)
         return v
+
+    def stream(self) -> str:
+        """A worker's output stream (``stream``)."""
+        stream = self.text("stream", 16)
+        if stream not in ("stdout", "stderr"):
+            raise self.bad("stream")
+        return stream
+
+    def signal(self) -> str | None:
+        """A signal's name (``signal``), as SIGTERM."""
+        sig = self.text("signal", 16, True)
+        if sig is not None and not _SIGNAL_RE.match(sig):
+            raise self.bad("signal")
+        return sig
 
     def array(self, name: str, optional: bool = False, limit: int = MAX_ITEMS,
               value: Any = ...) -> Any:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -170,8 +169,25 @@ def _hello(f: Fields) -> Hello:
 # --- live messages ----------------------------------------------------------------------------
 
 @dataclass(frozen=True)
+class Notice:
+    """The node was told it goes away (a SIGTERM to its agent, from its host's shutdown or
+    its scheduler's preemption): ``source``, and the Unix time by which its workers stop."""
+
+    source: str
+    deadline: float
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     attempt: int
+    notice: Notice | None = None  # while one is pending (optional: older peers ignore it)
+
+
+def _heartbeat(f: Fields) -> Heartbeat:
+    if f.raw.get("notice") is None:
+        return Heartbeat(f.integer("attempt"))
+    n = Fields({**f.mapping("notice"), "type": "heartbeat.notice"})
+    return Heartbeat(f.integer("attempt"), Notice(n.text("source", 200), n.timestamp("deadline")))
 
 
 @dataclass(frozen=True)
@@ -486,24 +502,6 @@ class ErrorReport(Sequenced):
     message: str
 
 
-_STREAMS = ("stdout", "stderr")
-_SIGNAL_RE = re.compile(r"^SIG[A-Z0-9+]{1,12}$")
-
-
-def _stream(f: Fields) -> str:
-    stream = f.text("stream", 16)
-    if stream not in _STREAMS:
-        raise f.bad("stream")
-    return stream
-
-
-def _signal(f: Fields) -> str | None:
-    sig = f.text("signal", 16, True)
-    if sig is not None and not _SIGNAL_RE.match(sig):
-        raise f.bad("signal")
-    return sig
-
-
 _SEQUENCED: dict[str, Callable[[Fields], Sequenced]] = {
     STARTED: lambda f: Started(_seq(f), f.integer("attempt"), _rank(f),
                                f.integer("local_rank", 0, MAX_LOCAL),
@@ -511,14 +509,14 @@ _SEQUENCED: dict[str, Callable[[Fields], Sequenced]] = {
     SPAWN_FAILED: lambda f: SpawnFailed(_seq(f), f.integer("attempt"), _rank(f),
                                         f.integer("local_rank", 0, MAX_LOCAL),
                                         f.text("error", MAX_TEXT)),
-    OUTPUT: lambda f: Output(_seq(f), f.integer("attempt"), _rank(f), _stream(f), f.lines()),
+    OUTPUT: lambda f: Output(_seq(f), f.integer("attempt"), _rank(f), f.stream(), f.lines()),
     EXITED: lambda f: Exited(_seq(f), f.integer("attempt"), _rank(f),
                              f.integer("local_rank", 0, MAX_LOCAL),
-                             f.integer("exit_code", 0, 255, optional=True), _signal(f),
+                             f.integer("exit_code", 0, 255, optional=True), f.signal(),
                              f.text("error_file", MAX_TEXT, True),
                              f.timestamp("at", optional=True)),
     STOPPED: lambda f: Stopped(_seq(f), f.integer("attempt")),
-    DROPPED: lambda f: Dropped(_seq(f), f.integer("attempt"), _rank(f), _stream(f),
+    DROPPED: lambda f: Dropped(_seq(f), f.integer("attempt"), _rank(f), f.stream(),
                                f.integer("lines", 0, MAX_COUNT)),
     ERROR: lambda f: ErrorReport(_seq(f), f.integer("attempt", optional=True) or 0,
                                 f.text("message", MAX_TEXT)),
@@ -540,7 +538,7 @@ def parse(raw: dict[str, Any]) -> Message:
     if "req" in raw and kind in _REPLIES:
         return _REPLIES[kind](f, f.integer("req", 0, MAX_COUNT))
     if kind == HEARTBEAT:
-        return Heartbeat(f.integer("attempt"))
+        return _heartbeat(f)
     if kind == PROGRESS:
         return _progress(f)
     if kind == HELD:
@@ -566,7 +564,6 @@ def check(raw: dict[str, Any]) -> str | None:
     except ProtocolError as exc:
         return "no message type" if exc.kind == "message" else str(exc)
     return None
-
 
 
 _REPLY_TYPES = {Failed: FAILED, PortReply: PORT, Listening: LISTENING,

@@ -9,11 +9,13 @@ replays the message)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from agents import commands as C
 from agents import protocol as P
+from agents.fields import plain
 from orchestrator import events as E
 from orchestrator.attempt import Failure
 from orchestrator.channel import Channel
@@ -81,6 +83,13 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
         engine.book.note(node, replace(node.info,
                                        checkpoint=engine.holdings.summary(node.index)))
         assign_buddies(engine)  # its replica port may be news to its neighbour
+        return
+    if isinstance(message, P.Heartbeat):  # one with a notice (the loop): the node goes away
+        given = message.notice
+        if given is not None and node.info.notice != (notice := plain(given)):
+            log.warning("%s: %s: its workers stop in %.0fs", node.host, given.source,
+                        given.deadline - time.time())
+            engine.book.note(node, replace(node.info, notice=notice))
         return
     if isinstance(message, P.ErrorReport):
         log.warning("%s: agent error: %s", node.host, message.message)

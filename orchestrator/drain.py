@@ -49,6 +49,7 @@ DEFAULT_WITHIN = 120.0  # seconds a drain gives the ranks to save the agreed ste
 LEAD = 1.5
 MARGIN = 2
 NO_SAVES_WAIT = 15.0  # seconds a drain waits for a first save reported before moving
+STOP_MARGIN = 1.0  # seconds of a notice's grace kept for stopping the workers
 PACE_CHANGES = 8  # the last changes of the highest step reported: the ranks' pace
 
 
@@ -70,6 +71,20 @@ def drained(drains: list[dict[str, Any]], job_id: str,
         for drain in drains:
             if matches(drain, job_id, index, host):
                 out.setdefault(index, drain)
+    return out
+
+
+def noticed(nodes: list[Any], job_id: str) -> dict[int, dict[str, Any]]:
+    """Node index -> a drain (as the store's rows) for each node whose agent has a notice:
+    the move has until its deadline, less STOP_MARGIN for the stop itself."""
+    out = {}
+    for node in nodes:
+        notice = node.info.notice
+        if notice is not None:
+            within = max(0.0, notice["deadline"] - time.time() - STOP_MARGIN)
+            out[node.index] = {"target": str(node.index), "job_id": job_id,
+                               "since": time.time(), "reason": notice["source"],
+                               "within": within}
     return out
 
 
@@ -99,7 +114,8 @@ class Mover:
         self._unsaved: dict[tuple[int, ...], float] = {}  # a drain seen before any save
 
     def look(self, engine: Engine) -> None:
-        self.drained = drained(self.store.drains(), self.job_id, self.hosts)
+        self.drained = {**noticed(engine.nodes, self.job_id),
+                        **drained(self.store.drains(), self.job_id, self.hosts)}
         attempt = engine.current
         if attempt is None or attempt.ended or attempt.failure is not None or \
                 attempt.stopping or engine.state != JobState.RUNNING:

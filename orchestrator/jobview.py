@@ -131,6 +131,12 @@ def _is_spare(job: JobRecord, node: Any) -> bool:
             and node.state.value in ("CONNECTED", "STOPPED"))
 
 
+def _notice(notice: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A node's notice (its agent was told to go: orchestrator/drain.py) as status shows it."""
+    return None if notice is None else {"source": notice.get("source"),
+                                        "deadline": iso(notice.get("deadline"))}
+
+
 def status_dict(job: JobRecord) -> dict[str, Any]:
     """The job as ``status --json`` shows it (docs/reference/cli.md): its state, controller, nodes,
     the current attempt's ranks, the attempts, the failure and the time lost."""
@@ -186,6 +192,7 @@ def status_dict(job: JobRecord) -> dict[str, Any]:
              "longest_silence_s": None if n.longest_silence is None else
              round(n.longest_silence, 1),
              "checkpoint": n.info.get("checkpoint"),
+             "notice": _notice(n.info.get("notice")),
              "history": [{"at": iso(e.at), "state": e.state.value, "message": e.message}
                          for e in n.history],
              "entered": dict(n.entered)}

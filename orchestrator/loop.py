@@ -140,7 +140,7 @@ class EventLoop:
                 return  # nothing more is trusted from it
             if isinstance(parsed, P.Reply):
                 channel.resolve(parsed)
-            elif not isinstance(parsed, P.Heartbeat):
+            elif not isinstance(parsed, P.Heartbeat) or parsed.notice is not None:
                 out.append(E.Received(channel, parsed))
 
     def _run_timers(self) -> None:

@@ -54,6 +54,7 @@ class NodeInfo:
     gone_reason: str | None = None  # what its agent wrote when it gave up
     sync: dict[str, Any] | None = None  # the last sync progress
     checkpoint: dict[str, Any] | None = None  # what its checkpoint store holds (checkpoints.py)
+    notice: dict[str, Any] | None = None  # its agent's notice: {source, deadline} (drain.py)
 
     @classmethod
     def from_hello(cls, hello: P.Hello) -> NodeInfo:

@@ -269,6 +269,8 @@ def print_status(data: dict[str, Any]) -> None:
             (" (spare)" if n.get("spare") else "")
         if n.get("drained"):
             state += f" (drained: {n['drained']['reason'] or 'no reason given'})"
+        if n.get("notice"):
+            state += f" (notice: {n['notice']['source']}, stops by {n['notice']['deadline']})"
         gaps = (n.get("entered") or {}).get("UNREACHABLE", 0)
         if gaps:
             state += f" [unreachable {gaps}x]"

@@ -6,7 +6,9 @@ weights at the end are those of a run never interrupted. The SSH test
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import time
 
@@ -25,19 +27,23 @@ def train_spec(tmp_path, nodes, out, **extra):
                     "STATE_MB": "1"}, **extra}
 
 
-def drain_moves_to_the_spare(job_id, out, drain) -> dict:
+def shown_drained(node: dict) -> bool:
+    return (node["drained"] or {}).get("reason") == "maintenance"
+
+
+def drain_moves_to_the_spare(job_id, out, drain, shown=shown_drained) -> dict:
     """Once rank 3 saved step 10, ``drain(job_id, node)`` drains node rank 1's node: the job
     must end as one never interrupted, the second attempt on the other two nodes from the
     agreed step, none done twice, no restart charged."""
     import torch
 
     wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
-    shown = orchestrator.status(job_id)
-    leaving = next(n["node_index"] for n in shown["nodes"] if n["node_rank"] == 1)
+    leaving = next(n["node_index"] for n in orchestrator.status(job_id)["nodes"]
+                   if n["node_rank"] == 1)
     drain(job_id, leaving)
     # What a user sees while it happens: the node drained, with the reason.
-    wait_for(lambda: (orchestrator.status(job_id)["nodes"][leaving]["drained"] or {})
-             .get("reason") == "maintenance", 10, what="the node shown drained")
+    wait_for(lambda: shown(orchestrator.status(job_id)["nodes"][leaving]), 10,
+             what="the node shown drained")
     result = orchestrator.wait(job_id, timeout=180)
     assert result["state"] == "SUCCEEDED", result["failure"]
     first = result["attempts"][0]["failure"]
@@ -78,6 +84,34 @@ def test_a_drained_node_leaves_at_a_step_every_rank_saved_and_the_spare_goes_on(
     drain_moves_to_the_spare(job_id, out, by_cli)
     assert [d["target"] for d in orchestrator.drains()] == ["1"]
     assert orchestrator.undrain_node("1", job=job_id) and orchestrator.drains() == []
+
+
+def sigterm_moves_to_the_spare(job_id, out) -> None:
+    """SIGTERM to node rank 1's agent, as its host's shutdown sends it: the job moves off the
+    node as a drain moves it, shown as the node's notice meanwhile, and the agent leaves."""
+    pids = {}
+
+    def sigterm(job, node):
+        pids[node] = orchestrator.status(job)["nodes"][node]["agent_pid"]
+        os.kill(pids[node], signal.SIGTERM)
+
+    def noticed(node):
+        notice = node["notice"] or {}
+        return notice.get("source") == "SIGTERM to the agent" and notice.get("deadline")
+
+    result = drain_moves_to_the_spare(job_id, out, sigterm, shown=noticed)
+    assert "SIGTERM to the agent" in result["attempts"][0]["failure"]["message"]
+    (pid,) = pids.values()
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), 10, what="the noticed agent gone")
+
+
+def test_a_sigterm_to_a_nodes_agent_is_a_notice_and_the_spare_goes_on(tmp_path, home):
+    """Its workers go on while the job moves off the node at a step every rank saved,
+    within stop_grace_period; then the agent leaves."""
+    out = tmp_path / "out"
+    out.mkdir()
+    sigterm_moves_to_the_spare(orchestrator.submit(write_spec(tmp_path, train_spec(
+        tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=30))), out)
 
 
 def test_a_drain_the_job_cannot_do_without_keeps_the_node_and_says_so(tmp_path, home):

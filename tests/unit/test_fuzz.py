@@ -165,6 +165,7 @@ VALID = [
      "python": "3.11", "torch": None, "gpus": 0, "instance": "ab", "last_seq": 0,
      "workers": [{"rank": 0, "local_rank": 0, "pid": 9, "running": True}]},
     {"type": "heartbeat", "attempt": 1},
+    {"type": "heartbeat", "attempt": 1, "notice": {"source": "SIGTERM", "deadline": 1.8e9}},
     {"type": "progress", "attempt": 1, "beat": True,
      "ranks": {"0": {"step": 3, "metrics": {"loss": 0.5}, "at": 1.5, "waits": [4, 1],
                      "total_steps": 100}}},
@@ -221,7 +222,7 @@ MESSAGE_CHANGES = st.lists(st.tuples(st.sampled_from(FIELD_NAMES), JSON | st.jus
 
 @FUZZ
 @given(st.sampled_from(VALID), MESSAGE_CHANGES,
-       st.sampled_from([None, "0", "ranks", "stacks", "memory"]))
+       st.sampled_from([None, "0", "ranks", "stacks", "memory", "notice"]))
 def test_any_message_is_parsed_or_a_protocol_error(base, changes, inner):
     message = copy.deepcopy(base)
     for name, value in changes:
@@ -259,3 +260,16 @@ def test_any_line_decodes_to_a_mapping_or_nothing(line):
 def test_pathological_lines_are_refused_not_raised(line):
     raw = P.decode(line)
     assert raw is None or isinstance(P.check(raw), str)
+
+
+def test_a_notice_is_read_whole_or_refused_naming_its_field():
+    good = P.parse({"type": "heartbeat", "attempt": 2,
+                    "notice": {"source": "SIGTERM to the agent", "deadline": 1.8e9}})
+    assert good == P.Heartbeat(2, P.Notice("SIGTERM to the agent", 1.8e9))
+    assert P.parse({"type": "heartbeat", "attempt": 2, "notice": None}) == P.Heartbeat(2)
+    for notice, field in (([1], "notice"), ({"source": "x", "deadline": 1e300}, "deadline"),
+                          ({"source": "x" * 201, "deadline": 1.0}, "source"),
+                          ({"deadline": 1.0}, "source")):
+        with pytest.raises(P.ProtocolError) as exc:
+            P.parse({"type": "heartbeat", "attempt": 2, "notice": notice})
+        assert exc.value.field == field, (notice, exc.value)
