@@ -104,10 +104,11 @@ class SaveAt(Command):
     OP = "save_at"
     step: int | None
     hold: float = 0.0
+    persist: bool = False  # to checkpoint.dir as well (every node leaves: the job stops)
 
     @classmethod
     def read(cls, f: _Read) -> SaveAt:
         hold = f.number("hold")
         if not 0.0 <= hold <= MAX_HOLD:
             raise f.bad("hold", hold)
-        return cls(f.integer("step", optional=True), hold)
+        return cls(f.integer("step", optional=True), hold, f.flag("persist", False))

@@ -76,6 +76,7 @@ class Store:
         self._saves: dict[int, list[int | float]] = {}  # rank -> [step, bytes, block_s]
         self.config = C.CheckpointConfig()
         self.persist_dir: str | None = None
+        self.persist_step: int | None = None  # a planned stop's step: persisted when sealed
         self.store_id: str | None = None
         self.attempt = 0
         self._lock = threading.Lock()
@@ -121,6 +122,7 @@ class Store:
         """Every rank of this node saves ``at.step`` and holds there (the shim reads the file
         at each save: ``save(step, state, every=N)`` saves that step too); None: over."""
         path = os.path.join(self.root, F.SAVE_AT_NAME)
+        self.persist_step = at.step if at.persist else None
         if at.step is None:
             _unlink(path)
         else:  # the hold's end by this node's clock, which the workers share
@@ -312,7 +314,7 @@ class Store:
             with _mapped(fd, size) as view:
                 manifest = F.manifest(meta_bytes, F.checksums(view, size), size)
                 F.write_file(base + ".manifest", json.dumps(manifest).encode())
-                if meta.get("persist") and self.persist_dir:
+                if (meta.get("persist") or step == self.persist_step) and self.persist_dir:
                     self._persist(rank, step, meta_bytes, manifest, view)
                     open(base + ".persisted", "w").close()
                     F.trim(self.persist_dir, rank, self.config.keep)

@@ -174,10 +174,14 @@ def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
     keeps failing, have its supervisor try again now): it reattaches to the same agents and
     the same attempt, and the job goes on (no restart is charged). Returns
     ``{"job_id", "resumed": bool, "controller": {...}}``; ``resumed`` is False when the job
-    already has a live controller. A job that ended raises JobEndedError."""
+    already has a live controller. A job that stopped PREEMPTED goes on from the step its
+    ranks saved, on fresh agents. A job that ended raises JobEndedError."""
     store = Store(home)
     try:
         job = store.get_job(check_job_id(job_id))
+        if job.state == JobState.PREEMPTED and controller_view(job)["alive"] is False:
+            store.set_state(job_id, JobState.RESTARTING, ended_at=None, failure=None)
+            job = store.get_job(job_id)
         if job.state.is_terminal():
             raise JobEndedError(job_id, job.state.value)
         view = controller_view(job)
@@ -217,7 +221,7 @@ def stacks(job_id: str, *, rank: int | None = None, timeout: float = 60.0,
     store = Store(home)
     try:
         job = store.get_job(check_job_id(job_id))
-        if job.state.is_terminal():
+        if job.state.is_at_rest():
             raise JobEndedError(job_id, job.state.value)
         if controller_view(job)["alive"] is False:
             raise LaunchError(f"the controller of {job_id} is not running: "
@@ -296,8 +300,10 @@ def drain_node(target: str, *, job: str | None = None, reason: str = "",
                within: float = drain.DEFAULT_WITHIN,
                home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Drain ``target`` (a host, as a spec names it or as ``nodes`` lists it; with ``job``,
-    also a node index of that job): a running job moves off it at a step every rank saves
-    (within ``within`` seconds), and no job starts work there until ``undrain_node``."""
+    also a node index of that job; ``*``: every node): a running job moves off it at a step
+    every rank saves (within ``within`` seconds), and no job starts work there until
+    ``undrain_node``. A job all of whose nodes are drained stops PREEMPTED at that step
+    (persisted where it has a checkpoint.dir), until ``resume``."""
     if not target or len(target) > 255 or any(c.isspace() for c in target):
         raise OrchestratorError(f"drain: not a host: {target!r}")
     if not 0 < within <= 86400:
@@ -326,7 +332,7 @@ def undrain_node(target: str, *, job: str | None = None,
 
 def _drain_key(target: str, job: str | None) -> str:
     """How the store keeps a drain's target: a node index of a job, or the host's name."""
-    return target if job is not None and target.isdigit() else \
+    return target if target == "*" or (job is not None and target.isdigit()) else \
         (reputation.host_key(target) or target)
 
 
@@ -393,7 +399,7 @@ def wait(job_id: str, *, timeout: float | None = None, poll: float = 0.2,
     try:
         while True:
             state, _ = store.job_state(check_job_id(job_id))  # the cheap read, every poll
-            if state.is_terminal():
+            if state.is_at_rest():
                 return status_dict(store.get_job(job_id))
             if deadline is not None and time.monotonic() > deadline:
                 return status_dict(store.get_job(job_id))
@@ -418,6 +424,9 @@ def cancel(job_id: str, *, wait_seconds: float = 60.0,
     store = Store(home)
     try:
         job = store.get_job(check_job_id(job_id))
+        if job.state == JobState.PREEMPTED:  # nothing runs it: cancelled where it stands
+            store.set_state(job_id, JobState.CANCELLED)
+            return status_dict(store.get_job(job_id))
         if job.state.is_terminal():
             return status_dict(job)
         pid = job.controller_pid
@@ -435,7 +444,7 @@ def cancel(job_id: str, *, wait_seconds: float = 60.0,
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:
             job = store.get_job(job_id)
-            if job.state.is_terminal():
+            if job.state.is_at_rest():
                 break
             time.sleep(0.1)
         return status_dict(job)
@@ -470,7 +479,7 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
         next_liveness_check = time.monotonic() + 2.0
         while True:
             state, latest = store.job_attempt(job_id)  # the cheap read, every poll
-            if not state.is_terminal() and time.monotonic() >= next_liveness_check:
+            if not state.is_at_rest() and time.monotonic() >= next_liveness_check:
                 _ensure_controller(store, job_id)
                 next_liveness_check = time.monotonic() + 2.0
             new = stream.read()
@@ -479,7 +488,7 @@ def logs(job_id: str, *, rank: int | None = None, node: int | None = None,
                 current += 1
                 stream = _Stream(store, store.get_job(job_id), current, rank, node)
                 continue
-            if state.is_terminal() and not new:
+            if state.is_at_rest() and not new:
                 return
             time.sleep(poll)
     finally:
@@ -512,7 +521,7 @@ def log_tail(job_id: str, *, rank: int | None = None, attempt: int | None = None
 def _ensure_controller(store: Store, job_id: str) -> None:
     """Resume the job if its controller and supervisor are known to be dead."""
     job = store.get_job(job_id)
-    if not job.state.is_terminal() and controller_view(job)["alive"] is False:
+    if not job.state.is_at_rest() and controller_view(job)["alive"] is False:
         spawn.start_supervisor(store, job_id, resume=True)
 
 

@@ -140,6 +140,17 @@ class Holdings:
                 return False
         return True
 
+    def persisted(self, step: int, placement: Mapping[int, int]) -> bool:
+        """Whether every rank of ``placement`` has ``step`` in its node's checkpoint.dir
+        (or in another node's, where they share it)."""
+        for rank, node in placement.items():
+            held = self._nodes.get(node)
+            if held is None or not any(step in h.persisted.get(rank, ()) for h in
+                                       self._nodes.values() if h is held or
+                                       (held.store is not None and h.store == held.store)):
+                return False
+        return True
+
     def holds_replica(self, node_index: int, rank: int, step: int) -> bool:
         held = self._nodes.get(node_index)
         return held is not None and held.port is not None and step in held.replicas.get(rank, ())

@@ -28,7 +28,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     help="Run PyTorch distributed jobs on many nodes: submit, watch, restart, cancel.",
 )
-EXIT_FOR_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3}
+EXIT_FOR_STATE = {"SUCCEEDED": 0, "FAILED": 1, "CANCELLED": 3, "PREEMPTED": 4}
 _debug = False
 T = TypeVar("T")
 
@@ -310,29 +310,43 @@ def drain(
     reason: str = typer.Option("", "--reason", help="Said in status and the job's failure."),
     within: str = typer.Option("120", "--within", help="How long the ranks have to save the "
                                "agreed step (e.g. 90, 5m)."),
+    every: bool = typer.Option(False, "--all", help="Every node (of --job, or of every job): "
+                               "a job stops PREEMPTED at a saved step, until `resume`."),
 ) -> None:
     """Move running jobs off a node at a step every rank saves (a spare takes its place, no
     restart charged), and start no work there until `undrain`."""
-    if target is None:
+    named = _every(target, every)
+    if named is None:
         for d in _call(api.drains):
             typer.echo(f"{d['target']}  {d['job_id'] or 'every job'}  since {d['since']}  "
                        f"{d['reason']}")
         return
-    data = _call(lambda: api.drain_node(target, job=job, reason=reason,
+    data = _call(lambda: api.drain_node(named, job=job, reason=reason,
                                         within=_seconds(within, "--within")))
     typer.echo(f"drained {data['target']}" + (f" for {job}" if job else ""))
 
 
 @app.command()
 def undrain(
-    target: str = typer.Argument(..., help="What `drain` was given."),
+    target: str | None = typer.Argument(None, help="What `drain` was given."),
     job: str = typer.Option(None, "--job", help="What `drain` was given."),
+    every: bool = typer.Option(False, "--all", help="What `drain --all` was given."),
 ) -> None:
     """End a drain: the node takes work again."""
-    if _call(lambda: api.undrain_node(target, job=job)):
-        typer.echo(f"undrained {target}")
+    named = _every(target, every)
+    if named is None:
+        _fail("undrain: name a host, or --all", 2)
+    if _call(lambda: api.undrain_node(named, job=job)):
+        typer.echo(f"undrained {named}")
     else:
-        _fail(f"{target} is not drained" + (f" for {job}" if job else ""), 1)
+        _fail(f"{named} is not drained" + (f" for {job}" if job else ""), 1)
+
+
+def _every(target: str | None, every: bool) -> str | None:
+    """``drain``'s target, ``*`` for --all (every node)."""
+    if every and target is not None:
+        _fail("drain: a host or --all, not both", 2)
+    return "*" if every else target
 
 
 @app.command()

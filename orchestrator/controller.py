@@ -232,8 +232,8 @@ class Controller:
                 return JobState.SUCCEEDED, {}
             self._stop_attempt()
             self._end_attempt(result)
-            if isinstance(decision, policy.Fail):
-                return JobState.FAILED, {"failure": decision.failure}
+            if isinstance(decision, policy.Fail | policy.Preempted):
+                return decision.state, {"failure": decision.failure}
             engine.holdings.fall_back(decision.below)
             if result.failure is not None:  # queued: never waits for a receiver
                 self.notifier.restarted(result.failure.to_dict(), self.attempt)

@@ -59,7 +59,7 @@ def matches(drain: dict[str, Any], job_id: str, node_index: int, host: str) -> b
     if drain["job_id"] not in ("", job_id):
         return False
     target = drain["target"]
-    return target in (host, host_key(host)) or (
+    return target in ("*", host, host_key(host)) or (
         drain["job_id"] == job_id and target == str(node_index))
 
 
@@ -98,6 +98,7 @@ class Move:
     step: int
     deadline: float  # monotonic
     within: float
+    whole: bool = False  # every node leaves: the job stops PREEMPTED (persisted, if it can)
 
 
 class Mover:
@@ -156,7 +157,8 @@ class Mover:
         spares = [n for n in engine.nodes if n.usable and n.index not in attempt.participants
                   and n.index not in self.drained]
         staying = len(attempt.participants) - len(leaving)
-        if staying + len(spares) < engine.spec.min_nodes:
+        whole = staying == 0  # every node leaves: the job stops, saved, until resumed
+        if staying + len(spares) < engine.spec.min_nodes and not whole:
             self._say_once(leaving, "%s drained, but the job cannot go on without it "
                            "(nnodes MIN %d, %d spare(s)): it keeps running there",
                            self._names(leaving), engine.spec.min_nodes, len(spares))
@@ -174,26 +176,37 @@ class Mover:
             if time.monotonic() - since < min(within, NO_SAVES_WAIT):
                 return
             self._end(attempt, leaving, reason, "its ranks keep no checkpoint in the agents' "
-                      "memory: the next attempt resumes from the job's own checkpoints")
+                      "memory: the next attempt resumes from the job's own checkpoints", whole)
             return
-        self._tell(engine, attempt, C.SaveAt(step, within))
+        persist = whole and engine.spec.checkpoint.dir is not None
+        self._tell(engine, attempt, C.SaveAt(step, within, persist))
         self.move = Move(attempt.number, leaving, reason, step, time.monotonic() + within,
-                         within)
-        log.warning("%s drained (%s): every rank saves step %d, then the job goes on without "
-                    "it", self._names(leaving), reason, step)
+                         within, whole)
+        log.warning("%s drained (%s): every rank saves step %d%s, then the job %s",
+                    self._names(leaving), reason, step, " and persists it" if persist else "",
+                    "stops PREEMPTED" if whole else "goes on without it")
 
     def _check(self, engine: Engine, attempt: Attempt) -> None:
         move = self.move
         assert move is not None
-        if engine.holdings.saved(move.step, self._placement(attempt), move.nodes):
-            self._end(attempt, move.nodes, move.reason, f"every rank saved step {move.step}")
+        placement = self._placement(attempt)
+        where = engine.spec.checkpoint.dir if move.whole else None
+        if engine.holdings.saved(move.step, placement, () if move.whole else move.nodes) and \
+                (where is None or engine.holdings.persisted(move.step, placement)):
+            self._end(attempt, move.nodes, move.reason, f"every rank saved step {move.step}" +
+                      (f", persisted in {where}" if where else ""), move.whole)
         elif time.monotonic() > move.deadline:
             self._end(attempt, move.nodes, move.reason,
                       f"not every rank saved step {move.step} within {move.within:g}s: the "
-                      "next attempt resumes the newest step every rank holds")
+                      "next attempt resumes the newest step every rank holds", move.whole)
 
-    def _end(self, attempt: Attempt, leaving: tuple[int, ...], reason: str, what: str) -> None:
+    def _end(self, attempt: Attempt, leaving: tuple[int, ...], reason: str, what: str,
+             whole: bool = False) -> None:
         self.move = None
+        if whole:  # a failure naming no node: the job stops PREEMPTED (policy.decide)
+            attempt.fail(Failure(FailureCause.PREEMPTED, f"every node drained ({reason}): "
+                                 f"{what}; the job stops until `orchestrator resume`"))
+            return
         first = leaving[0]
         attempt.fail(Failure(
             FailureCause.PREEMPTED, f"{self._names(leaving)} drained ({reason}): {what}; the "

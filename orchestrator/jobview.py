@@ -29,14 +29,14 @@ def controller_view(job: JobRecord) -> dict[str, Any]:
     here = job.controller_host in (None, socket.gethostname()) and \
         job.controller_pidns in (None, pid_namespace())
     alive: bool | None
-    if job.state.is_terminal():
+    if job.state.is_at_rest():
         alive = _any_controller(job) if here else None
     elif not here:
         alive = None
     else:
         alive = _any_controller(job)
     failing = None
-    if job.failing and not job.state.is_terminal():
+    if job.failing and not job.state.is_at_rest():
         f = job.failing
         failing = {"since": iso(f.get("since")), "error": f.get("error"),
                    "deaths": f.get("deaths"), "traceback": f.get("traceback"),
@@ -49,7 +49,7 @@ def controller_view(job: JobRecord) -> dict[str, Any]:
 def shown_state(job: JobRecord, controller: dict[str, Any]) -> str:
     """The recorded state, except that a job whose controller is known to be dead is not
     RUNNING any more: it is UNKNOWN until ``resume`` (nothing is rewritten)."""
-    if not job.state.is_terminal() and controller["alive"] is False \
+    if not job.state.is_at_rest() and controller["alive"] is False \
             and job.state != JobState.PENDING:
         return "UNKNOWN"
     return job.state.value
@@ -127,7 +127,7 @@ def iso(ts: Any) -> str | None:
 
 def _is_spare(job: JobRecord, node: Any) -> bool:
     """Healthy, attached and in no worker's place while the job runs: a hot spare."""
-    return (not job.state.is_terminal() and node.node_rank is None
+    return (not job.state.is_at_rest() and node.node_rank is None
             and node.state.value in ("CONNECTED", "STOPPED"))
 
 
@@ -177,7 +177,7 @@ def status_dict(job: JobRecord) -> dict[str, Any]:
         "infra_restarts": job.infra_restarts,
         "controller": controller,
         "timeline": timeline.shown(job.timeline_json, job.submitted_at),
-        "paused": None if job.paused is None or job.state.is_terminal() else {
+        "paused": None if job.paused is None or job.state.is_at_rest() else {
             "since": iso(job.paused.get("since")), "reason": job.paused.get("reason")},
         "controller_grace": json.loads(job.spec_json).get("health", {}).get("controller_grace"),
         "slurm": None if job.slurm is None else {

@@ -61,6 +61,10 @@ class Notifier:
     def restarted(self, failure: dict[str, Any], attempt: int) -> None:
         """Attempt ``attempt`` failed with ``failure`` (a Failure's dict) and is restarted."""
         fields = failure_fields(failure)
+        if failure["cause"] == "PREEMPTED":  # a planned move, not a restart
+            self.event("drained", f"moved after attempt {attempt}: {failure['message']}",
+                       str(attempt), attempt=attempt, **fields)
+            return
         if failure["cause"] == "HUNG":
             self.event("hung", f"hung in attempt {attempt}: {failure['message']}",
                        str(attempt), attempt=attempt, **fields)
@@ -69,9 +73,9 @@ class Notifier:
                    **fields)
 
     def ended(self, state: str, failure: dict[str, Any] | None) -> None:
-        """The job ended in ``state`` (SUCCEEDED, FAILED, CANCELLED)."""
+        """The job ended in ``state`` (SUCCEEDED, FAILED, CANCELLED), or stopped PREEMPTED."""
         event = {"SUCCEEDED": "succeeded", "FAILED": "failed",
-                 "CANCELLED": "cancelled"}.get(state)
+                 "CANCELLED": "cancelled", "PREEMPTED": "preempted"}.get(state)
         if event is None:
             return
         if failure is None:

@@ -5,6 +5,7 @@ of torch's ``_invoke_run``: the controller asks, and does what it is told.
 - the agents gave up while no controller was there (CONTROLLER_LOST): restart, not charged
   to ``max_restarts`` (infrastructure failures are not the user's budget);
 - a planned interruption (PREEMPTED: orchestrator/drain.py): restart at once, not charged;
+  one that names no node (every node left): the job stops PREEMPTED, until ``resume``;
 - never restarted: a launch failure, an exit code in ``fail_on_exit_codes``, a line matching
   ``restart_policy.fail_on_log``, or (``stop_on_repeat``) the same error from the same rank
   at the same step as in the attempt before: no restart can fix those;
@@ -27,7 +28,7 @@ from orchestrator import failclass
 from orchestrator.attempt import AttemptResult, Failure
 from orchestrator.failclass import FailureClass, Verdict
 from orchestrator.spec import JobSpec
-from orchestrator.state import AttemptOutcome, FailureCause
+from orchestrator.state import AttemptOutcome, FailureCause, JobState
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,18 @@ class Restart:
 @dataclass(frozen=True)
 class Fail:
     failure: dict[str, Any]  # the job's failure, as status shows it
+    state = JobState.FAILED
 
 
-Decision = Succeed | Restart | Fail
+@dataclass(frozen=True)
+class Preempted:
+    """Every node left at a saved step: the job stops, to be resumed from it."""
+
+    failure: dict[str, Any]
+    state = JobState.PREEMPTED
+
+
+Decision = Succeed | Restart | Fail | Preempted
 
 
 def decide(result: AttemptResult, restarts: int, spec: JobSpec,
@@ -72,6 +82,9 @@ def decide(result: AttemptResult, restarts: int, spec: JobSpec,
     if failure.cause == FailureCause.CONTROLLER_LOST:
         failure.decision = "restarted, not charged: the controller was gone, not the job"
         return Restart(spec.restart_backoff.initial, charged=False, reason=failure.decision)
+    if failure.cause == FailureCause.PREEMPTED and failure.node_index is None:
+        failure.decision = "stopped PREEMPTED, not charged: every node left; resume goes on"
+        return Preempted(failure.to_dict())
     if failure.cause == FailureCause.PREEMPTED:
         failure.decision = "moved, not charged: a planned interruption"
         return Restart(0.0, charged=False, reason=failure.decision)

@@ -47,7 +47,7 @@ def progress(job: JobRecord, time_lost: dict[str, Any], now: float) -> dict[str,
     remaining = max(0, total - step)
     out["percent"] = round(min(100.0, 100.0 * step / total), 1)
     out["remaining_steps"] = remaining
-    if pace and not job.state.is_terminal():
+    if pace and not job.state.is_at_rest():
         clean = remaining / pace
         eta = clean / (1.0 - min(lost_share or 0.0, MOST_LOST_SHARE))
         out.update(eta_s=round(eta, 1), eta_without_faults_s=round(clean, 1),

@@ -21,7 +21,7 @@ from orchestrator.state import JobState
 # C0 and C1 control characters but tab and newline: ESC sequences from a worker (or a
 # hostile node) must not reach the terminal.
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-_ENDED = frozenset(s.value for s in JobState if s.is_terminal())
+_ENDED = frozenset(s.value for s in JobState if s.is_at_rest())
 
 
 def visible(text: Any) -> str:

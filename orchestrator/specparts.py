@@ -403,7 +403,7 @@ class RestartPolicySpec(_Model):
 
 
 _NOTIFY_EVENTS = Literal["failed", "succeeded", "cancelled", "restarted", "hung", "node_lost",
-                         "quarantined", "paused"]
+                         "quarantined", "paused", "drained", "preempted"]
 
 
 class NotifySpec(_Model):
@@ -413,10 +413,11 @@ class NotifySpec(_Model):
                                  "token): never shown or logged")
     on: tuple[_NOTIFY_EVENTS, ...] = Field(
         default=("failed", "succeeded", "restarted", "hung", "node_lost", "quarantined",
-                 "paused"),
+                 "paused", "drained", "preempted"),
         description="the events sent: failed, succeeded, cancelled, restarted, hung, "
                     "node_lost, quarantined, paused (the controller cannot write: a full "
-                    "disk)")
+                    "disk), drained (the job moved off drained or noticed nodes), preempted "
+                    "(every node left: the job stopped PREEMPTED)")
     timeout: Annotated[float, Field(ge=MIN_SECONDS, le=60, allow_inf_nan=False)] = Field(
         default=5.0, description="seconds per try (a receiver is tried up to 4 times)")
 

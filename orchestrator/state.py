@@ -10,6 +10,13 @@ Every state change of a job goes through :func:`check_transition`, and of a node
        │            ▼             │
        └──────> FAILED <──────────┤
        └──────> CANCELLED <───────┘   (cancel wins from every non-terminal state)
+
+    RUNNING ──> PREEMPTED ──> RESTARTING (``resume``), or CANCELLED
+                (every node left on notice or drain, at a step every rank saved)
+
+PREEMPTED is at rest, as the terminal states are (no controller runs the job, nothing waits
+for it to go on), but not terminal: the job keeps its secrets, and ``resume`` continues it
+from the saved step.
 """
 
 from __future__ import annotations
@@ -18,7 +25,8 @@ from enum import Enum
 
 
 class JobState(str, Enum):
-    """Lifecycle of a job (Slurm / TorchX vocabulary). Terminal: SUCCEEDED, FAILED, CANCELLED."""
+    """Lifecycle of a job (Slurm / TorchX vocabulary). Terminal: SUCCEEDED, FAILED, CANCELLED;
+    at rest as well: PREEMPTED (until resumed)."""
 
     PENDING = "PENDING"
     LAUNCHING = "LAUNCHING"
@@ -27,9 +35,16 @@ class JobState(str, Enum):
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"
     CANCELLED = "CANCELLED"
+    PREEMPTED = "PREEMPTED"
 
     def is_terminal(self) -> bool:
+        """The job ended for good: nothing resumes it (its secrets go)."""
         return self in _TERMINAL
+
+    def is_at_rest(self) -> bool:
+        """No controller runs the job, and none is to be started for it unasked: it ended,
+        or it stopped PREEMPTED (until ``resume``)."""
+        return self in _TERMINAL or self == JobState.PREEMPTED
 
 
 class NodeState(str, Enum):
@@ -97,7 +112,8 @@ class FailureCause(str, Enum):
     # the error; no restart is charged (orchestrator/supervisor.py).
     CONTROLLER_FAILED = "CONTROLLER_FAILED"
     # A planned interruption (orchestrator/drain.py): the ranks saved an agreed step and the
-    # job goes on without the drained nodes, at once, no restart charged.
+    # job goes on without the drained nodes, at once, no restart charged. Naming no node:
+    # every node left, and the job stops PREEMPTED until ``resume``.
     PREEMPTED = "PREEMPTED"
 
 
@@ -109,12 +125,14 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
         {JobState.RUNNING, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED}
     ),
     JobState.RUNNING: frozenset(
-        {JobState.SUCCEEDED, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED}
+        {JobState.SUCCEEDED, JobState.RESTARTING, JobState.FAILED, JobState.CANCELLED,
+         JobState.PREEMPTED}
     ),
     JobState.RESTARTING: frozenset({JobState.LAUNCHING, JobState.FAILED, JobState.CANCELLED}),
     JobState.SUCCEEDED: frozenset(),
     JobState.FAILED: frozenset(),
     JobState.CANCELLED: frozenset(),
+    JobState.PREEMPTED: frozenset({JobState.RESTARTING, JobState.CANCELLED}),
 }
 
 

@@ -152,7 +152,8 @@ class Store:
     def set_state(self, job_id: str, new: JobState, **fields: Any) -> None:
         """Change a job's state after checking the transition table; extra columns too. A
         job that ends keeps no secret: its agent secret, the submitter's environment, its
-        env values and webhook URLs are wiped in the same transaction."""
+        env values and webhook URLs are wiped in the same transaction (not one PREEMPTED:
+        ``resume`` needs them)."""
         with self._transaction() as db:
             storejobs.set_state(db, job_id, new, fields, time.time())
         if new.is_terminal():  # the old page versions, with the secrets, leave the WAL too

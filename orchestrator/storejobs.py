@@ -63,8 +63,9 @@ def set_state(db: sqlite3.Connection, job_id: str, new: JobState, fields: dict[s
     if row is None:
         raise JobNotFoundError(job_id)
     check_transition(JobState(row["state"]), new)
+    if new.is_at_rest():
+        fields.setdefault("ended_at", now)  # PREEMPTED: until resumed
     if new.is_terminal():
-        fields.setdefault("ended_at", now)
         fields.update(secret=None, world_json=None,
                       spec_json=without_secrets(row["spec_json"]))
     storedb.update(db, "jobs", {"state": new.value, **fields}, job_id=job_id)

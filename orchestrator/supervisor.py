@@ -68,7 +68,7 @@ def _controller_main(job_id: str, resume: bool) -> int:
         log.info("job %s already has a live controller", job_id)
         return ANOTHER_CONTROLLER
     job = store.get_job(job_id)
-    if job.state.is_terminal():
+    if job.state.is_at_rest():
         log.info("job %s already ended (%s)", job_id, job.state.value)
         return 0
     store.claim_controller(job_id, os.getpid(), socket.gethostname(), pid_namespace())
@@ -256,7 +256,7 @@ def _supervise(job_id: str, resume: bool) -> int:
         if code == UNWRITABLE and _wait_for_room(job_id, str(report.get("reason")), told):
             continue  # a home that was full: not a death (one that had room was: below)
         state = _job_state(job_id, told)
-        if state is None or state.is_terminal():
+        if state is None or state.is_at_rest():
             return 0
         how = report.get("error") or (f"code {code}" if code >= 0 else
                                       f"killed by {signal.Signals(-code).name}")
@@ -343,7 +343,7 @@ def _failing(job_id: str, error: str, signature: str, deaths: int, told: _Told) 
                 job = store.get_job(job_id)
             except OrchestratorError:
                 continue  # the home away for a moment: look again
-            if job.state.is_terminal():
+            if job.state.is_at_rest():
                 return False
             if job.cancel_requested:
                 _abandon(store, job_id, JobState.CANCELLED, {})
@@ -372,7 +372,7 @@ def _abandon(store: Store, job_id: str, final: JobState, fields: dict[str, Any])
     child = _Forked(functools.partial(_run_abandon, job_id, final, fields))
     if child.wait() == 0:
         return
-    if not store.job_state(job_id)[0].is_terminal():
+    if not store.job_state(job_id)[0].is_at_rest():
         store.end_open_attempt(job_id, final, fields.get("failure"))
         store.set_state(job_id, final, **fields)
     saved = store.get_job(job_id).slurm
@@ -384,7 +384,7 @@ def _run_abandon(job_id: str, final: JobState, fields: dict[str, Any]) -> int:
     store = Store(durable=True)
     lock = open(store.job_dir(job_id) / "controller.lock", "a")  # noqa: SIM115 (held until exit)
     fcntl.flock(lock, fcntl.LOCK_EX)
-    if store.job_state(job_id)[0].is_terminal():
+    if store.job_state(job_id)[0].is_at_rest():
         return 0
     controller = _controller(store, job_id, resume=True, acquire=False)
     if controller is None:

@@ -77,7 +77,7 @@ class _Collector:
             records = store.list_jobs()
             now = time.time()
             shown = [store.get_job(j.job_id) for j in records
-                     if not j.state.is_terminal() or (j.ended_at or 0) > now - RECENT]
+                     if not j.state.is_at_rest() or (j.ended_at or 0) > now - RECENT]
             held = store.quarantines()
             events = store.host_events(now - 86400)
         finally:
@@ -238,7 +238,7 @@ def _job_metrics(job: JobRecord, now: float, restarts: Any, free: Any, attempt: 
         for s in NodeState:
             node_state.add_metric([job.job_id, str(n.node_index), n.host, s.value],
                                   1.0 if n.state == s else 0.0)
-        if n.heard_at is not None and not job.state.is_terminal():
+        if n.heard_at is not None and not job.state.is_at_rest():
             node_age.add_metric([job.job_id, str(n.node_index), n.host],
                                 max(0.0, now - n.heard_at))
     current = next((a for a in job.attempts if a.attempt == job.attempt), None)
@@ -251,7 +251,7 @@ def _job_metrics(job: JobRecord, now: float, restarts: Any, free: Any, attempt: 
             step.add_metric(labels, r.step)
         if r.steps_per_s is not None:
             rate.add_metric(labels, r.steps_per_s)
-        if r.heartbeat_at is not None and not job.state.is_terminal():
+        if r.heartbeat_at is not None and not job.state.is_at_rest():
             beat.add_metric(labels, max(0.0, now - r.heartbeat_at))
         if r.wait_share is not None:
             wait.add_metric(labels, r.wait_share)

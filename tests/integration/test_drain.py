@@ -130,3 +130,74 @@ def test_a_drain_the_job_cannot_do_without_keeps_the_node_and_says_so(tmp_path, 
     assert orchestrator.status(job_id)["attempt"] == 1
     result = orchestrator.wait(job_id, timeout=180)
     assert result["state"] == "SUCCEEDED" and result["attempt"] == 1, result["failure"]
+
+
+def preempted_and_resumed(job_id, out, tmp_path, notice) -> None:
+    """Once rank 3 saved step 10, ``notice(job_id)`` tells every node to go: the job must
+    stop PREEMPTED at a step every rank saved and persisted, with no restart charged and no
+    agent left; ``resume`` then trains from exactly that step to the end of a run never
+    interrupted."""
+    import torch
+
+    wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
+    notice(job_id)
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "PREEMPTED", result
+    failure = result["failure"]
+    assert (failure["cause"], failure["failure_class"], failure["node_index"]) == (
+        "PREEMPTED", "preempted", None), failure
+    agreed = int(re.search(r"every rank saved step (\d+), persisted", failure["message"])[1])
+    assert result["restarts"] == 0 and result["attempts"][0]["outcome"] == "FAILED"
+    for rank in range(4):  # persisted at the agreed step though persist_every is 1000
+        assert (tmp_path / "ckpt" / f"step-{agreed:012d}" / f"rank-{rank}.manifest").exists()
+    wait_for(lambda: memory_dirs(job_id) == [], 15, what="every node's memory removed")
+    reached = [int(m[1]) for ln in orchestrator.logs(job_id, attempt=1)
+               if (m := re.search(r"step (\d+) saved", ln))]
+    assert max(reached) <= agreed, (max(reached), agreed)
+
+    orchestrator.undrain_node("*", job=job_id)  # no-op where none was drained
+    assert orchestrator.resume(job_id)["resumed"]
+    result = orchestrator.wait(job_id, timeout=180)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert result["restarts"] == 0 and result["attempt"] == 2
+    for rank in range(4):
+        assert (out / f"resumed-2-{rank}").read_text() == str(agreed)
+    expected = reference_weights(STEPS, 4)
+    for rank in range(4):
+        final = torch.load(out / f"final-{rank}.pt")
+        for name, value in expected.items():
+            assert torch.allclose(final[name], value, atol=1e-6), (rank, name)
+
+
+def whole_job_spec(tmp_path, out) -> dict:
+    return train_spec(tmp_path, [{"host": "local"}] * 2, out, stop_grace_period=30,
+                      checkpoint={"dir": str(tmp_path / "ckpt"), "persist_every": 1000})
+
+
+def test_drain_all_stops_the_job_preempted_and_resume_goes_on_from_the_saved_step(
+        tmp_path, home):
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, whole_job_spec(tmp_path, out)))
+
+    def drain_all(job):  # as an operator types it
+        done = subprocess.run([PYTHON, "-m", "orchestrator", "drain", "--all", "--job", job,
+                               "--reason", "maintenance"], capture_output=True, text=True,
+                              timeout=60, cwd=ROOT)
+        assert done.returncode == 0 and f"drained * for {job}" in done.stdout, done
+
+    preempted_and_resumed(job_id, out, tmp_path, drain_all)
+    assert orchestrator.drains() == []
+
+
+def test_a_sigterm_to_every_agent_stops_the_job_preempted_and_resume_goes_on(tmp_path, home):
+    """A whole allocation preempted (every node's agent told SIGTERM): the same."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, whole_job_spec(tmp_path, out)))
+
+    def sigterm_all(job):
+        for node in orchestrator.status(job)["nodes"]:
+            os.kill(node["agent_pid"], signal.SIGTERM)
+
+    preempted_and_resumed(job_id, out, tmp_path, sigterm_all)

@@ -3,13 +3,22 @@ drain holds, when every rank has saved the agreed step, and what the policy does
 
 from __future__ import annotations
 
+import pytest
+
 from agents import protocol as P
 from orchestrator.attempt import AttemptResult, Failure
 from orchestrator.checkpoints import Holdings
 from orchestrator.drain import drained, matches
-from orchestrator.policy import Restart, decide
+from orchestrator.policy import Preempted, Restart, decide
 from orchestrator.spec import parse_jobspec
-from orchestrator.state import AttemptOutcome, FailureCause
+from orchestrator.state import (
+    TRANSITIONS,
+    AttemptOutcome,
+    FailureCause,
+    InvalidTransition,
+    JobState,
+    check_transition,
+)
 
 
 def drain(target, job_id=""):
@@ -26,6 +35,10 @@ def test_a_drain_holds_a_host_in_every_job_or_a_node_of_one_job():
     assert not matches(drain("2"), "j", 2, hosts[2])
     assert drained([drain("10.0.0.2"), drain("0", "j")], "j", hosts) == {
         0: drain("0", "j"), 1: drain("10.0.0.2")}
+    # --all: every node, of one job or of every job
+    assert all(matches(drain("*", "j"), "j", i, h) for i, h in hosts.items())
+    assert not matches(drain("*", "other"), "j", 0, hosts[0])
+    assert matches(drain("*"), "j", 1, hosts[1])
 
 
 def held(memory, replicas=None, port=None):
@@ -56,3 +69,35 @@ def test_a_planned_move_restarts_at_once_and_charges_nothing():
     assert decision == Restart(0.0, charged=False)
     assert (failure.failure_class, failure.decision) == (
         "preempted", "moved, not charged: a planned interruption")
+
+
+def test_a_whole_job_stop_waits_for_every_rank_persisted_in_a_directory_a_node_reads():
+    h = Holdings()
+    placement = {0: 0, 1: 0, 2: 1, 3: 1}
+    h.update(0, P.Held(1, {0: (9,), 1: (9,)}, {0: (9,), 1: (9,)}, 0, "disk-a"))
+    h.update(1, P.Held(1, {2: (9,), 3: (9,)}, {2: (9,)}, 0, "disk-b"))
+    assert h.saved(9, placement, ()) and not h.persisted(9, placement)  # rank 3's not yet
+    h.update(1, P.Held(1, {2: (9,), 3: (9,)}, {2: (9,), 3: (9,)}, 0, "disk-b"))
+    assert h.persisted(9, placement) and not h.persisted(8, placement)
+    # A shared filesystem (the same store id): one node's report counts for the other.
+    h.update(1, P.Held(1, {2: (9,), 3: (9,)}, {}, 0, "disk-a"))
+    h.update(0, P.Held(1, {0: (9,), 1: (9,)}, {r: (9,) for r in range(4)}, 0, "disk-a"))
+    assert h.persisted(9, placement)
+
+
+def test_a_move_of_every_node_stops_the_job_preempted_until_resumed():
+    spec = parse_jobspec("nodes: [{host: local}]\ncommand: [x]\nmax_restarts: 0\n")
+    failure = Failure(FailureCause.PREEMPTED, "every node drained (maintenance): every rank "
+                      "saved step 9, persisted in /ckpt; the job stops until `orchestrator "
+                      "resume`")  # naming no node
+    decision = decide(AttemptResult(AttemptOutcome.FAILED, failure), 0, spec)
+    assert isinstance(decision, Preempted) and decision.state == JobState.PREEMPTED
+    assert decision.failure["failure_class"] == "preempted"
+    # At rest (no controller runs it, nothing restarts it unasked) but not ended for good:
+    # resume (RESTARTING) or cancel take it from there.
+    assert JobState.PREEMPTED.is_at_rest() and not JobState.PREEMPTED.is_terminal()
+    assert all(s.is_at_rest() for s in JobState if s.is_terminal())
+    assert TRANSITIONS[JobState.PREEMPTED] == {JobState.RESTARTING, JobState.CANCELLED}
+    check_transition(JobState.RUNNING, JobState.PREEMPTED)
+    with pytest.raises(InvalidTransition):
+        check_transition(JobState.PREEMPTED, JobState.RUNNING)

@@ -3,7 +3,7 @@
 // never as HTML: workers print what they like.
 "use strict";
 
-const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED", "PREEMPTED"]);  // at rest: no controller runs it
 const PALETTE = ["#0969da", "#cf222e", "#2da44e", "#8250df", "#bf8700", "#1b7c83", "#e16f24"];
 const SVGNS = "http://www.w3.org/2000/svg";
 
