@@ -470,10 +470,11 @@ def _running(agent: Agent) -> bool:
 
 def _notice(agent: Agent, signum: int) -> P.Notice | None:
     """The notice ``signum`` is, if any: a SIGTERM (the host's shutdown, the scheduler's
-    preemption) while workers run and a controller is attached. The workers go on; the
-    heartbeats say so, and the controller moves the job off this node at a step every rank
+    preemption, forwarded by a Slurm holder) while workers run. The workers go on; the
+    heartbeats say so (once a controller is attached again, if its channel went with the
+    same shutdown), and the controller moves the job off this node at a step every rank
     saves (orchestrator/drain.py) within the job's stop_grace_period, after which the agent
     leaves (``Agent._tick``). Any other signal, or a second one, stops them at once."""
-    if signum != signal.SIGTERM or agent.outbox.current() is None or not _running(agent):
+    if signum != signal.SIGTERM or not _running(agent):
         return None
     return P.Notice("SIGTERM to the agent", time.time() + agent.stop_grace)

@@ -11,8 +11,8 @@ import traceback
 from agents import commands as C
 
 
-def start_agent(directory: str, outcome: str, config: C.Launch) -> None:
-    """Start the agent as a daemon and return once its socket listens."""
+def start_agent(directory: str, outcome: str, config: C.Launch) -> int:
+    """Start the agent as a daemon; return its pid once its socket listens."""
     shutil.rmtree(directory, ignore_errors=True)  # a dead agent's leftovers
     try:
         os.unlink(outcome)
@@ -41,7 +41,7 @@ def start_agent(directory: str, outcome: str, config: C.Launch) -> None:
 
                 agent = Agent(directory, outcome, config)
                 agent.listen()
-                os.write(ready_w, b"ok")
+                os.write(ready_w, b"ok %d" % os.getpid())
                 os.close(ready_w)
                 code = agent.run()
             except BaseException:
@@ -53,7 +53,8 @@ def start_agent(directory: str, outcome: str, config: C.Launch) -> None:
     os.close(ready_w)
     os.waitpid(pid, 0)
     with os.fdopen(ready_r, "rb") as ready:
-        if ready.read(2) != b"ok":
+        said = ready.read(32).split()
+        if said[:1] != [b"ok"]:
             tail = ""
             try:
                 with open(os.path.join(directory, "agent.log"), encoding="utf-8",
@@ -62,3 +63,4 @@ def start_agent(directory: str, outcome: str, config: C.Launch) -> None:
             except OSError:
                 pass
             raise RuntimeError(f"the agent did not start: {tail or 'no error given'}")
+    return int(said[1])

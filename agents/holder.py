@@ -12,6 +12,7 @@ holder on the node (a new controller's) waits on standby until the first leaves.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
@@ -21,6 +22,7 @@ from agents import commands as C
 from agents import protocol as P
 from agents.daemon import start_agent
 from agents.paths import Lock, agent_paths, bind_unix, connect_unix, holder_path
+from agents.processes import pidfd
 
 
 def start_agent_by_holder(job_id: str, node_index: int, config: C.Launch) -> None:
@@ -39,7 +41,13 @@ def start_agent_by_holder(job_id: str, node_index: int, config: C.Launch) -> Non
 def holder_main(job_id: str, say: Any) -> int:
     path = holder_path(job_id)
     started: set[int] = set()
+    agents: dict[int, tuple[int, int | None]] = {}  # node index -> its agent's pid, pidfd
     controller = threading.Event()  # set once our stdin (the controller's end) closes
+    # Slurm signals a step's task, this holder, when it preempts the job (GraceTime) or a
+    # --signal time comes: a notice for the agents it started, which move the job off the
+    # node at a saved step within stop_grace_period (agents/agent.py). The holder stays: if
+    # it left, Slurm would kill every process of its step at once, the agents' included.
+    signal.signal(signal.SIGTERM, lambda *_: _forward(agents, signal.SIGTERM))
 
     def watch() -> None:
         try:
@@ -78,7 +86,7 @@ def holder_main(job_id: str, say: Any) -> int:
             except TimeoutError:
                 conn = None
             if conn is not None:
-                _serve_start(conn, job_id, started)
+                _serve_start(conn, job_id, started, agents)
         if controller.is_set() and (server is not None or not started) and \
                 not any(_agent_answers(job_id, index) for index in started):
             if server is not None:
@@ -95,13 +103,29 @@ def _agent_answers(job_id: str, node_index: int) -> bool:
     return True
 
 
-def _serve_start(conn: socket.socket, job_id: str, started: set[int]) -> None:
+def _forward(agents: dict[int, tuple[int, int | None]], signum: int) -> None:
+    for pid, fd in list(agents.values()):
+        try:  # through its pidfd: never another process that took a dead agent's pid
+            if fd is not None:
+                signal.pidfd_send_signal(fd, signum)
+            else:
+                os.kill(pid, signum)
+        except OSError:
+            pass  # gone already
+
+
+def _serve_start(conn: socket.socket, job_id: str, started: set[int],
+                 agents: dict[int, tuple[int, int | None]]) -> None:
     conn.settimeout(30.0)
     with conn, conn.makefile("rwb") as f:
         try:
             request = C.parse_holder_start(P.decode(f.readline(P.MAX_MESSAGE)))
             directory, outcome = agent_paths(job_id, request.node_index)
-            start_agent(directory, outcome, request.launch)
+            pid = start_agent(directory, outcome, request.launch)
+            _, earlier = agents.pop(request.node_index, (0, None))
+            if earlier is not None:
+                os.close(earlier)
+            agents[request.node_index] = (pid, pidfd(pid))
             started.add(request.node_index)
             reply = C.HolderStarted(True)
         except Exception as exc:  # said to the relay, which tells the controller

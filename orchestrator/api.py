@@ -180,7 +180,7 @@ def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
     try:
         job = store.get_job(check_job_id(job_id))
         if job.state == JobState.PREEMPTED and controller_view(job)["alive"] is False:
-            store.set_state(job_id, JobState.RESTARTING, ended_at=None, failure=None)
+            _resume_preempted(store, job)
             job = store.get_job(job_id)
         if job.state.is_terminal():
             raise JobEndedError(job_id, job.state.value)
@@ -195,6 +195,25 @@ def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
                 "controller": controller_view(store.get_job(job_id))}
     finally:
         store.close()
+
+
+def _resume_preempted(store: Store, job: Any) -> None:
+    """A PREEMPTED job goes on (RESTARTING) on fresh agents. Its Slurm allocation is gone:
+    one it requested is asked for anew by the supervisor; one it ran inside (the user's) is
+    replaced by the one this resume runs inside (a requeued batch script's)."""
+    if job.slurm:
+        spec = JobSpec.model_validate_json(job.spec_json)
+        allocation = None if job.slurm.get("owned") else slurm.existing_allocation(spec)
+        if allocation is None and not job.slurm.get("owned"):
+            raise LaunchError(f"slurm: {job.job_id} ran inside allocation "
+                              f"{job.slurm.get('job_id')}, which has ended: resume it from "
+                              "inside a new one (a batch script run again by --requeue)")
+        record = allocation.to_dict() if allocation else {**job.slurm, "nodes": [],
+                                                          "released": True}
+        hosts = [n.host for n in slurm.spec_with_nodes(spec, allocation).nodes] \
+            if allocation else None
+        store.set_slurm(job.job_id, record, hosts)
+    store.set_state(job.job_id, JobState.RESTARTING, ended_at=None, failure=None)
 
 
 def status(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[str, Any]:

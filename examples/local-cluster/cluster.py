@@ -522,6 +522,11 @@ class Cluster:
             "SlurmdParameters=config_overrides",
             "ReturnToService=2", "SlurmdTimeout=60", "InactiveLimit=0",
             "KillWait=5", "MinJobAge=60",
+            # Preemption by partition priority, as shared clusters do it: a job of a partition
+            # of a higher PriorityTier (none here until one is created with `scontrol create
+            # partition`) takes a lower one's nodes; the preempted job's steps get SIGTERM,
+            # its partition's GraceTime, then SIGKILL.
+            "PreemptType=preempt/partition_prio", "PreemptMode=CANCEL",
         ]
         lines += [f"NodeName={h.name} NodeAddr={h.address} CPUs={cpus} State=UNKNOWN"
                   for h in self.hosts]

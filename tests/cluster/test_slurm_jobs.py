@@ -46,7 +46,7 @@ from tests.worker_world import (
 )
 
 from .conftest import local_cluster
-from .test_slurm_cluster import _require_slurm, assert_all_gone, daemon_pids, slurm
+from .test_slurm_cluster import _require_slurm, assert_all_gone, daemon_pids, slurm, slurm_env
 
 Cluster = Any
 
@@ -583,3 +583,47 @@ def test_a_slurm_nodes_agent_and_watchdog_sigkilled_leave_no_descendant(sl, tmp_
     job_id, directory = _escaping(tmp_path, max_restarts=1, restart_backoff={"initial": 0.1})
     wait_for(lambda: orchestrator.status(job_id)["state"] == "RUNNING", 90, what="RUNNING")
     killed_agent_and_watchdog_leave_nothing(job_id, directory, 4)
+
+
+def test_a_preempted_allocation_stops_preempted_and_resume_goes_on_from_the_saved_step(
+        sl, tmp_path):
+    """Slurm preempts the job's whole allocation (a job of a partition of a higher priority
+    tier needs one of its nodes; GraceTime 30): each step's task gets SIGTERM, the node's
+    holder, which tells its agent. The job stops PREEMPTED at a step every rank saved and
+    persisted, and ``resume`` asks for a new allocation and trains from exactly that step.
+    (Fails on the old code: the holder died of the SIGTERM, and its step took the agent and
+    the workers along.)"""
+    from tests.integration.test_drain import preempted_and_resumed, whole_job_spec
+    out = tmp_path / "out"
+    out.mkdir()
+    data = whole_job_spec(tmp_path, out, steps=400)  # long enough for Slurm to preempt it
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path, data.pop("command"), nodes=2,
+        **{k: v for k, v in data.items() if k not in ("nodes", "name", "workdir")},
+        health={"heartbeat_interval": 0.5, "node_timeout": 2}))
+    hosts = ",".join(h.name for h in sl.hosts)
+    preemptor: list[subprocess.Popen] = []
+    preempted: list[str] = []
+
+    def preempt(job):
+        allocation = orchestrator.status(job)["slurm"]
+        preempted.append(allocation["job_id"])
+        slurm(sl, "scontrol", "update", "PartitionName=debug", "GraceTime=30")
+        slurm(sl, "scontrol", "create", "PartitionName=urgent", f"Nodes={hosts}",
+              "PriorityTier=2", "State=UP", "AllowGroups=root")
+        preemptor.append(subprocess.Popen(
+            ["srun", "-p", "urgent", "-N1", "-w", allocation["nodes"][0], "--exclusive",
+             "sleep", "5"], env=slurm_env(sl), stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True))
+    try:
+        result = preempted_and_resumed(job_id, out, tmp_path, preempt, steps=400)
+        first = preempted[0]
+        # Given back as soon as the job stopped (within the grace), or ended by Slurm.
+        assert settled_state(sl, first) in ("CANCELLED", "PREEMPTED")
+        assert result["slurm"]["job_id"] != first  # resume asked for a new allocation
+        assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+    finally:
+        for p in preemptor:
+            p.wait(timeout=120)
+        slurm(sl, "scontrol", "delete", "PartitionName=urgent", check=False)
+        slurm(sl, "scontrol", "update", "PartitionName=debug", "GraceTime=0", check=False)

@@ -132,7 +132,7 @@ def test_a_drain_the_job_cannot_do_without_keeps_the_node_and_says_so(tmp_path, 
     assert result["state"] == "SUCCEEDED" and result["attempt"] == 1, result["failure"]
 
 
-def preempted_and_resumed(job_id, out, tmp_path, notice) -> None:
+def preempted_and_resumed(job_id, out, tmp_path, notice, steps=STEPS) -> dict:
     """Once rank 3 saved step 10, ``notice(job_id)`` tells every node to go: the job must
     stop PREEMPTED at a step every rank saved and persisted, with no restart charged and no
     agent left; ``resume`` then trains from exactly that step to the end of a run never
@@ -162,16 +162,19 @@ def preempted_and_resumed(job_id, out, tmp_path, notice) -> None:
     assert result["restarts"] == 0 and result["attempt"] == 2
     for rank in range(4):
         assert (out / f"resumed-2-{rank}").read_text() == str(agreed)
-    expected = reference_weights(STEPS, 4)
+    expected = reference_weights(steps, 4)
     for rank in range(4):
         final = torch.load(out / f"final-{rank}.pt")
         for name, value in expected.items():
             assert torch.allclose(final[name], value, atol=1e-6), (rank, name)
+    return result
 
 
-def whole_job_spec(tmp_path, out) -> dict:
-    return train_spec(tmp_path, [{"host": "local"}] * 2, out, stop_grace_period=30,
+def whole_job_spec(tmp_path, out, steps=STEPS) -> dict:
+    spec = train_spec(tmp_path, [{"host": "local"}] * 2, out, stop_grace_period=30,
                       checkpoint={"dir": str(tmp_path / "ckpt"), "persist_every": 1000})
+    spec["env"]["STEPS"] = str(steps)
+    return spec
 
 
 def test_drain_all_stops_the_job_preempted_and_resume_goes_on_from_the_saved_step(
