@@ -33,8 +33,8 @@ MODULES = ("agents", "agents.fields", "agents.protocol", "agents.commandbase",
            "agents.shims.orchestrator_checkpoint_format",
            "agents.shims.orchestrator_checkpoint", "agents.replicas", "agents.checkpoints",
            "agents.shims.standby_boot", "agents.workers", "agents.standby", "agents.stacks",
-           "agents.ops", "agents.agent", "agents.daemon", "agents.holder", "agents.relay",
-           "agents.main")
+           "agents.ops", "agents.preemption", "agents.agent", "agents.daemon", "agents.holder",
+           "agents.relay", "agents.main")
 
 
 def source(name: str) -> str:

@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from agents import cache, containment, leases, ops
+from agents import cache, containment, leases, ops, preemption
 from agents import commands as C
 from agents import protocol as P
 from agents.checkpoints import Store
@@ -66,7 +66,7 @@ class Agent:
     def __init__(self, directory: str, outcome_path: str, config: C.Launch):
         self.directory = directory
         self.outcome_path = outcome_path
-        self.secret = config.secret
+        self.secret, self.config = config.secret, config
         self.job_id = os.path.basename(directory).rsplit(".", 1)[0]
         self.node_index = int(os.path.basename(directory).rsplit(".", 1)[1])
         self.instance = secrets.token_hex(8)  # tells a controller this is not an older agent
@@ -113,6 +113,10 @@ class Agent:
         # cgroups is a predecessor's, killed together with its watchdog.
         self.cgroups.kill_predecessors()
         self._bind()
+        check = self.config.preemption_check
+        if check:  # a cloud's notice, asked on the node
+            threading.Thread(target=preemption.watch, daemon=True, args=(
+                self, check, self.config.preemption_check_interval or 5.0)).start()
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, lambda signum, _frame: self.events.put(("signal", signum)))
         threading.Thread(target=self.outbox.run, daemon=True).start()
@@ -136,25 +140,6 @@ class Agent:
             except OSError:
                 return  # closed: another listener took over (see _keep_listening)
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _keep_listening(self) -> None:
-        """Listen again where the socket was if it was removed under us: systemd removes
-        /run/user/<uid> once the user's last session ends, while the agent goes on."""
-        path = os.path.join(self.directory, "agent.sock")
-        if _file_id(path) == self.socket_id:
-            return
-        try:
-            if os.path.dirname(self.directory) != private_base():
-                return  # the runtime base is not the same any more: nothing to find us by
-            os.makedirs(self.directory, mode=0o700, exist_ok=True)
-            for w in self.workers:  # their heartbeat and error files' directories
-                os.makedirs(os.path.dirname(w.heartbeat_file), mode=0o700, exist_ok=True)
-            old = self.listener
-            self._bind()
-            if old is not None:
-                old.close()
-        except (OSError, RuntimeError):
-            pass  # the base itself is gone: the next login makes it again
 
     def _serve(self, conn: socket.socket) -> None:
         """One controller connection: prove the secret, then read its commands."""
@@ -249,7 +234,7 @@ class Agent:
     def _tick(self, now: float) -> bool:
         """Progress and grace checks (heartbeats have a thread of their own: ``_beat``).
         True: the agent gave up."""
-        self._keep_listening()
+        _keep_listening(self)
         if self.notice is not None and (not _running(self) or time.time() > self.notice.deadline):
             if _running(self):  # the deadline passed: the grace is spent
                 self.stop_grace = min(self.stop_grace, 1.0)
@@ -474,7 +459,28 @@ def _notice(agent: Agent, signum: int) -> P.Notice | None:
     heartbeats say so (once a controller is attached again, if its channel went with the
     same shutdown), and the controller moves the job off this node at a step every rank
     saves (orchestrator/drain.py) within the job's stop_grace_period, after which the agent
-    leaves (``Agent._tick``). Any other signal, or a second one, stops them at once."""
-    if signum != signal.SIGTERM or not _running(agent):
+    leaves (``Agent._tick``). Any other signal, or a second one, stops them at once, as
+    does a SIGTERM with ``on_sigterm: worker`` (it goes on to them, as from torchrun)."""
+    if signum != signal.SIGTERM or agent.config.sigterm_to_workers or not _running(agent):
         return None
     return P.Notice("SIGTERM to the agent", time.time() + agent.stop_grace)
+
+
+def _keep_listening(agent: Agent) -> None:
+    """Listen again where the socket was if it was removed under us: systemd removes
+    /run/user/<uid> once the user's last session ends, while the agent goes on."""
+    path = os.path.join(agent.directory, "agent.sock")
+    if _file_id(path) == agent.socket_id:
+        return
+    try:
+        if os.path.dirname(agent.directory) != private_base():
+            return  # the runtime base is not the same any more: nothing to find us by
+        os.makedirs(agent.directory, mode=0o700, exist_ok=True)
+        for w in agent.workers:  # their heartbeat and error files' directories
+            os.makedirs(os.path.dirname(w.heartbeat_file), mode=0o700, exist_ok=True)
+        old = agent.listener
+        agent._bind()
+        if old is not None:
+            old.close()
+    except (OSError, RuntimeError):
+        pass  # the base itself is gone: the next login makes it again

@@ -57,13 +57,19 @@ class Launch:
     spool_max_bytes: int | None = None
     stop_grace: float | None = None
     holder: bool = False  # Slurm: the node's holder step starts it (agents/holder.py)
+    preemption_check: str | None = None  # a script (agents/preemption.py)
+    preemption_check_interval: float | None = None
+    sigterm_to_workers: bool = False  # on_sigterm: worker (no notice: agents/agent.py)
 
     @classmethod
     def read(cls, f: _Read) -> Launch:
         return cls(f.text("secret", 256), f.seconds("heartbeat_interval", True),
                    f.seconds("node_timeout", True), f.seconds("controller_grace", True),
                    f.integer("spool_max_bytes", 0, MAX_COUNT, optional=True),
-                   f.seconds("stop_grace", True), f.flag("holder", False))
+                   f.seconds("stop_grace", True), f.flag("holder", False),
+                   f.text("preemption_check", MAX_ARG, True),
+                   f.seconds("preemption_check_interval", True),
+                   f.flag("sigterm_to_workers", False))
 
 
 @dataclass(frozen=True)

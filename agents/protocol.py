@@ -170,8 +170,9 @@ def _hello(f: Fields) -> Hello:
 
 @dataclass(frozen=True)
 class Notice:
-    """The node was told it goes away (a SIGTERM to its agent, from its host's shutdown or
-    its scheduler's preemption): ``source``, and the Unix time by which its workers stop."""
+    """The node was told it goes away (a SIGTERM to its agent: its host's shutdown, its
+    scheduler's preemption; a cloud's notice, agents/preemption.py): ``source``, and the
+    Unix time by which its workers stop."""
 
     source: str
     deadline: float

@@ -264,6 +264,9 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
         shown = orchestrator.status(job)
         orchestrator.cancel(job)
         got = rows()
+        log = Path(tmp) / "home" / "jobs" / job / "controller.log"
+        phases = [ln.split(": ", 1)[-1] for ln in log.read_text().splitlines()
+                  if "after the move began" in ln]  # in memory, then everywhere it must be
     before = [(s, t) for a, _, s, t in got if a == 0]
     after: dict[int, tuple[float, int]] = {}
     for a, r, s, t in got:
@@ -279,7 +282,7 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
             "redone": max(0, max(s for s, _ in before) + 1 - min(s for _, s in after.values()))
             if after else None,
             "restarts": shown["restarts"], "cause": failure.get("cause"),
-            "message": failure.get("message")}
+            "message": failure.get("message"), "phases": phases}
 
 
 def _write(args: argparse.Namespace, suffix: str, text: str, result: dict[str, Any]) -> None:
@@ -325,7 +328,8 @@ def main() -> int:
                 f"- pause (that step -> every rank training again on the spare): "
                 f"{result['pause_s']} s\n"
                 f"- steps redone: {result['redone']}; restarts charged: {result['restarts']}\n"
-                f"- {result['cause']}: {result['message']}\n")
+                f"- {result['cause']}: {result['message']}\n"
+                + "".join(f"- the controller: {p}\n" for p in result["phases"]))
         _write(args, "-drain", text, result)
         return 0
     if args.cut:

@@ -1,6 +1,10 @@
-"""Planned interruptions: a node an operator drains (``orchestrator drain``) leaves the job at
-a step every rank saved, and a spare (or the remaining nodes, within ``nnodes`` MIN) takes
-over from that step: no restart charged, nothing redone.
+"""Planned interruptions: a node an operator drains (``orchestrator drain``), or whose agent
+has a notice (a SIGTERM from its host or Slurm, a cloud's ``preemption_check``: the node's
+info, from its heartbeats; the notice's deadline is the move's time), leaves the job at a
+step every rank saved, and a spare (or the remaining nodes, within ``nnodes`` MIN) takes
+over from that step: no restart charged, nothing redone. When every node leaves, the agreed
+step is also persisted (``save_at.persist``) and the job stops PREEMPTED (a failure naming
+no node: ``policy.decide``), for ``resume``.
 
 The store keeps the drains (for every job, or for one, where a node index may name the node).
 The engine's checks call :meth:`Mover.look` four times a second. When a participant of the
@@ -99,6 +103,7 @@ class Move:
     deadline: float  # monotonic
     within: float
     whole: bool = False  # every node leaves: the job stops PREEMPTED (persisted, if it can)
+    in_memory: float | None = None  # seconds from its start to every rank's save in memory
 
 
 class Mover:
@@ -191,14 +196,25 @@ class Mover:
         assert move is not None
         placement = self._placement(attempt)
         where = engine.spec.checkpoint.dir if move.whole else None
+        began = move.deadline - move.within
+        if move.in_memory is None and engine.holdings.saved(move.step, placement, ()):
+            move.in_memory = time.monotonic() - began  # what the rest of the move took is
+            log.info("every rank holds step %d in its node's memory, %.2fs after the move "
+                     "began", move.step, move.in_memory)  # copies elsewhere (or persisted)
         if engine.holdings.saved(move.step, placement, () if move.whole else move.nodes) and \
                 (where is None or engine.holdings.persisted(move.step, placement)):
+            took = time.monotonic() - began
+            log.warning("every rank saved step %d%s, %.2fs after the move began", move.step,
+                        " and its copies elsewhere" if not move.whole else
+                        f" in {where}" if where else "", took)
             self._end(attempt, move.nodes, move.reason, f"every rank saved step {move.step}" +
-                      (f", persisted in {where}" if where else ""), move.whole)
+                      (f", persisted in {where}" if where else "") + f" (in {took:.1f}s)",
+                      move.whole)
         elif time.monotonic() > move.deadline:
+            within = round(move.within, 1)
             self._end(attempt, move.nodes, move.reason,
-                      f"not every rank saved step {move.step} within {move.within:g}s: the "
-                      "next attempt resumes the newest step every rank holds", move.whole)
+                      f"not every rank saved step {move.step} within {within:g}s: the next "
+                      "attempt resumes the newest step every rank holds", move.whole)
 
     def _end(self, attempt: Attempt, leaving: tuple[int, ...], reason: str, what: str,
              whole: bool = False) -> None:

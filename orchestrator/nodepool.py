@@ -89,7 +89,10 @@ class NodePool:
     def launch_config(self) -> C.Launch:
         h = self.spec.health
         return C.Launch(self.secret, h.heartbeat_interval, h.node_timeout, h.controller_grace,
-                        self.spec.spool_max_bytes, self.spec.stop_grace_period)
+                        self.spec.spool_max_bytes, self.spec.stop_grace_period,
+                        preemption_check=h.preemption_check,
+                        preemption_check_interval=h.preemption_check_interval,
+                        sigterm_to_workers=self.spec.on_sigterm == "worker")
 
     # --- connecting (from the loop's thread) --------------------------------------------------
     def connect(self, node: Node, *, launch: bool, retry: bool = False) -> None:

@@ -175,9 +175,11 @@ def stragglers_line(data: dict[str, Any]) -> str:
 
 def summary_line(data: dict[str, Any]) -> str:
     """``job: STATE``, and for a failed job its cause, message, last stderr lines and where
-    the flight recorder's dumps are."""
+    the flight recorder's dumps are; for a PREEMPTED one, the step it stopped at."""
     line = f"{data['job_id']}: {data['state']}"
     failure = data.get("failure")
+    if failure and data["state"] == "PREEMPTED":  # which step, and how to go on
+        return f"{line}: {failure.get('message')}"
     if failure and data["state"] == "FAILED":
         line += f" ({failure.get('cause')}): {failure.get('message')}"
         tail = failure.get("stderr_tail") or []

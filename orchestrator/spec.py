@@ -107,7 +107,14 @@ class JobSpec(_Model):
                                   "(a rank's heartbeat(total_steps=...) overrides it)")
     fail_on_exit_codes: tuple[Annotated[StrictInt, Field(ge=1, le=255)], ...] = Field(
         default=(), description="exit codes that fail the job without a restart")
-    stop_grace_period: Seconds = 10.0
+    stop_grace_period: Seconds = Field(
+        default=10.0, description="seconds between SIGTERM and SIGKILL at every stop; also "
+        "what a node's agent told SIGTERM (its host's shutdown, Slurm's preemption) gives the "
+        "job to move off it at a saved step")
+    on_sigterm: Literal["agent", "worker"] = Field(
+        default="agent", description='a SIGTERM to a node\'s agent: "agent", a notice (the '
+        'job moves off the node at a saved step, then the workers stop); "worker", passed '
+        "on to the workers at once, as torchrun does, for scripts that handle it themselves")
     launch_timeout: Seconds = 60.0
     python: str = Field(default="python3", description="interpreter for the agent on SSH nodes")
     spool_max_bytes: Annotated[StrictInt, Field(ge=0)] | None = Field(

@@ -38,6 +38,10 @@ Per host with an infrastructure failure in the last day or a quarantine on recor
   ``{job_id,node,host}``: its newest save; ``orchestrator_checkpoint_restored_ranks
   {job_id,name,source}``: where the current attempt's ranks restored from.
 
+- ``orchestrator_node_drained{job_id,node,host}`` (1 while drained) and
+  ``orchestrator_node_notice_deadline_seconds{job_id,node,host,source}`` (the Unix time by
+  which a noticed node's workers stop), while the job runs: see orchestrator/drain.py.
+
 The ``_total`` ones are counters; the others are gauges.
 """
 
@@ -47,7 +51,7 @@ import os
 import time
 from typing import Any
 
-from orchestrator import progress, timelost
+from orchestrator import drain, progress, timelost
 from orchestrator.failclass import FailureClass
 from orchestrator.state import AttemptOutcome, JobState, NodeState
 from orchestrator.store import JobRecord, Store
@@ -80,6 +84,7 @@ class _Collector:
                      if not j.state.is_at_rest() or (j.ended_at or 0) > now - RECENT]
             held = store.quarantines()
             events = store.host_events(now - 86400)
+            drains = store.drains()
         finally:
             store.close()
 
@@ -168,7 +173,14 @@ class _Collector:
                                     "Ranks of the current attempt that restored from each "
                                     "source (memory, buddy, persisted).",
                                     labels=[*job_labels, "source"])
+        notice = GaugeMetricFamily("orchestrator_node_notice_deadline_seconds",
+                                   "The Unix time by which a node with a notice (a SIGTERM, "
+                                   "a preemption_check) stops its workers.",
+                                   labels=["job_id", "node", "host", "source"])
+        drained = GaugeMetricFamily("orchestrator_node_drained", "1 while the node is "
+                                    "drained.", labels=["job_id", "node", "host"])
         for job in shown:
+            _move_metrics(job, drains, notice, drained)
             _checkpoint_metrics(job, restored, memory, newest, (block, size, sources))
             infra.add_metric([job.job_id, job.name], job.infra_restarts)
             for klass in FailureClass:
@@ -190,7 +202,22 @@ class _Collector:
                 eta.add_metric([job.job_id, job.name], far["eta_s"])
         yield from (restarts, free, attempt, duration, node_state, node_age, step, rate, beat,
                     wait, slow, lost, gpu_lost, goodput, infra, classes, restored, memory, newest,
-                    done, eta, block, size, sources)
+                    done, eta, block, size, sources, notice, drained)
+
+
+def _move_metrics(job: JobRecord, drains: list[dict[str, Any]], notice: Any,
+                  drained: Any) -> None:
+    """Planned moves (orchestrator/drain.py): each node's notice and drain, while the job
+    runs."""
+    if job.state.is_at_rest():
+        return
+    held = drain.drained(drains, job.job_id, {n.node_index: n.host for n in job.nodes})
+    for n in job.nodes:
+        labels = [job.job_id, str(n.node_index), n.host]
+        drained.add_metric(labels, 1.0 if n.node_index in held else 0.0)
+        said = n.info.get("notice")
+        if isinstance(said, dict) and isinstance(said.get("deadline"), (int, float)):
+            notice.add_metric([*labels, str(said.get("source"))], said["deadline"])
 
 
 def _checkpoint_metrics(job: JobRecord, restored: Any, held: Any, newest: Any,

@@ -13,8 +13,10 @@ import subprocess
 import time
 
 import orchestrator
+from orchestrator.ui.metrics import exposition
 from tests.helpers import PYTHON, ROOT, WORKERS, wait_for, wait_for_output, write_spec
 from tests.integration.test_checkpoints import memory_dirs, reference_weights
+from tests.integration.test_notify import Receiver
 
 STEPS = 60
 
@@ -41,9 +43,18 @@ def drain_moves_to_the_spare(job_id, out, drain, shown=shown_drained) -> dict:
     leaving = next(n["node_index"] for n in orchestrator.status(job_id)["nodes"]
                    if n["node_rank"] == 1)
     drain(job_id, leaving)
-    # What a user sees while it happens: the node drained, with the reason.
+    # What a user sees while it happens: the node drained, with the reason, and Prometheus.
     wait_for(lambda: shown(orchestrator.status(job_id)["nodes"][leaving]), 10,
              what="the node shown drained")
+    node = orchestrator.status(job_id)["nodes"][leaving]
+    metrics = exposition()[0].decode()
+    labels = f'host="{node["host"]}",job_id="{job_id}",node="{leaving}"'  # sorted, as shown
+    if node["drained"]:
+        assert f"orchestrator_node_drained{{{labels}}} 1.0" in metrics, metrics
+    else:
+        source = node["notice"]["source"]
+        assert re.search(rf'orchestrator_node_notice_deadline_seconds{{{labels},'
+                         rf'source="{re.escape(source)}"}} \d', metrics), metrics
     result = orchestrator.wait(job_id, timeout=180)
     assert result["state"] == "SUCCEEDED", result["failure"]
     first = result["attempts"][0]["failure"]
@@ -107,11 +118,79 @@ def sigterm_moves_to_the_spare(job_id, out) -> None:
 
 def test_a_sigterm_to_a_nodes_agent_is_a_notice_and_the_spare_goes_on(tmp_path, home):
     """Its workers go on while the job moves off the node at a step every rank saved,
-    within stop_grace_period; then the agent leaves."""
+    within stop_grace_period; then the agent leaves. A webhook hears of a move (drained),
+    not of a restart."""
     out = tmp_path / "out"
     out.mkdir()
-    sigterm_moves_to_the_spare(orchestrator.submit(write_spec(tmp_path, train_spec(
-        tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=30))), out)
+    receiver = Receiver()
+    try:
+        job_id = orchestrator.submit(write_spec(tmp_path, train_spec(
+            tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=30, notify=[{
+                "url": receiver.url, "on": ["drained", "restarted", "succeeded"]}])))
+        sigterm_moves_to_the_spare(job_id, out)
+        wait_for(lambda: receiver.events(job_id) == ["drained", "succeeded"], 10,
+                 what=f"the webhook told of the move: {receiver.events(job_id)}")
+    finally:
+        receiver.close()
+
+
+def preemption_check(tmp_path) -> dict:
+    """``health`` with a preemption_check that says a node goes in 30 s once its file is
+    there (standing in for a cloud's metadata service): the script runs from its agent's
+    directory, ``<job>.<node index>``, so the file names one node."""
+    return {"preemption_check": f"d=${{0%/*}}; test -e {tmp_path}/notice-${{d##*/}} && echo 30",
+            "preemption_check_interval": 0.5}
+
+
+def check_moves_to_the_spare(job_id, out, tmp_path) -> None:
+    """Node rank 1's preemption_check says so: the job moves off it as a drain moves it."""
+    def notice(job, node):
+        (tmp_path / f"notice-{job}.{node}").touch()
+
+    def noticed(node):
+        return (node["notice"] or {}).get("source") == "preemption_check: 30"
+
+    drain_moves_to_the_spare(job_id, out, notice, shown=noticed)
+
+
+def test_a_preemption_check_saying_so_is_a_notice_and_the_spare_goes_on(tmp_path, home):
+    out = tmp_path / "out"
+    out.mkdir()
+    check_moves_to_the_spare(orchestrator.submit(write_spec(tmp_path, train_spec(
+        tmp_path, [{"host": "local"}] * 3, out, health=preemption_check(tmp_path)))),
+        out, tmp_path)
+
+
+def test_a_notice_shorter_than_the_move_falls_back_to_the_newest_save_and_says_so(
+        tmp_path, home):
+    """SIGTERM to node rank 1's agent with a stop_grace_period of 2 s: the agreed step is
+    further ahead than the ranks get in that time. At the deadline the job moves all the
+    same, from the newest step every rank holds, and the failure says so; nothing hangs,
+    nothing is charged, and the weights are an uninterrupted run's."""
+    import torch
+
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, train_spec(
+        tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=2)))
+    wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
+    leaving = next(n for n in orchestrator.status(job_id)["nodes"] if n["node_rank"] == 1)
+    os.kill(leaving["agent_pid"], signal.SIGTERM)
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    first = result["attempts"][0]["failure"]
+    assert (first["cause"], first["node_index"]) == ("PREEMPTED", leaving["node_index"]), first
+    agreed = re.search(r"not every rank saved step (\d+) within [\d.]+s: the next attempt "
+                       r"resumes the newest step every rank holds", first["message"])
+    assert agreed, first["message"]
+    restored = result["attempts"][1]["restored_step"]
+    assert restored is not None and 10 <= restored < int(agreed[1])
+    assert result["restarts"] == 0
+    expected = reference_weights(STEPS, 4)
+    for rank in range(4):
+        final = torch.load(out / f"final-{rank}.pt")
+        for name, value in expected.items():
+            assert torch.allclose(final[name], value, atol=1e-6), (rank, name)
 
 
 def test_a_drain_the_job_cannot_do_without_keeps_the_node_and_says_so(tmp_path, home):
@@ -179,9 +258,13 @@ def whole_job_spec(tmp_path, out, steps=STEPS) -> dict:
 
 def test_drain_all_stops_the_job_preempted_and_resume_goes_on_from_the_saved_step(
         tmp_path, home):
+    """The webhook (a secret the PREEMPTED job keeps) hears it stop, and end after resume."""
     out = tmp_path / "out"
     out.mkdir()
-    job_id = orchestrator.submit(write_spec(tmp_path, whole_job_spec(tmp_path, out)))
+    receiver = Receiver()
+    spec = whole_job_spec(tmp_path, out)
+    spec["notify"] = [{"url": receiver.url, "on": ["preempted", "restarted", "succeeded"]}]
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
 
     def drain_all(job):  # as an operator types it
         done = subprocess.run([PYTHON, "-m", "orchestrator", "drain", "--all", "--job", job,
@@ -189,7 +272,12 @@ def test_drain_all_stops_the_job_preempted_and_resume_goes_on_from_the_saved_ste
                               timeout=60, cwd=ROOT)
         assert done.returncode == 0 and f"drained * for {job}" in done.stdout, done
 
-    preempted_and_resumed(job_id, out, tmp_path, drain_all)
+    try:
+        preempted_and_resumed(job_id, out, tmp_path, drain_all)
+        wait_for(lambda: receiver.events(job_id) == ["preempted", "succeeded"], 10,
+                 what=f"the webhook told: {receiver.events(job_id)}")
+    finally:
+        receiver.close()
     assert orchestrator.drains() == []
 
 
@@ -204,3 +292,24 @@ def test_a_sigterm_to_every_agent_stops_the_job_preempted_and_resume_goes_on(tmp
             os.kill(node["agent_pid"], signal.SIGTERM)
 
     preempted_and_resumed(job_id, out, tmp_path, sigterm_all)
+
+
+def test_on_sigterm_worker_passes_a_sigterm_to_the_workers_at_once(tmp_path, home):
+    """A script that handles SIGTERM itself says so (on_sigterm: worker): a SIGTERM to its
+    node's agent reaches every worker there at once, as from torchrun, and is no notice."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "sigterm", "nodes": [{"host": "local"}], "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "sigterm_handler.py")], "workdir": str(tmp_path),
+        "env": {"OUT": str(out)}, "on_sigterm": "worker", "stop_grace_period": 30}))
+    for rank in range(2):
+        wait_for_output(job_id, f"rank {rank} ready", 1, timeout=60)
+    started = time.monotonic()
+    os.kill(orchestrator.status(job_id)["nodes"][0]["agent_pid"], signal.SIGTERM)
+    wait_for(lambda: all((out / f"handled-{r}").exists() for r in range(2)), 10,
+             what="both workers' own handlers run")
+    assert time.monotonic() - started < 10  # at once: not after stop_grace_period
+    assert [(out / f"handled-{r}").read_text() for r in range(2)] == ["SIGTERM"] * 2
+    result = orchestrator.wait(job_id, timeout=60)  # how it ends is the script's to say
+    assert result["state"] in ("SUCCEEDED", "FAILED") and result["nodes"][0]["notice"] is None
