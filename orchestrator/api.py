@@ -197,7 +197,7 @@ def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
         store.close()
 
 
-def _resume_preempted(store: Store, job: Any) -> None:
+def _resume_preempted(store: Store, job: JobRecord) -> None:
     """A PREEMPTED job goes on (RESTARTING) on fresh agents. Its Slurm allocation is gone:
     one it requested is asked for anew by the supervisor; one it ran inside (the user's) is
     replaced by the one this resume runs inside (a requeued batch script's)."""
