@@ -265,8 +265,9 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
         orchestrator.cancel(job)
         got = rows()
         log = Path(tmp) / "home" / "jobs" / job / "controller.log"
+        # The agreed step, every rank's save in memory, then everywhere it must be.
         phases = [ln.split(": ", 1)[-1] for ln in log.read_text().splitlines()
-                  if "after the move began" in ln]  # in memory, then everywhere it must be
+                  if "after the move began" in ln or "agreed step" in ln]
     before = [(s, t) for a, _, s, t in got if a == 0]
     after: dict[int, tuple[float, int]] = {}
     for a, r, s, t in got:
@@ -282,7 +283,8 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
             "redone": max(0, max(s for s, _ in before) + 1 - min(s for _, s in after.values()))
             if after else None,
             "restarts": shown["restarts"], "cause": failure.get("cause"),
-            "message": failure.get("message"), "phases": phases}
+            "message": failure.get("message"), "phases": phases,
+            "timeline": [t for t in shown.get("timeline") or [] if t.get("attempt") in (1, 2)]}
 
 
 def _write(args: argparse.Namespace, suffix: str, text: str, result: dict[str, Any]) -> None:
@@ -329,7 +331,10 @@ def main() -> int:
                 f"{result['pause_s']} s\n"
                 f"- steps redone: {result['redone']}; restarts charged: {result['restarts']}\n"
                 f"- {result['cause']}: {result['message']}\n"
-                + "".join(f"- the controller: {p}\n" for p in result["phases"]))
+                + "".join(f"- the controller: {p}\n" for p in result["phases"])
+                + "- the timeline (attempt: phase at seconds since submit): " + ", ".join(
+                    f"{t['attempt']}: {t['phase']} {t['seconds']}" for t in result["timeline"])
+                + "\n")
         _write(args, "-drain", text, result)
         return 0
     if args.cut:

@@ -257,8 +257,11 @@ class Mover:
         if len(seen) < 2 or seen[-1][0] - seen[0][0] < 0.5:
             return highest + MARGIN
         pace = (seen[-1][1] - seen[0][1]) / (seen[-1][0] - seen[0][0])
-        now = highest + pace * (time.monotonic() - seen[-1][0])
-        return max(highest + MARGIN, math.ceil(now + pace * LEAD) + 1)
+        since = time.monotonic() - seen[-1][0]
+        step = max(highest + MARGIN, math.ceil(highest + pace * (since + LEAD)) + 1)
+        log.info("agreed step %d: step %d reported %.2fs ago, at %.2f steps/s", step, highest,
+                 since, pace)
+        return step
 
     @staticmethod
     def _tell(engine: Engine, attempt: Attempt, command: C.SaveAt) -> None:
