@@ -2,9 +2,10 @@
 has a notice (a SIGTERM from its host or Slurm, a cloud's ``preemption_check``: the node's
 info, from its heartbeats; the notice's deadline is the move's time), leaves the job at a
 step every rank saved, and a spare (or the remaining nodes, within ``nnodes`` MIN) takes
-over from that step: no restart charged, nothing redone. When every node leaves, the agreed
-step is also persisted (``save_at.persist``) and the job stops PREEMPTED (a failure naming
-no node: ``policy.decide``), for ``resume``.
+over from that step: no restart charged, nothing redone. When every node leaves, or a
+noticed node the job cannot do without, the agreed step is also persisted
+(``save_at.persist``) and the job stops PREEMPTED (a failure naming no node:
+``policy.decide``), for ``resume``.
 
 The store keeps the drains (for every job, or for one, where a node index may name the node).
 The engine's checks call :meth:`Mover.look` four times a second. When a participant of the
@@ -88,7 +89,7 @@ def noticed(nodes: list[Any], job_id: str) -> dict[int, dict[str, Any]]:
             within = max(0.0, notice["deadline"] - time.time() - STOP_MARGIN)
             out[node.index] = {"target": str(node.index), "job_id": job_id,
                                "since": time.time(), "reason": notice["source"],
-                               "within": within}
+                               "within": within, "notice": True}
     return out
 
 
@@ -162,8 +163,12 @@ class Mover:
         spares = [n for n in engine.nodes if n.usable and n.index not in attempt.participants
                   and n.index not in self.drained]
         staying = len(attempt.participants) - len(leaving)
-        whole = staying == 0  # every node leaves: the job stops, saved, until resumed
-        if staying + len(spares) < engine.spec.min_nodes and not whole:
+        stuck = staying + len(spares) < engine.spec.min_nodes
+        # Nowhere to go on: a drain leaves the job running there (a drain stops new work),
+        # but when every node leaves, or one goes away whatever we do (a notice), the job
+        # stops at a saved step (persisted), until resumed.
+        whole = stuck and (staying == 0 or any(self.drained[i].get("notice") for i in leaving))
+        if stuck and not whole:
             self._say_once(leaving, "%s drained, but the job cannot go on without it "
                            "(nnodes MIN %d, %d spare(s)): it keeps running there",
                            self._names(leaving), engine.spec.min_nodes, len(spares))
@@ -220,8 +225,10 @@ class Mover:
              whole: bool = False) -> None:
         self.move = None
         if whole:  # a failure naming no node: the job stops PREEMPTED (policy.decide)
-            attempt.fail(Failure(FailureCause.PREEMPTED, f"every node drained ({reason}): "
-                                 f"{what}; the job stops until `orchestrator resume`"))
+            who = "every node" if set(leaving) == set(attempt.participants) else \
+                f"{self._names(leaving)}, without which the job cannot go on,"
+            attempt.fail(Failure(FailureCause.PREEMPTED, f"{who} drained ({reason}): {what}; "
+                                 "the job stops until `orchestrator resume`"))
             return
         first = leaving[0]
         attempt.fail(Failure(

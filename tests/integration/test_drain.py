@@ -294,6 +294,22 @@ def test_a_sigterm_to_every_agent_stops_the_job_preempted_and_resume_goes_on(tmp
     preempted_and_resumed(job_id, out, tmp_path, sigterm_all)
 
 
+def test_a_notice_the_job_cannot_do_without_stops_it_preempted_and_resume_goes_on(
+        tmp_path, home):
+    """Two nodes, no spare, and one of them noticed (it goes away whatever we do): unlike a
+    drain, the job cannot keep running there, so it stops PREEMPTED at a saved step, and
+    resume goes on from it (on a node that came back: here, the same host)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, whole_job_spec(tmp_path, out)))
+
+    def sigterm_one(job):
+        node = next(n for n in orchestrator.status(job)["nodes"] if n["node_rank"] == 1)
+        os.kill(node["agent_pid"], signal.SIGTERM)
+
+    preempted_and_resumed(job_id, out, tmp_path, sigterm_one)
+
+
 def test_on_sigterm_worker_passes_a_sigterm_to_the_workers_at_once(tmp_path, home):
     """A script that handles SIGTERM itself says so (on_sigterm: worker): a SIGTERM to its
     node's agent reaches every worker there at once, as from torchrun, and is no notice."""
