@@ -45,7 +45,7 @@ from agents.processes import (
     start_watchdog,
 )
 from agents.standby import Standbys
-from agents.workers import Worker, prepare, spawn, worker_env
+from agents.workers import Worker, prepare, running, spawn, worker_env
 
 ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
 # Standbys for the next restart start once every worker called heartbeat() or after this
@@ -235,8 +235,9 @@ class Agent:
         """Progress and grace checks (heartbeats have a thread of their own: ``_beat``).
         True: the agent gave up."""
         _keep_listening(self)
-        if self.notice is not None and (not _running(self) or time.time() > self.notice.deadline):
-            if _running(self):  # the deadline passed: the grace is spent
+        busy = running(self.workers)
+        if self.notice is not None and (not busy or time.time() > self.notice.deadline):
+            if busy:  # the deadline passed: the grace is spent
                 self.stop_grace = min(self.stop_grace, 1.0)
             self.finish(f"signal SIGTERM ({self.notice.source})")
             return True
@@ -449,10 +450,6 @@ class Agent:
                 time.sleep(0.05)
 
 
-def _running(agent: Agent) -> bool:
-    return any(w.proc.poll() is None for w in list(agent.workers))
-
-
 def _notice(agent: Agent, signum: int) -> P.Notice | None:
     """The notice ``signum`` is, if any: a SIGTERM (the host's shutdown, the scheduler's
     preemption, forwarded by a Slurm holder) while workers run. The workers go on; the
@@ -461,7 +458,8 @@ def _notice(agent: Agent, signum: int) -> P.Notice | None:
     saves (orchestrator/drain.py) within the job's stop_grace_period, after which the agent
     leaves (``Agent._tick``). Any other signal, or a second one, stops them at once, as
     does a SIGTERM with ``on_sigterm: worker`` (it goes on to them, as from torchrun)."""
-    if signum != signal.SIGTERM or agent.config.sigterm_to_workers or not _running(agent):
+    if signum != signal.SIGTERM or agent.config.sigterm_to_workers or \
+            not running(agent.workers):
         return None
     return P.Notice("SIGTERM to the agent", time.time() + agent.stop_grace)
 

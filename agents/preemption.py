@@ -10,22 +10,23 @@ and the controller moves the job off the node at a step every rank saves
 
 The script runs as ``/bin/sh <file>`` from a 0600 file in the agent's private directory
 (never on a command line: it may hold a token), in the agent's environment and directory,
-stdin /dev/null, in a process group of its own that is killed past the interval.
+stdin /dev/null, in a process group of its own that is stopped past the interval (the
+runner of setup and node checks, agents/setup.py).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import time
 from datetime import datetime, timezone
 from typing import Any
 
 from agents import protocol as P
-from agents.processes import TOKEN_VAR, as_launched
+from agents.processes import TOKEN_VAR
+from agents.setup import run_command
+from agents.workers import running
 
-MAX_OUTPUT = 4096  # bytes of the script's output read
+MAX_LINE = 4096  # bytes of a line of the script's output
 MAX_AHEAD = 86400.0  # a deadline further away than this is taken as this
 
 
@@ -38,8 +39,7 @@ def watch(agent: Any, script: str, interval: float) -> None:
         f.write(script)
     while not agent.outbox.closed:
         time.sleep(interval)
-        if agent.notice is not None or \
-                not any(w.proc.poll() is None for w in list(agent.workers)):
+        if agent.notice is not None or not running(agent.workers):
             continue
         said = ask(path, interval, agent.token)
         if said is not None and agent.notice is None:
@@ -48,28 +48,13 @@ def watch(agent: Any, script: str, interval: float) -> None:
 
 
 def ask(path: str, timeout: float, token: str) -> str | None:
-    """The first line the script printed when it exited 0 (a notice is pending), else None
-    (nonzero, past ``timeout``, or it could not run)."""
-    try:
-        proc = subprocess.Popen(["/bin/sh", path], stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                env={**os.environ, TOKEN_VAR: token}, start_new_session=True,
-                                preexec_fn=as_launched)
-    except OSError:
+    """The first line the script printed (of its last TAIL) when it exited 0 (a notice is
+    pending), else None (nonzero, past ``timeout``, or it could not run)."""
+    result = run_command(["/bin/sh", path], ".", {**os.environ, TOKEN_VAR: token},
+                         lambda _: None, MAX_LINE, max(timeout, 1.0))
+    if result.exit_code != 0 or result.timed_out:
         return None
-    try:
-        out, _ = proc.communicate(timeout=max(timeout, 1.0))
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        proc.wait()
-        return None
-    if proc.returncode != 0:
-        return None
-    lines = out[:MAX_OUTPUT].decode("utf-8", "replace").strip().splitlines()
-    return lines[0].strip() if lines else ""
+    return result.tail[0].strip() if result.tail else ""
 
 
 def deadline(said: str, grace: float, now: float | None = None) -> float:

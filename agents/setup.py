@@ -57,8 +57,8 @@ def run_setup(key: str, script: str, workdir: str, env: dict[str, str], token: s
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(script)
         try:
-            result = _run(["/bin/sh", path], workdir, {**os.environ, **env, TOKEN_VAR: token},
-                          emit, max_line, timeout)
+            result = run_command(["/bin/sh", path], workdir,
+                                 {**os.environ, **env, TOKEN_VAR: token}, emit, max_line, timeout)
         finally:
             os.unlink(path)
         if result.exit_code == 0 and not result.timed_out:
@@ -90,8 +90,8 @@ def run_check(argv: list[str], workdir: str, env: dict[str, str], token: str, ma
             seen.add(fs)
     if not argv:
         return problems, ()
-    result = _run(argv, workdir, {**os.environ, **env, TOKEN_VAR: token}, lambda _: None,
-                  max_line, timeout)
+    result = run_command(argv, workdir, {**os.environ, **env, TOKEN_VAR: token},
+                         lambda _: None, max_line, timeout)
     if result.timed_out:
         problems.append(f"health.node_check did not finish within {timeout:g}s: stopped")
     elif result.exit_code != 0:
@@ -101,8 +101,11 @@ def run_check(argv: list[str], workdir: str, env: dict[str, str], token: str, ma
     return problems, result.tail
 
 
-def _run(argv: list[str], workdir: str, env: dict[str, str],
-         emit: Callable[[list[str]], None], max_line: int, timeout: float | None) -> SetupResult:
+def run_command(argv: list[str], workdir: str, env: dict[str, str],
+                emit: Callable[[list[str]], None], max_line: int, timeout: float | None
+                ) -> SetupResult:
+    """``argv`` in a process group of its own (contained, stdin /dev/null, output and
+    stderr together, its last lines kept); past ``timeout`` the group is stopped."""
     try:
         proc = own(subprocess.Popen(argv, cwd=os.path.expanduser(workdir or "."),
                                     env=env,  # the token: a cancel's sweep finds it

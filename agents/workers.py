@@ -245,3 +245,8 @@ class Worker:
         if self.pidfd is not None:
             os.close(self.pidfd)
             self.pidfd = None
+
+
+def running(workers: list[Worker]) -> bool:
+    """Whether any of ``workers`` still runs."""
+    return any(w.proc.poll() is None for w in list(workers))

@@ -71,11 +71,19 @@ class Holdings:
 
     def _local(self, rank: int, node_index: int) -> set[int]:
         """Steps of ``rank`` that ``node_index`` can read without another node: its memory,
-        its checkpoint.dir, and any other node's report of that same directory."""
+        and what ``_stored`` says."""
         held = self._nodes.get(node_index)
         if held is None:
             return set()
-        steps = set(held.memory.get(rank, ())) | set(held.persisted.get(rank, ()))
+        return set(held.memory.get(rank, ())) | self._stored(rank, node_index)
+
+    def _stored(self, rank: int, node_index: int) -> set[int]:
+        """Steps of ``rank`` persisted where ``node_index`` reads them: its checkpoint.dir,
+        and any other node's report of that same directory (a shared filesystem)."""
+        held = self._nodes.get(node_index)
+        if held is None:
+            return set()
+        steps = set(held.persisted.get(rank, ()))
         if held.store is not None:
             for other in self._nodes.values():
                 if other.store == held.store:
@@ -143,13 +151,7 @@ class Holdings:
     def persisted(self, step: int, placement: Mapping[int, int]) -> bool:
         """Whether every rank of ``placement`` has ``step`` in its node's checkpoint.dir
         (or in another node's, where they share it)."""
-        for rank, node in placement.items():
-            held = self._nodes.get(node)
-            if held is None or not any(step in h.persisted.get(rank, ()) for h in
-                                       self._nodes.values() if h is held or
-                                       (held.store is not None and h.store == held.store)):
-                return False
-        return True
+        return all(step in self._stored(rank, node) for rank, node in placement.items())
 
     def holds_replica(self, node_index: int, rank: int, step: int) -> bool:
         held = self._nodes.get(node_index)
