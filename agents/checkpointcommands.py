@@ -105,10 +105,14 @@ class SaveAt(Command):
     step: int | None
     hold: float = 0.0
     persist: bool = False  # to checkpoint.dir as well (every node leaves: the job stops)
+    # False: this node stays (or the job stops), so its copies of the step are needed on no
+    # other node for the move; they are sent after it, not beside the leaving node's.
+    replicate: bool = True
 
     @classmethod
     def read(cls, f: _Read) -> SaveAt:
         hold = f.number("hold")
         if not 0.0 <= hold <= MAX_HOLD:
             raise f.bad("hold", hold)
-        return cls(f.integer("step", optional=True), hold, f.flag("persist", False))
+        return cls(f.integer("step", optional=True), hold, f.flag("persist", False),
+                   f.flag("replicate", True))

@@ -30,9 +30,7 @@ import json
 import mmap
 import os
 import secrets
-import select
 import shutil
-import socket
 import threading
 import time
 import zlib
@@ -47,12 +45,14 @@ from agents.replicas import ReplicaError, Server
 from agents.replicas import pull as pull_replica
 from agents.replicas import push as push_replica
 from agents.shims import orchestrator_checkpoint_format as F
+from agents.storewake import Wake
 
-SCAN_EVERY = 0.2  # seconds between looks for new saves, where saves cannot wake the store
-LOOK_EVERY = 2.0  # and where they can (a look all the same: a datagram may be dropped)
 MAX_REPORTED = 64  # steps per rank in one report (the newest)
 MAX_PROBLEMS = 256  # problems said in the agent's log over its life
 STORE_ID = ".orchestrator-store"  # names a checkpoint.dir: nodes that read the same one share it
+
+
+LOAD_FIRST = 10.0  # seconds a resuming attempt's copies wait for its ranks' loads at most
 
 
 def default_memory() -> int:
@@ -77,6 +77,8 @@ class Store:
         self.config = C.CheckpointConfig()
         self.persist_dir: str | None = None
         self.persist_step: int | None = None  # a planned stop's step: persisted when sealed
+        self.deferred = False  # a planned move in which this node stays: replicas wait
+        self._loading: tuple[float, int] | None = None  # (until, ranks) a restart loads
         self.store_id: str | None = None
         self.attempt = 0
         self._lock = threading.Lock()
@@ -123,6 +125,11 @@ class Store:
         at each save: ``save(step, state, every=N)`` saves that step too); None: over."""
         path = os.path.join(self.root, F.SAVE_AT_NAME)
         self.persist_step = at.step if at.persist else None
+        # A node that stays sends nothing while the move lasts: the leaving node's copies,
+        # which the move waits for, then have the network and the cores to themselves.
+        self.deferred = at.step is not None and not at.replicate
+        if not self.deferred:
+            self._wake.set()
         if at.step is None:
             _unlink(path)
         else:  # the hold's end by this node's clock, which the workers share
@@ -137,9 +144,10 @@ class Store:
             numbers = [F.parse_step(n, prefix="slot-") for n in _listdir(rank_dir)]
             slot = max([n for n in numbers if n is not None], default=-1) + 1
             path = os.path.join(rank_dir, f"slot-{slot}")
+            own = self.replicas.take(pull.rank, pull.step, path) if self.replicas else None
             try:
-                meta_bytes, manifest = pull_replica(pull.address, pull.port, self.secret,
-                                                    pull.rank, pull.step, path)
+                meta_bytes, manifest = own or pull_replica(
+                    pull.address, pull.port, self.secret, pull.rank, pull.step, path)
             except (OSError, ReplicaError, ValueError) as exc:
                 self._problem(f"checkpoint: no replica of step {pull.step} of rank "
                               f"{pull.rank} from {pull.address}:{pull.port}: {exc}")
@@ -167,6 +175,10 @@ class Store:
                 self.persist_dir = os.path.abspath(path)
                 self.store_id = _store_id(self.persist_dir)
             if new:
+                self.deferred = False  # a move that ended the attempt before is over
+                # A resuming attempt's ranks load first (see _loading), then replicas go.
+                self._loading = (time.monotonic() + LOAD_FIRST, local_ranks) \
+                    if config.restore_step is not None else None
                 self._discard_after(config.restore_step)
                 _unlink(os.path.join(self.root, F.SAVE_AT_NAME))  # an attempt before's
         budget = config.memory or default_memory()
@@ -234,8 +246,11 @@ class Store:
 
     def _pass(self, final: bool = False) -> None:
         ranks = self._rank_dirs()
+        tried: dict[str, set[int]] = {}
         for rank, rank_dir in ranks:
-            for step, meta_bytes in sorted(_unsealed(rank_dir).items()):
+            unsealed = _unsealed(rank_dir)
+            tried[rank_dir] = set(unsealed)
+            for step, meta_bytes in sorted(unsealed.items()):
                 self._seal(rank, rank_dir, step, meta_bytes)
         if final:  # the job ends: its buddy's copy is of no use any more
             return
@@ -243,29 +258,56 @@ class Store:
         # there, and replicating a big state takes seconds (measured: 5 s of a drain's 11 s
         # at 512 MiB per rank went to waiting for this report).
         self._report()
-        # Saves this pass could not seal (their slot reused meanwhile) are no news later.
-        self._replicate(ranks, {d: set(_unsealed(d)) for _, d in ranks})
+        if self.deferred:
+            return
+        # Saves this pass tried and could not seal (their slot reused meanwhile) are no news
+        # later; one that came after its rank was looked at is (measured: a leaving node's
+        # second rank waited 3.5 s, through two pushes of the first, for its seal).
+        self._replicate(ranks, tried)
         self._report()
 
     def _replicate(self, ranks: list[tuple[int, str]],
                    left: dict[str, set[int]]) -> None:
         """The ranks' sealed saves each target lacks, oldest first (none skipped: the step
         every rank's buddy holds is what the ranks resume after a node's loss), one target
-        at a time: every rank's copy on some other node is what a move waits for. The step
-        a planned move asked for goes first (older ones not sent yet are then left out)."""
+        at a time: every rank's copy on some other node is what a move waits for. Only the
+        step a planned move asked for while it lasts, and none older than the step the
+        attempt resumed (measured: a leaving node pushing an older step slowed every rank's
+        save of the asked one fourfold; the nodes of the next attempt pushing steps it
+        will never resume held its first save for 7 s). A new save is sealed first."""
+        if self._still_loading(ranks):
+            return
         asked = F.asked(self.root)[0]
+        floor = self.config.restore_step
         for target in list(self.targets):
             for rank, rank_dir in ranks:
                 names = set(_listdir(rank_dir))
-                steps = sorted((s for s in (F.parse_step(n, suffix=".manifest") for n in names)
-                                if s is not None), key=lambda s: (s != asked, s))
+                steps = sorted(s for s in (F.parse_step(n, suffix=".manifest") for n in names)
+                               if s is not None and (asked is None or s == asked)
+                               and (floor is None or s >= floor))
                 for step in steps:
                     if step <= self._pushed.get((target, rank), -1):
                         continue
-                    if self._closed or not self._push(rank, rank_dir, step, target):
+                    if self.deferred or self._closed or target not in self.targets or \
+                            any(set(_unsealed(d)) - left.get(d, set()) for _, d in ranks):
+                        return  # a move in which this node stays, a target no more (the
+                        # node left the job), a new save to seal first
+                    if not self._push(rank, rank_dir, step, target):
                         break  # this target is behind: the next pass tries again
-                    if any(set(_unsealed(d)) - left.get(d, set()) for _, d in ranks):
-                        return  # a new save: sealed and reported first, by the next pass
+
+    def _still_loading(self, ranks: list[tuple[int, str]]) -> bool:
+        """Whether a resuming attempt's ranks are loading yet (up to LOAD_FIRST seconds):
+        sending copies meanwhile takes the cores the restart waits for (measured: both
+        nodes of a move's next attempt sending 1 GiB while their ranks loaded)."""
+        if self._loading is None:
+            return False
+        until, expected = self._loading
+        loaded = sum(1 for _, d in ranks if (_restored(os.path.join(d, "restored.json"))
+                                             or [None])[0] == self.attempt)
+        if loaded < expected and time.monotonic() < until:
+            return True
+        self._loading = None
+        return False
 
     def _push(self, rank: int, rank_dir: str, step: int, buddy: tuple[str, int]) -> bool:
         base = os.path.join(rank_dir, F.step_name(step))
@@ -439,69 +481,6 @@ class _mapped:
             self.map.close()
 
 
-class Wake:
-    """What wakes the store's thread: ``set()`` here, or a datagram on the socket at
-    ``<memory root>/wake`` that a worker's save sends (so a save is sealed and replicated at
-    once, and an idle store looks only every LOOK_EVERY). Without the socket (a path too
-    long for an address), a look every SCAN_EVERY."""
-
-    def __init__(self) -> None:
-        self._event = threading.Event()
-        self._sock: socket.socket | None = None
-        self._pipe = os.pipe()  # set() wakes a wait on the socket through it
-        for fd in self._pipe:
-            os.set_blocking(fd, False)
-
-    def listen(self, path: str) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        try:
-            sock.bind(path)
-        except OSError:
-            sock.close()
-            return
-        sock.setblocking(False)
-        self._sock = sock
-
-    def set(self) -> None:
-        self._event.set()
-        try:
-            os.write(self._pipe[1], b"w")
-        except OSError:
-            pass
-
-    def wait(self) -> None:
-        if self._sock is None:
-            self._event.wait(SCAN_EVERY)
-        elif not self._event.is_set():
-            select.select([self._sock.fileno(), self._pipe[0]], [], [], LOOK_EVERY)
-        self._event.clear()
-        for drain in (self._drain_socket, self._drain_pipe):
-            drain()
-
-    def _drain_socket(self) -> None:
-        try:
-            while self._sock is not None and self._sock.recv(64):
-                pass
-        except OSError:
-            pass
-
-    def _drain_pipe(self) -> None:
-        try:
-            while os.read(self._pipe[0], 64):
-                pass
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        for fd in self._pipe:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-
-
 def _restored(path: str) -> list[Any] | None:
     """A rank's ``restored.json`` (its load: attempt, step, which copy, seconds, copies
     skipped), or None when it is not that: the file is the worker's, so anything may be."""
@@ -586,3 +565,4 @@ def _sync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+

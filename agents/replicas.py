@@ -7,11 +7,14 @@ of it under the job's secret (which only the job's agents and controller know). 
 request, a JSON line:
 
 - ``put`` (the client's agent replicates a save): ``{"op": "put", "rank", "step", "meta",
-  "manifest", "size"}``; once the server said ``{"ok": true}`` (it has room), that many
-  bytes of meta, manifest and data. The server writes them aside, verifies the data against
-  the manifest, and only then keeps them (``<memory>/replicas/rank-<r>/step-<s>.{data,meta,
-  manifest}``: every step from the one the controller retains, and the newest; the ``KEEP``
-  newest until it retains one); it answers ``{"ok": true}`` or ``{"ok": false, "error"}``.
+  "manifest", "size", "data"}`` (``data``: the digest of the data's checksums, optional);
+  the server answers ``{"ok": true, "have": true}`` if it holds that very data already (the
+  client sends nothing more), else, once it said ``{"ok": true}`` (it has room), that many
+  bytes of meta, manifest and data. The server writes them aside (a file of the transfer's
+  own), verifies the data against the manifest as it comes, and only then keeps them
+  (``<memory>/replicas/rank-<r>/step-<s>.{data,meta,manifest}``: every step from the one
+  the controller retains, and the newest; the ``KEEP`` newest until it retains one); it
+  answers ``{"ok": true}`` or ``{"ok": false, "error"}``.
 - ``get`` (a replacement node's agent pulls a copy): ``{"op": "get", "rank", "step"}``,
   answered by ``{"ok": true, "meta", "manifest", "size"}`` and the bytes, which the puller
   verifies before it trusts them.
@@ -22,6 +25,7 @@ anything malformed is dropped with nothing kept.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import hmac
 import json
@@ -30,6 +34,7 @@ import os
 import secrets
 import socket
 import threading
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -92,53 +97,78 @@ def _number(header: Fields, name: str, high: int) -> int:
         raise ReplicaError(str(exc)) from None
 
 
-def _answer(conn: socket.socket) -> None:
-    """The peer's ``{"ok": true}``, or ReplicaError with what it said instead."""
+def data_digest(man: dict[str, Any]) -> str:
+    """What identifies a copy's data: its size and every chunk's CRC (not its meta, whose
+    slot and origin differ from node to node)."""
+    text = json.dumps([man["size"], man["chunk"], man["crc"]]).encode()
+    return hashlib.sha256(text).hexdigest()[:32]
+
+
+def _answer(conn: socket.socket) -> bool:
+    """The peer's ``{"ok": true}`` (True: with ``"have": true``), or ReplicaError with what
+    it said instead."""
     answer = _read_line(conn)
     try:
         if answer.flag("ok", False):
-            return
+            return bool(answer.flag("have", False))
         error = answer.text("error", 1000, True)
     except ProtocolError as exc:
         error = str(exc)
     raise ReplicaError(str(error))
 
 
-def _receive_to(conn: socket.socket, path: str, size: int) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        left = size
-        while left:
-            chunk = conn.recv(min(left, _BLOCK))
-            if not chunk:
-                raise ReplicaError("the peer closed the connection mid-copy")
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view):]
-            left -= len(chunk)
-    finally:
-        os.close(fd)
-
-
-def _verified(base: str, meta: bytes, manifest: bytes, size: int) -> None:
-    """Keep the copy received into ``base + ".data.tmp"`` if it verifies, else raise."""
+def _manifest(meta: bytes, manifest: bytes, size: int) -> dict[str, Any]:
+    """The manifest a peer sent, if it can vouch for ``size`` bytes with this meta."""
     try:
         man = json.loads(manifest)
     except ValueError:
         raise ReplicaError("a manifest that is not JSON") from None
-    fd = os.open(base + ".data.tmp", os.O_RDONLY | os.O_CLOEXEC)
+    why = F.check_manifest(meta, man)
+    if why is None and man["size"] != size:
+        why = f"its manifest is of {man['size']} bytes, not {size}"
+    if why is not None:
+        raise ReplicaError(f"the copy cannot be verified: {why}")
+    return man
+
+
+def _receive_to(conn: socket.socket, path: str, meta: bytes, man: dict[str, Any]) -> None:
+    """``man["size"]`` bytes from the peer into a new file at ``path``, verified against the
+    manifest as they come: each chunk's CRC is taken on a thread while the next is received,
+    straight into a mapping of the file (no second pass, no copy through new buffers: a
+    512 MiB replica took 0.48 s the old way on an idle machine). Removed if it fails."""
+    size, chunk = man["size"], man["chunk"]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else _Empty() as m:
+        if size:  # the pages now: a full /dev/shm is an error here, not a SIGBUS at a write
+            os.posix_fallocate(fd, 0, size)
+        crcs: list[concurrent.futures.Future[int]] = []
+        with concurrent.futures.ThreadPoolExecutor(1) as pool, \
+                (mmap.mmap(fd, size) if size else _Empty()) as m:
             view = memoryview(m)
-            why = F.verify(meta, man, view)
-            view.release()
+            try:
+                got = 0
+                while got < size:
+                    n = conn.recv_into(view[got:min(size, got + _BLOCK)])
+                    if not n:
+                        raise ReplicaError("the peer closed the connection mid-copy")
+                    got += n
+                    while len(crcs) * chunk < got and (got == size or
+                                                      (len(crcs) + 1) * chunk <= got):
+                        at = len(crcs) * chunk
+                        crcs.append(pool.submit(zlib.crc32, view[at:min(at + chunk, size)]))
+                why = F.verify(meta, man, range(size), [c.result() for c in crcs])
+            finally:
+                for c in crcs:
+                    c.cancel()
+                pool.shutdown(wait=True)
+                view.release()
+        if why is not None:
+            raise ReplicaError(f"the copy failed verification: {why}")
+    except BaseException:
+        _unlink(path)
+        raise
     finally:
         os.close(fd)
-    if why is not None:
-        raise ReplicaError(f"the copy failed verification: {why}")
-    os.replace(base + ".data.tmp", base + ".data")
-    F.write_file(base + ".meta", meta)
-    F.write_file(base + ".manifest", manifest)
 
 
 class _Empty:
@@ -248,8 +278,16 @@ class Server:
         size = _number(header, "size", MAX_COUNT)
         if size > self.room():
             raise ReplicaError(f"no room for a {size}-byte replica in checkpoint.memory")
+        if self._closed:  # said before the bytes come: a refusal with bytes unread is a reset
+            raise ReplicaError("this node's checkpoint store is closing")
+        data = header.text("data", 64, True)
+        if data is not None and data == self._held_data(rank, step):
+            _send_line(conn, {"ok": True, "have": True})  # the same bytes: nothing to send
+            self.kept()
+            return
         _send_line(conn, {"ok": True})  # go on: the sender does not send what is refused
         meta, manifest = _read_exact(conn, meta_len), _read_exact(conn, manifest_len)
+        man = _manifest(meta, manifest, size)
         directory = os.path.join(self.root, f"rank-{rank}")
         base = os.path.join(directory, f"step-{step}")
         with self._lock:
@@ -261,14 +299,30 @@ class Server:
                 pass
             for suffix in (".manifest", ".meta", ".data"):  # an older copy of this step goes
                 _unlink(base + suffix)
-        _receive_to(conn, base + ".data.tmp", size)
-        try:
-            _verified(base, meta, manifest, size)
-        finally:
-            _unlink(base + ".data.tmp")
+        # A name of this transfer's own: two nodes may send the same copy at once (a spare's
+        # and the leaving node's), and a file cut short under a mapping is a SIGBUS.
+        tmp = f"{base}.data.{secrets.token_hex(8)}.tmp"
+        _receive_to(conn, tmp, meta, man)
+        os.replace(tmp, base + ".data")
+        F.write_file(base + ".meta", meta)
+        F.write_file(base + ".manifest", manifest)
         self.prune(directory)
         _send_line(conn, {"ok": True})
         self.kept()
+
+    def _held_data(self, rank: int, step: int) -> str | None:
+        """The digest of the data of this node's replica of ``rank`` at ``step`` (None: it
+        holds none): a second node sending the same copy (a spare taking a leaving node's
+        place sends what that node sent already) is told so and sends nothing."""
+        base = os.path.join(self.root, f"rank-{rank}", f"step-{step}")
+        with self._lock:
+            manifest = F.read_bytes(base + ".manifest", MAX_MANIFEST)
+            if manifest is None or not os.path.exists(base + ".data"):
+                return None
+        try:
+            return data_digest(json.loads(manifest))
+        except (ValueError, TypeError, KeyError):
+            return None
 
     def discard(self, which: Callable[[int | None], bool]) -> None:
         """Replicas of the steps ``which`` names go (a new attempt left them behind)."""
@@ -292,6 +346,24 @@ class Server:
                 for step in old:
                     for suffix in (".manifest", ".meta", ".data"):
                         _unlink(os.path.join(rank_dir, f"step-{step}{suffix}"))
+
+    def take(self, rank: int, step: int, data_path: str) -> tuple[bytes, bytes] | None:
+        """This node's replica of ``rank`` at ``step`` moved to ``data_path``, and its (meta,
+        manifest); None if it holds none. For a node that now runs the ranks it held copies
+        of: a rename, not a copy (1 GiB took 2.1 s through ``pull``). Verified on receipt,
+        and again by the rank's load."""
+        base = os.path.join(self.root, f"rank-{rank}", f"step-{step}")
+        with self._lock:
+            meta, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
+            if meta is None or manifest is None:
+                return None
+            try:
+                os.rename(base + ".data", data_path)
+            except OSError:
+                return None
+            for suffix in (".manifest", ".meta"):
+                _unlink(base + suffix)
+        return meta, manifest
 
     def _get(self, conn: socket.socket, header: Fields) -> None:
         rank, step = _number(header, "rank", MAX_RANK), _number(header, "step", F.MAX_STEP)
@@ -332,8 +404,10 @@ def push(address: str, port: int, secret: str, rank: int, step: int, meta: bytes
     when it did not take it."""
     with _connect(address, port, secret) as conn:
         _send_line(conn, {"op": "put", "rank": rank, "step": step, "meta": len(meta),
-                          "manifest": len(manifest), "size": len(view)})
-        _answer(conn)
+                          "manifest": len(manifest), "size": len(view),
+                          "data": data_digest(json.loads(manifest))})
+        if _answer(conn):
+            return  # it holds these very bytes already
         conn.sendall(meta + manifest)
         for at in range(0, len(view), _BLOCK):
             conn.sendall(view[at:at + _BLOCK])
@@ -351,19 +425,11 @@ def pull(address: str, port: int, secret: str, rank: int, step: int,
         meta = _read_exact(conn, _number(header, "meta", F.MAX_META))
         manifest = _read_exact(conn, _number(header, "manifest", MAX_MANIFEST))
         size = _number(header, "size", MAX_COUNT)
-        _receive_to(conn, data_path, size)
-    fd = os.open(data_path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        with mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else _Empty() as m:
-            view = memoryview(m)
-            why = F.verify(meta, json.loads(manifest), view)
-            view.release()
-    finally:
-        os.close(fd)
-    if why is not None:
-        _unlink(data_path)
-        raise ReplicaError(f"the replica of step {step} of rank {rank} at {address}:{port} "
-                           f"failed verification: {why}")
+        try:
+            _receive_to(conn, data_path, meta, _manifest(meta, manifest, size))
+        except ReplicaError as exc:
+            raise ReplicaError(f"the replica of step {step} of rank {rank} at {address}:"
+                               f"{port}: {exc}") from None
     return meta, manifest
 
 

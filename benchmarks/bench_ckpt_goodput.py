@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -231,11 +232,12 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
 
 
 ATTEMPT_RE = re.compile(r"STEP (\d+) (\d+) (\d+) ([\d.]+)")
+PHASE_RE = re.compile(r"PHASE 1 (\d+) (\w+) ([\d.]+)")
 
 
 def run_drain(args: argparse.Namespace) -> dict[str, Any]:
     """3 local nodes x 2 ranks, nnodes 2 (the third a hot spare), a save every
-    ``--ckpt-every`` steps; node rank 1 drained once every rank trained 10 steps. The pause:
+    ``--ckpt-every`` steps; node rank 1 drained once every rank trained 20 steps. The pause:
     from the ranks' last step before the move to every rank training again."""
     with tempfile.TemporaryDirectory() as tmp:
         os.environ["ORCHESTRATOR_HOME"] = str(Path(tmp) / "home")
@@ -251,8 +253,8 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
             return [(int(m[1]), int(m[2]), int(m[3]), float(m[4]))
                     for m in map(ATTEMPT_RE.search, orchestrator.logs(job)) if m]
 
-        _until_trained(job, lambda: len({r for _, r, s, _ in rows() if s >= 10})
-                       >= 2 * RANKS, "trained 10 steps on every rank")
+        _until_trained(job, lambda: len({r for _, r, s, _ in rows() if s >= 20})
+                       >= 2 * RANKS, "trained 20 steps on every rank")
         leaving = next(n["node_index"] for n in orchestrator.status(job)["nodes"]
                        if n["node_rank"] == 1)
         drained = time.time()
@@ -264,7 +266,12 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
         shown = orchestrator.status(job)
         orchestrator.cancel(job)
         got = rows()
+        # When the next attempt's slowest rank started, loaded and joined its world.
+        starts: dict[str, float] = {}
+        for m in filter(None, map(PHASE_RE.search, orchestrator.logs(job))):
+            starts[m[2]] = max(starts.get(m[2], 0.0), float(m[3]))
         log = Path(tmp) / "home" / "jobs" / job / "controller.log"
+        shutil.copytree(log.parent, args.out + "-drain-job", dirs_exist_ok=True)  # to read
         # The agreed step, every rank's save in memory, then everywhere it must be.
         phases = [ln.split(": ", 1)[-1] for ln in log.read_text().splitlines()
                   if "after the move began" in ln or "agreed step" in ln]
@@ -275,9 +282,22 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
             after[r] = (t, s)
     stopped = max(t for _, t in before)
     failure = shown["attempts"][0]["failure"] or {}
+    # The pause spans two steps done, the held one (a save) and the first after it (a save
+    # or not, by its number): what they take as training goes (rank 0's medians, the first
+    # save's fresh pages left out) is not what the move cost; the rest is.
+    ticks = sorted((s, t) for a, r, s, t in got if a == 0 and r == 0)
+    took = {s: t - t0 for (s0, t0), (s, t) in zip(ticks, ticks[1:], strict=False) if s == s0 + 1}
+    saving = statistics.median(t for s, t in took.items() if s % args.ckpt_every == 0
+                               and s > args.ckpt_every)
+    plain = statistics.median(t for s, t in took.items() if s % args.ckpt_every)
+    first = min((s for _, s in after.values()), default=0)
+    steps_s = saving + (plain if first % args.ckpt_every else saving)
+    pause = max(t for t, _ in after.values()) - stopped if len(after) == 2 * RANKS else None
     return {"drain_to_stop_s": round(stopped - drained, 2),
-            "pause_s": round(max(t for t, _ in after.values()) - stopped, 2)
-            if len(after) == 2 * RANKS else None,
+            "pause_s": None if pause is None else round(pause, 2),
+            "step_s": round(plain, 2), "save_step_s": round(saving, 2),
+            "lost_s": None if pause is None else round(pause - steps_s, 2),
+            "restart_phases": {k: round(v - stopped, 2) for k, v in starts.items()},
             # The held step's line is never printed (its rank is stopped while it waits
             # there): the last printed is one before it, hence the max with 0.
             "redone": max(0, max(s for s, _ in before) + 1 - min(s for _, s in after.values()))
@@ -321,14 +341,24 @@ def main() -> int:
     p.add_argument("--ckpt-every", type=int, default=1)
     args = p.parse_args()
     if args.drain:
-        result = run_drain(args)
+        runs = [run_drain(args) for _ in range(args.reps)]
+        result = {**runs[-1], "runs": runs}
+        pauses = [r["pause_s"] for r in runs if r["pause_s"] is not None]
+        losses = [r["lost_s"] for r in runs if r["lost_s"] is not None]
         text = (f"`orchestrator drain` of a participant, local: 2 nodes x {RANKS} ranks and a "
                 f"hot spare, {args.state_mb:g} MiB of state per rank, steps of "
                 f"{args.step_time:g} s, a save every {args.ckpt_every} step(s) and the one "
                 f"the move asks for (`python benchmarks/bench_ckpt_goodput.py --drain`).\n\n"
                 f"- drain -> the ranks' last step before the move: {result['drain_to_stop_s']} s\n"
                 f"- pause (that step -> every rank training again on the spare): "
-                f"{result['pause_s']} s\n"
+                f"{result['pause_s']} s, of which two steps of training (as training goes: "
+                f"{result['step_s']} s a step, {result['save_step_s']} s one that saves): "
+                f"lost {result['lost_s']} s\n"
+                f"- the next attempt's slowest rank, seconds after that step: " + ", ".join(
+                    f"{k} {v}" for k, v in result["restart_phases"].items()) + "\n"
+                + (f"- {len(runs)} runs: pause {pauses}, median {statistics.median(pauses)} "
+                   f"s; lost {losses}, median {statistics.median(losses)} s\n"
+                   if len(runs) > 1 and pauses and losses else "") +
                 f"- steps redone: {result['redone']}; restarts charged: {result['restarts']}\n"
                 f"- {result['cause']}: {result['message']}\n"
                 + "".join(f"- the controller: {p}\n" for p in result["phases"])

@@ -27,6 +27,7 @@ from orchestrator.plan import LaunchPlan, node_address
 from orchestrator.spec import JobSpec
 
 log = logging.getLogger("orchestrator.controller")
+NOWHERE = C.ReplicateTo("", 0)  # a node that sends its copies nowhere
 
 
 class Holdings:
@@ -36,6 +37,7 @@ class Holdings:
         self._retained: int | None = None  # the step the nodes were last told to retain
         self.below: int | None = None  # the next attempt resumes a step older than this
         self.fell_back = False  # that happened once in this job (policy.decide)
+        self._leaving: frozenset[int] = frozenset()  # drained or noticed: never a spare
 
     def update(self, node_index: int, held: P.Held) -> None:
         self._nodes[node_index] = held
@@ -184,20 +186,32 @@ class Holdings:
         self._retained = step
         return C.Retain(step)
 
+    def set_leaving(self, nodes: Iterable[int]) -> None:
+        """Nodes drained or noticed (orchestrator/drain.py): they take no failed node's place,
+        so no copies go to them as a spare's."""
+        self._leaving = frozenset(nodes)
+
     def buddies(self, ring: list[int], addresses: Mapping[int, str],
                 spares: Sequence[int] = ()) -> dict[int, C.ReplicateTo]:
         """What to tell which node (only news): each node of ``ring`` (the attempt's nodes in
         node-rank order) sends its copies to the next one's replica server, the last to the
-        first (a node alone: nowhere), and also to the first hot spare of ``spares``: the one
-        that takes a failed node's place (participants.choose_participants), so it holds
-        that node's copies before it is needed."""
+        first (a node alone: nowhere), and also to the first hot spare of ``spares`` that is
+        not leaving: the one that takes a failed node's place
+        (participants.choose_participants), so it holds that node's copies before it is
+        needed. A node told before that is out of ``ring`` now sends nowhere (measured: a
+        drained node's agent went on sending its last saves for 6 s of the next attempt's
+        start)."""
         news = {}
+        spares = [i for i in spares if i not in self._leaving]
         also = self._server(spares[0], addresses) if spares else None
+        for node_index, told in list(self._buddies.items()):
+            if node_index not in ring and told != NOWHERE:
+                self._buddies[node_index] = news[node_index] = NOWHERE
         for i, node_index in enumerate(ring):
             buddy = self._server(ring[(i + 1) % len(ring)], addresses)
             told = C.ReplicateTo(*(buddy if buddy and ring[(i + 1) % len(ring)] != node_index
                                    else ("", 0)), (also,) if also else ())
-            if self._buddies.get(node_index, C.ReplicateTo("", 0)) != told:
+            if self._buddies.get(node_index, NOWHERE) != told:
                 self._buddies[node_index] = told
                 news[node_index] = told
         return news

@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from agents import commands as C
@@ -123,6 +123,7 @@ class Mover:
     def look(self, engine: Engine) -> None:
         self.drained = {**noticed(engine.nodes, self.job_id),
                         **drained(self.store.drains(), self.job_id, self.hosts)}
+        engine.holdings.set_leaving(self.drained)
         attempt = engine.current
         if attempt is None or attempt.ended or attempt.failure is not None or \
                 attempt.stopping or engine.state != JobState.RUNNING:
@@ -189,7 +190,7 @@ class Mover:
                       "memory: the next attempt resumes from the job's own checkpoints", whole)
             return
         persist = whole and engine.spec.checkpoint.dir is not None
-        self._tell(engine, attempt, C.SaveAt(step, within, persist))
+        self._tell(engine, attempt, C.SaveAt(step, within, persist), () if whole else leaving)
         self.move = Move(attempt.number, leaving, reason, step, time.monotonic() + within,
                          within, whole)
         log.warning("%s drained (%s): every rank saves step %d%s, then the job %s",
@@ -271,9 +272,12 @@ class Mover:
         return step
 
     @staticmethod
-    def _tell(engine: Engine, attempt: Attempt, command: C.SaveAt) -> None:
+    def _tell(engine: Engine, attempt: Attempt, command: C.SaveAt,
+              leaving: tuple[int, ...] = ()) -> None:
+        """Every participant; only the ``leaving`` ones replicate meanwhile."""
         for index in attempt.participants:
-            engine.pool.send(engine.nodes[index], command)
+            engine.pool.send(engine.nodes[index],
+                             replace(command, replicate=index in leaving))
 
     def _names(self, nodes: tuple[int, ...]) -> str:
         return ", ".join(f"node {i} ({self.hosts[i]})" for i in nodes)

@@ -499,3 +499,28 @@ def test_a_nodes_card_says_what_it_holds_and_what_a_save_held_the_training(home,
     finally:
         s.close()
         orchestrator.cancel(job_id, wait_seconds=30)
+
+
+def test_a_drained_nodes_card_says_so_and_why(home, tmp_path):
+    """A drain the job cannot do without (no spare) leaves the node running: its card says
+    it is drained and why, while the job runs."""
+    from tests.integration.test_drain import train_spec
+
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = train_spec(tmp_path, [{"host": "local"}] * 2, out)
+    spec["env"]["STEPS"] = "1000"  # runs while the page is looked at
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    s = _Server(home, auth=True)
+    try:
+        deadline = time.monotonic() + 120
+        while orchestrator.status(job_id)["state"] != "RUNNING":
+            assert time.monotonic() < deadline, orchestrator.status(job_id)["failure"]
+            time.sleep(0.2)
+        orchestrator.drain_node("1", job=job_id, reason="maintenance")
+        dom = _render(_chromium(), s.url(f"/jobs/{job_id}"))
+        badges = [text for a, text in dom.find("span") if "drained" in (a.get("class") or "")]
+        assert badges == ["drained: maintenance"], badges
+    finally:
+        s.close()
+        orchestrator.cancel(job_id, wait_seconds=30)

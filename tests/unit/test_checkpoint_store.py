@@ -7,6 +7,7 @@ resumes (orchestrator/checkpoints.py)."""
 from __future__ import annotations
 
 import fcntl
+import json
 import math
 import os
 import secrets
@@ -292,10 +293,10 @@ def test_a_save_wakes_the_store_at_once(store, monkeypatch):
     it is sealed (and replicated) at once, not at the next look."""
     import time
 
-    from agents import checkpoints
+    from agents import storewake
 
-    monkeypatch.setattr(checkpoints, "LOOK_EVERY", 60.0)
-    monkeypatch.setattr(checkpoints, "SCAN_EVERY", 60.0)
+    monkeypatch.setattr(storewake, "LOOK_EVERY", 60.0)
+    monkeypatch.setattr(storewake, "SCAN_EVERY", 60.0)
     s, _ = store
     s.start()
     time.sleep(0.3)  # its first pass done: now it waits
@@ -396,3 +397,65 @@ def test_save_reports_the_step_as_a_heartbeat_does_keeping_the_scripts_own(tmp_p
                                             "metrics": {"loss": 0.5}}
     ckpt.save(5, {"w": torch.zeros(2)}, every=10)  # within 0.2 s: not written again
     assert json.loads(beat.read_text())["step"] == 4
+
+
+def test_a_node_that_stays_in_a_planned_move_replicates_only_after_it(store, tmp_path):
+    """The move waits for the leaving node's copies on a node that stays; the staying nodes'
+    own copies are needed nowhere else for it, so they wait, and do not compete with those."""
+    from agents.replicas import Server
+
+    s, _ = store
+    buddy = Server(str(tmp_path / "buddy"), "s3cret", lambda: 1 << 30, lambda _: None)
+    try:
+        s.replicate_to(C.ReplicateTo("127.0.0.1", buddy.port))
+        s.save_at(C.SaveAt(7, 0.05, replicate=False))  # this node stays
+        ckpt.save(7, {"w": torch.ones(10)})
+        s._pass()
+        assert "rank-1" in os.listdir(s.root) and buddy.holdings() == ({}, 0)
+        s.save_at(C.SaveAt(None))  # the move is over (or undrained): sent now
+        s._pass()
+        assert buddy.holdings()[0] == {1: [7]}
+        s.save_at(C.SaveAt(9, 0.05))  # this node leaves: its copy goes at once
+        ckpt.save(9, {"w": torch.ones(10)})
+        s._pass()
+        assert sorted(buddy.holdings()[0][1]) == [7, 9]
+    finally:
+        buddy.close()
+
+
+def test_a_move_sends_only_its_step_and_an_attempt_none_older_than_it_resumed(store, tmp_path):
+    """While a move lasts, a leaving node sends only the step it asked for (older ones
+    would slow every rank's save of it); a resuming attempt sends nothing until its ranks
+    loaded, and no step older than the one it resumed (it will never resume those)."""
+    from agents.replicas import Server
+
+    s, _ = store
+    for step in (3, 5):
+        ckpt.save(step, {"w": torch.full((10,), float(step))})
+    s._pass()
+    buddy = Server(str(tmp_path / "buddy"), "s3cret", lambda: 1 << 30, lambda _: None)
+    try:
+        s.replicate_to(C.ReplicateTo("127.0.0.1", buddy.port))
+        s.save_at(C.SaveAt(6, 0.05))
+        s._pass()
+        assert buddy.holdings() == ({}, 0)  # the asked step is not saved yet: nothing
+        ckpt.save(6, {"w": torch.ones(10)})
+        s._pass()
+        assert buddy.holdings()[0] == {1: [6]}
+        s.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20, restore_step=5), str(tmp_path),
+                    2, 1)
+        other = Server(str(tmp_path / "other"), "s3cret", lambda: 1 << 30, lambda _: None)
+        try:
+            s.replicate_to(C.ReplicateTo("127.0.0.1", other.port))
+            s._pass()
+            assert other.holdings() == ({}, 0)  # its ranks load first
+            record = {"attempt": 2, "step": 5, "source": "memory", "seconds": 0.1,
+                      "skipped": 0}
+            F.write_file(os.path.join(s.root, "rank-1", "restored.json"),
+                         json.dumps(record).encode())
+            s._pass()
+            assert sorted(other.holdings()[0][1]) == [5]  # 6 was discarded: after 5
+        finally:
+            other.close()
+    finally:
+        buddy.close()

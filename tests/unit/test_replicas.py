@@ -98,8 +98,9 @@ def test_each_node_replicates_to_the_next_and_is_told_only_news():
     assert h.buddies([0, 1], addresses) == {}
     h.update(2, held(port=4002))
     assert h.buddies([0, 2], addresses) == {0: C.ReplicateTo("c", 4002),
-                                            2: C.ReplicateTo("a", 4000)}
-    assert h.buddies([0], addresses) == {0: C.ReplicateTo("", 0)}  # alone: nowhere
+                                            2: C.ReplicateTo("a", 4000),
+                                            1: C.ReplicateTo("", 0)}  # out: sends nowhere
+    assert h.buddies([0], addresses) == {0: C.ReplicateTo("", 0), 2: C.ReplicateTo("", 0)}
 
 
 def test_every_node_also_replicates_to_the_first_spare_which_pulls_from_itself():
@@ -168,10 +169,118 @@ def test_a_transfer_accepted_before_the_store_closed_never_makes_it_again(tmp_pa
     root = tmp_path / "memory"
     root.mkdir()
     s = Server(str(root), "s3cret", lambda: 1 << 30, lambda _: None)
-    early = socket.create_connection(("127.0.0.1", s.port))  # accepted: its _serve waits
+    early = socket.create_connection(("127.0.0.1", s.port))
+    early.settimeout(10)
+    early.recv(16, socket.MSG_PEEK)  # its nonce: accepted, its _serve waits (else a reset)
     s.close()
     shutil.rmtree(root)
     monkeypatch.setattr(replicas.socket, "create_connection", lambda *a, **k: early)
     with pytest.raises(ReplicaError, match="closing"):
         push("127.0.0.1", s.port, "s3cret", 3, 1, *copy_of(1))
     assert not root.exists()
+
+
+def test_a_copy_of_many_chunks_is_verified_chunk_by_chunk_as_it_comes(server, tmp_path):
+    """The receiver takes each chunk's checksum as the chunk arrives (no second pass): every
+    chunk is checked, the last short one included, and a bad byte in a middle one is named."""
+    size, chunk = 1_000_000, 4096
+    data = bytearray(os.urandom(size))
+    meta = json.dumps({"step": 5, "rank": 3, "slot": 0, "size": size}).encode()
+    man = {"format": F.FORMAT, "size": size, "chunk": chunk, "meta": F.zlib.crc32(meta),
+           "crc": F.checksums(memoryview(data), size, chunk)}
+    push("127.0.0.1", server.port, "s3cret", 3, 5, meta, json.dumps(man).encode(),
+         memoryview(data))
+    pull("127.0.0.1", server.port, "s3cret", 3, 5, str(tmp_path / "got"))
+    assert (tmp_path / "got").read_bytes() == bytes(data)
+    data[size - 10] ^= 1  # in the last chunk, which is short
+    with pytest.raises(ReplicaError, match=f"chunk {size // chunk} .* fails its checksum"):
+        push("127.0.0.1", server.port, "s3cret", 3, 6, meta, json.dumps(man).encode(),
+             memoryview(data))
+    data[size - 10] ^= 1
+    data[500_000] ^= 1
+    with pytest.raises(ReplicaError, match=f"chunk {500_000 // chunk} .* fails"):
+        push("127.0.0.1", server.port, "s3cret", 3, 6, meta, json.dumps(man).encode(),
+             memoryview(data))
+    assert server.holdings()[0] == {3: [5]}
+
+
+def test_a_node_that_holds_the_replica_takes_it_without_a_copy(server, tmp_path):
+    """A spare that now runs the ranks it held replicas of moves them into its memory (a
+    rename: 1 GiB took 2.1 s through pull), and holds them no more as replicas."""
+    push("127.0.0.1", server.port, "s3cret", 3, 4, *copy_of(4))
+    kept = os.stat(os.path.join(server.root, "rank-3", "step-4.data")).st_ino
+    assert server.take(3, 4, str(tmp_path / "slot-0")) == copy_of(4)[:2]
+    assert os.stat(tmp_path / "slot-0").st_ino == kept
+    assert (tmp_path / "slot-0").read_bytes() == bytes(copy_of(4)[2])
+    assert server.holdings() == ({}, 0)
+    assert server.take(3, 4, str(tmp_path / "slot-1")) is None  # none left: pull instead
+    assert not (tmp_path / "slot-1").exists()
+
+
+def test_a_drained_node_is_no_spare_and_a_node_out_of_the_job_sends_nowhere():
+    """After a move off node 1 (drained) to spare 2, nobody sends copies to node 1 as a
+    spare's, and node 1, out of the attempt, stops sending its own."""
+    h = Holdings()
+    addresses = {0: "a", 1: "b", 2: "c"}
+    for index in range(3):
+        h.update(index, held(port=4000 + index))
+    h.buddies([0, 1], addresses, [2])
+    h.set_leaving({1})
+    assert h.buddies([0, 2], addresses, [1]) == {
+        0: C.ReplicateTo("c", 4002), 2: C.ReplicateTo("a", 4000), 1: C.ReplicateTo("", 0)}
+    h.set_leaving(())  # undrained: a spare again
+    assert h.buddies([0, 2], addresses, [1]) == {
+        0: C.ReplicateTo("c", 4002, (("b", 4001),)), 2: C.ReplicateTo("a", 4000, (("b", 4001),))}
+
+
+def test_two_nodes_sending_the_same_copy_at_once_leave_one_good_copy(server, tmp_path):
+    """A spare and a leaving node may send the same rank's step to one node at once: each
+    transfer writes a file of its own (one cut short under the other's mapping would be a
+    SIGBUS, the agent's end), and a good copy is kept."""
+    import threading
+
+    size = 8 << 20
+    data = memoryview(bytes(os.urandom(size)))
+    meta = json.dumps({"step": 4, "rank": 3, "slot": 0, "size": size}).encode()
+    manifest = json.dumps(F.manifest(meta, F.checksums(data, size), size)).encode()
+    errors: list[Exception] = []
+
+    def send() -> None:
+        try:
+            push("127.0.0.1", server.port, "s3cret", 3, 4, meta, manifest, data)
+        except (OSError, ReplicaError) as exc:  # the other's copy replaced this one's
+            errors.append(exc)
+
+    for _ in range(5):
+        senders = [threading.Thread(target=send) for _ in range(2)]
+        for t in senders:
+            t.start()
+        for t in senders:
+            t.join()
+    assert len(errors) < 10, errors
+    pull("127.0.0.1", server.port, "s3cret", 3, 4, str(tmp_path / "got"))
+    assert (tmp_path / "got").read_bytes() == bytes(data)
+    assert [n for n in os.listdir(os.path.join(server.root, "rank-3"))
+            if n.endswith(".tmp")] == []
+
+
+def test_a_copy_the_node_holds_already_is_not_sent_again(server, monkeypatch):
+    """The same data (its checksums) under another meta, as a spare that took a leaving
+    node's place sends it: answered "have", no byte of data sent; other data is sent."""
+    from agents import replicas
+
+    push("127.0.0.1", server.port, "s3cret", 3, 4, *copy_of(4))
+    meta, manifest, data = copy_of(4)
+    other = json.dumps({"step": 4, "rank": 3, "slot": 9, "size": len(data)}).encode()
+    man = json.loads(manifest)
+    man["meta"] = F.zlib.crc32(other)
+    sent: list[int] = []
+    real = replicas.socket.socket.sendall
+    monkeypatch.setattr(replicas.socket.socket, "sendall",
+                        lambda self, b, *a: (sent.append(len(b)), real(self, b, *a))[1])
+    push("127.0.0.1", server.port, "s3cret", 3, 4, other, json.dumps(man).encode(), data)
+    assert sum(sent) < 1000, sent  # the request line only
+    sent.clear()
+    push("127.0.0.1", server.port, "s3cret", 3, 5, *copy_of(5))
+    assert sum(sent) > len(data), sent
+    assert sorted(server.holdings()[0][3]) == [4, 5]

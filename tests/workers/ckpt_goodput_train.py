@@ -5,7 +5,8 @@ saved with ``orchestrator.checkpoint`` every CKPT_EVERY steps (and at the step a
 asks for) and resumed with its ``load()``.
 Under the orchestrator the saves go to the agent's memory; under plain torchrun to files in
 ``$ORCHESTRATOR_CHECKPOINT_DIR``, synced (the same script, unchanged). Prints
-``STEP <restarts> <rank> <step> <unix time>`` after each step."""
+``STEP <restarts> <rank> <step> <unix time>`` after each step, and ``PHASE <restarts> <rank>
+<main|joined|allocated|loaded> <unix time>`` as it starts."""
 
 from __future__ import annotations
 
@@ -18,14 +19,24 @@ import torch.distributed as dist
 from orchestrator import checkpoint
 
 
+def _phase(name: str) -> None:
+    """Where a (re)started rank's time goes, for the drain benchmark's timeline."""
+    rank, restarts = os.environ.get("RANK", "?"), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    os.write(1, f"PHASE {restarts} {rank} {name} {time.time():.4f}\n".encode())
+
+
 def main() -> None:
+    _phase("main")
     steps, step_time = int(os.environ["STEPS"]), float(os.environ["STEP_TIME"])
     every = int(os.environ.get("CKPT_EVERY", "1"))
     dist.init_process_group("gloo", init_method="env://")
+    _phase("joined")
     rank, restarts = dist.get_rank(), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     state = {"weights": torch.zeros(int(float(os.environ["STATE_MB"]) * (1 << 20)) // 4)}
+    _phase("allocated")
     start = 0
     restored = checkpoint.load()
+    _phase("loaded")
     if restored is not None:
         start = restored[0] + 1
         state["weights"].copy_(restored[1]["weights"])

@@ -200,6 +200,10 @@ function grid(job) {
   const nodes = job.nodes.map(n => el("div", { class: "node", "data-node": n.node_index, "data-state": n.state },
     el("div", { class: "head" }, el("strong", {}, `node ${n.node_rank ?? "-"}`), ` ${n.host} `, badge(n.state),
       n.spare ? el("span", { class: "badge spare", title: "a hot spare: takes a lost or failed node's place" }, "spare") : null,
+      n.drained ? el("span", { class: "badge drained", title: `drained since ${when(n.drained.since)}: the job moves off it at a step every rank saved` },
+        `drained: ${n.drained.reason || "no reason given"}`) : null,
+      n.notice ? el("span", { class: "badge notice", title: "told to go (orchestrator/drain.py): the job moves off it before then" },
+        `notice (${n.notice.source}): stops by ${when(n.notice.deadline)}`) : null,
       el("div", { class: "muted" }, `heard ${age(n.last_heard)}`)),
     held(n.checkpoint),
     el("div", { class: "ranks" }, (byNode[n.node_index] || []).map(r => el("div", {
