@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import signal
 import statistics
 import subprocess
@@ -271,7 +270,6 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
         for m in filter(None, map(PHASE_RE.search, orchestrator.logs(job))):
             starts[m[2]] = max(starts.get(m[2], 0.0), float(m[3]))
         log = Path(tmp) / "home" / "jobs" / job / "controller.log"
-        shutil.copytree(log.parent, args.out + "-drain-job", dirs_exist_ok=True)  # to read
         # The agreed step, every rank's save in memory, then everywhere it must be.
         phases = [ln.split(": ", 1)[-1] for ln in log.read_text().splitlines()
                   if "after the move began" in ln or "agreed step" in ln]
