@@ -6,13 +6,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import traceback
+from collections.abc import Mapping
+from typing import Any
 
 from agents import commands as C
 
 
-def start_agent(directory: str, outcome: str, config: C.Launch) -> int:
-    """Start the agent as a daemon; return its pid once its socket listens."""
+def start_agent(directory: str, outcome: str, config: C.Launch,
+                inherited: Mapping[int, Any] | None = None) -> int:
+    """Start the agent as a daemon; return its pid once its socket listens. ``inherited``:
+    the signal dispositions the caller had before it handled them itself (the agent's
+    workers inherit what it inherited: an ignored USR2 stays ignored, as under torchrun)."""
     shutil.rmtree(directory, ignore_errors=True)  # a dead agent's leftovers
     try:
         os.unlink(outcome)
@@ -25,6 +31,8 @@ def start_agent(directory: str, outcome: str, config: C.Launch) -> int:
         try:
             os.close(ready_r)
             os.setsid()
+            for sig, how in (inherited or {}).items():
+                signal.signal(sig, how)
             if os.fork() != 0:
                 os._exit(0)
             os.closerange(3, ready_w)

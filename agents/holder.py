@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from agents import commands as C
@@ -38,16 +39,21 @@ def start_agent_by_holder(job_id: str, node_index: int, config: C.Launch) -> Non
         raise RuntimeError(f"the holder could not start the agent: {reply.error}")
 
 
+NOTICES = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)  # what a --signal would send
+
+
 def holder_main(job_id: str, say: Any) -> int:
     path = holder_path(job_id)
     started: set[int] = set()
     agents: dict[int, tuple[int, int | None]] = {}  # node index -> its agent's pid, pidfd
     controller = threading.Event()  # set once our stdin (the controller's end) closes
     # Slurm signals a step's task, this holder, when it preempts the job (GraceTime) or a
-    # --signal time comes: a notice for the agents it started, which move the job off the
-    # node at a saved step within stop_grace_period (agents/agent.py). The holder stays: if
-    # it left, Slurm would kill every process of its step at once, the agents' included.
-    signal.signal(signal.SIGTERM, lambda *_: _forward(agents, signal.SIGTERM))
+    # --signal time comes (SIGUSR1 unless it names another; Lightning's recipe): a notice
+    # for the agents it started (a SIGTERM to them), which move the job off the node at a
+    # saved step within stop_grace_period (agents/agent.py). The holder stays: if it left,
+    # Slurm would kill every process of its step at once, the agents' included.
+    inherited: dict[int, Any] = {
+        sig: signal.signal(sig, lambda *_: _forward(agents, signal.SIGTERM)) for sig in NOTICES}
 
     def watch() -> None:
         try:
@@ -86,7 +92,7 @@ def holder_main(job_id: str, say: Any) -> int:
             except TimeoutError:
                 conn = None
             if conn is not None:
-                _serve_start(conn, job_id, started, agents)
+                _serve_start(conn, job_id, started, agents, inherited)
         if controller.is_set() and (server is not None or not started) and \
                 not any(_agent_answers(job_id, index) for index in started):
             if server is not None:
@@ -115,13 +121,14 @@ def _forward(agents: dict[int, tuple[int, int | None]], signum: int) -> None:
 
 
 def _serve_start(conn: socket.socket, job_id: str, started: set[int],
-                 agents: dict[int, tuple[int, int | None]]) -> None:
+                 agents: dict[int, tuple[int, int | None]],
+                 inherited: Mapping[int, Any]) -> None:
     conn.settimeout(30.0)
     with conn, conn.makefile("rwb") as f:
         try:
             request = C.parse_holder_start(P.decode(f.readline(P.MAX_MESSAGE)))
             directory, outcome = agent_paths(job_id, request.node_index)
-            pid = start_agent(directory, outcome, request.launch)
+            pid = start_agent(directory, outcome, request.launch, inherited)
             _, earlier = agents.pop(request.node_index, (0, None))
             if earlier is not None:
                 os.close(earlier)

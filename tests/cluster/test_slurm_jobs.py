@@ -627,3 +627,31 @@ def test_a_preempted_allocation_stops_preempted_and_resume_goes_on_from_the_save
             p.wait(timeout=120)
         slurm(sl, "scontrol", "delete", "PartitionName=urgent", check=False)
         slurm(sl, "scontrol", "update", "PartitionName=debug", "GraceTime=0", check=False)
+
+
+def test_a_time_limit_warning_stops_the_job_preempted_and_resume_goes_on(sl, tmp_path):
+    """``--signal=USR1@100`` (Slurm's default signal, Lightning's recipe): once the allocation
+    is within 100 s of its time limit (shortened by the test), Slurm signals each step's
+    task, the holders, which tell their agents: a notice on every node, so the job stops
+    PREEMPTED at a step every rank saved and persisted; ``resume`` trains in a new
+    allocation (the spec's 10 minutes: no warning) from exactly that step. (Fails on the old
+    code: SIGUSR1 killed the holder, and its step took the agent and the workers along.)"""
+    from tests.integration.test_drain import preempted_and_resumed, whole_job_spec
+    out = tmp_path / "out"
+    out.mkdir()
+    data = whole_job_spec(tmp_path, out, steps=600)  # 60 s: Slurm looks every 30 s
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path, data.pop("command"), nodes=2,
+        slurm={"time": "10", "extra": ["--signal=USR1@100"]},
+        **{k: v for k, v in data.items() if k not in ("nodes", "name", "workdir")},
+        health={"heartbeat_interval": 0.5, "node_timeout": 2}))
+    warned: list[str] = []
+
+    def near_the_time_limit(job):
+        allocation = orchestrator.status(job)["slurm"]["job_id"]
+        warned.append(allocation)
+        slurm(sl, "scontrol", "update", f"JobId={allocation}", "TimeLimit=2")
+
+    result = preempted_and_resumed(job_id, out, tmp_path, near_the_time_limit, steps=600)
+    assert result["slurm"]["job_id"] != warned[0]  # resume asked for a new allocation
+    assert settled_state(sl, warned[0]) in ("CANCELLED", "COMPLETED", "TIMEOUT")
