@@ -40,7 +40,7 @@ from agents import commands as C
 from agents import protocol as P
 from agents import rankfiles
 from agents.outbox import Outbox
-from agents.paths import memory_root
+from agents.paths import memory_root, own_memory, sweep_memory
 from agents.replicas import ReplicaError, Server
 from agents.replicas import pull as pull_replica
 from agents.replicas import push as push_replica
@@ -79,6 +79,7 @@ class Store:
         self.persist_step: int | None = None  # a planned stop's step: persisted when sealed
         self.deferred = False  # a planned move in which this node stays: replicas wait
         self._loading: tuple[float, int] | None = None  # (until, ranks) a restart loads
+        self._owner: int | None = None  # the flock that says this memory is a live agent's
         self.store_id: str | None = None
         self.attempt = 0
         self._lock = threading.Lock()
@@ -94,6 +95,12 @@ class Store:
         """Serve replicas and report, from the agent's start: a controller learns this
         node's replica port before it plans the first attempt's buddies."""
         os.makedirs(self.root, mode=0o700, exist_ok=True)
+        try:
+            self._owner = own_memory(self.root)
+            for path in sweep_memory(self.root):
+                self._problem(f"checkpoint: removed {path}, the memory of a dead agent")
+        except OSError as exc:
+            self._problem(f"checkpoint: cannot mark or sweep the node's memory: {exc}")
         self._wake.listen(os.path.join(self.root, F.WAKE_NAME))
         try:
             self.replicas = Server(self.root, self.secret, self._room, self._problem,
@@ -139,27 +146,11 @@ class Store:
         """Copies of ranks that now run here, pulled from the nodes that hold their
         replicas, into this node's memory as if saved here (a node took a lost one's place)."""
         for pull in pulls:
-            rank_dir = os.path.join(self.root, f"rank-{pull.rank}")
-            os.makedirs(rank_dir, mode=0o700, exist_ok=True)
-            numbers = [F.parse_step(n, prefix="slot-") for n in _listdir(rank_dir)]
-            slot = max([n for n in numbers if n is not None], default=-1) + 1
-            path = os.path.join(rank_dir, f"slot-{slot}")
-            own = self.replicas.take(pull.rank, pull.step, path) if self.replicas else None
             try:
-                meta_bytes, manifest = own or pull_replica(
-                    pull.address, pull.port, self.secret, pull.rank, pull.step, path)
+                _install(self.root, self.secret, self.replicas, pull)
             except (OSError, ReplicaError, ValueError) as exc:
                 self._problem(f"checkpoint: no replica of step {pull.step} of rank "
                               f"{pull.rank} from {pull.address}:{pull.port}: {exc}")
-                continue
-            meta = json.loads(meta_bytes)
-            meta.update(slot=slot, persist=False, pulled=True)  # its load says "buddy"
-            meta_bytes = json.dumps(meta).encode()
-            man = json.loads(manifest)
-            man["meta"] = zlib.crc32(meta_bytes)  # the data's checksums stay the sender's
-            base = os.path.join(rank_dir, F.step_name(pull.step))
-            F.write_file(base + ".meta", meta_bytes)
-            F.write_file(base + ".manifest", json.dumps(man).encode())
 
     def configure(self, config: C.CheckpointConfig, workdir: str, attempt: int,
                   local_ranks: int) -> dict[str, str | None]:
@@ -233,6 +224,9 @@ class Store:
             self.replicas = None
         self._wake.close()
         shutil.rmtree(self.root, ignore_errors=True)
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
         self._report(force=True)  # nothing held any more: what status shows from now on
 
     # --- the background ------------------------------------------------------------------------
@@ -268,32 +262,39 @@ class Store:
 
     def _replicate(self, ranks: list[tuple[int, str]],
                    left: dict[str, set[int]]) -> None:
-        """The ranks' sealed saves each target lacks, oldest first (none skipped: the step
-        every rank's buddy holds is what the ranks resume after a node's loss), one target
-        at a time: every rank's copy on some other node is what a move waits for. Only the
-        step a planned move asked for while it lasts, and none older than the step the
-        attempt resumed (measured: a leaving node pushing an older step slowed every rank's
-        save of the asked one fourfold; the nodes of the next attempt pushing steps it
-        will never resume held its first save for 7 s). A new save is sealed first."""
+        """Each rank's newest sealed save, to each target that lacks it, one target at a
+        time: every rank's copy on some other node is what a move waits for. Only the
+        newest: saves that come faster than the network takes them are skipped, not queued
+        (sent oldest first, a rank's copies elsewhere fell ever further behind, until the
+        nodes kept no step that a lost node's replicas had: measured, 512 MiB saved every
+        second, a cut node's job started again from scratch). Only the step a planned move
+        asked for while it lasts, and none older than the step the attempt resumed
+        (measured: a leaving node pushing an older step slowed every rank's save of the
+        asked one fourfold; the nodes of the next attempt pushing steps it will never resume
+        held its first save for 7 s). A new save is sealed first."""
         if self._still_loading(ranks):
             return
         asked = F.asked(self.root)[0]
         floor = self.config.restore_step
         for target in list(self.targets):
+            # Every rank's newest to this target before a new save is sealed: the ranks
+            # save the same steps, so a lost node's ranks then have a step in common (a
+            # new save looked at after each push, the first rank's copies starved the
+            # second's: measured, rank 1 had none anywhere after 30 s).
+            if any(set(_unsealed(d)) - left.get(d, set()) for _, d in ranks):
+                return  # a new save: sealed first, by the next pass
             for rank, rank_dir in ranks:
                 names = set(_listdir(rank_dir))
-                steps = sorted(s for s in (F.parse_step(n, suffix=".manifest") for n in names)
-                               if s is not None and (asked is None or s == asked)
-                               and (floor is None or s >= floor))
-                for step in steps:
-                    if step <= self._pushed.get((target, rank), -1):
-                        continue
-                    if self.deferred or self._closed or target not in self.targets or \
-                            any(set(_unsealed(d)) - left.get(d, set()) for _, d in ranks):
-                        return  # a move in which this node stays, a target no more (the
-                        # node left the job), a new save to seal first
-                    if not self._push(rank, rank_dir, step, target):
-                        break  # this target is behind: the next pass tries again
+                steps = [s for s in (F.parse_step(n, suffix=".manifest") for n in names)
+                         if s is not None and (asked is None or s == asked)
+                         and (floor is None or s >= floor)]
+                step = max(steps, default=-1)
+                if step <= self._pushed.get((target, rank), -1):
+                    continue
+                if self.deferred or self._closed or target not in self.targets:
+                    return  # a move in which this node stays, a target no more
+                if not self._push(rank, rank_dir, step, target):
+                    break  # this target is behind: the next pass tries again
 
     def _still_loading(self, ranks: list[tuple[int, str]]) -> bool:
         """Whether a resuming attempt's ranks are loading yet (up to LOAD_FIRST seconds):
@@ -479,6 +480,27 @@ class _mapped:
         self.view.release()  # a mapping with a view on it cannot be closed
         if self.map is not None:
             self.map.close()
+
+
+def _install(root: str, secret: str, replicas: Server | None, pull: C.Pull) -> None:
+    """One rank's copy into a new slot of its directory: from this node's own replicas (a
+    rename) or pulled from the node that holds it, marked as pulled (its load says "buddy")."""
+    rank_dir = os.path.join(root, f"rank-{pull.rank}")
+    os.makedirs(rank_dir, mode=0o700, exist_ok=True)
+    numbers = [F.parse_step(n, prefix="slot-") for n in _listdir(rank_dir)]
+    slot = max([n for n in numbers if n is not None], default=-1) + 1
+    path = os.path.join(rank_dir, f"slot-{slot}")
+    own = replicas.take(pull.rank, pull.step, path) if replicas else None
+    meta_bytes, manifest = own or pull_replica(
+        pull.address, pull.port, secret, pull.rank, pull.step, path)
+    meta = json.loads(meta_bytes)
+    meta.update(slot=slot, persist=False, pulled=True)
+    meta_bytes = json.dumps(meta).encode()
+    man = json.loads(manifest)
+    man["meta"] = zlib.crc32(meta_bytes)  # the data's checksums stay the sender's
+    base = os.path.join(rank_dir, F.step_name(pull.step))
+    F.write_file(base + ".meta", meta_bytes)
+    F.write_file(base + ".manifest", json.dumps(man).encode())
 
 
 def _restored(path: str) -> list[Any] | None:

@@ -459,3 +459,24 @@ def test_a_move_sends_only_its_step_and_an_attempt_none_older_than_it_resumed(st
             other.close()
     finally:
         buddy.close()
+
+
+def test_saves_faster_than_the_network_send_the_newest_not_a_queue(store, tmp_path):
+    """Three saves sealed while a push could not keep up: only the newest goes (sending them
+    in order, a rank's copies elsewhere fall ever further behind its saves)."""
+    from agents.replicas import Server
+
+    s, _ = store
+    for step in (1, 2, 3):
+        ckpt.save(step, {"w": torch.full((10,), float(step))})
+    s._pass()
+    buddy = Server(str(tmp_path / "buddy"), "s3cret", lambda: 1 << 30, lambda _: None)
+    try:
+        s.replicate_to(C.ReplicateTo("127.0.0.1", buddy.port))
+        s._pass()
+        assert buddy.holdings()[0] == {1: [3]}
+        ckpt.save(4, {"w": torch.ones(10)})
+        s._pass()
+        assert sorted(buddy.holdings()[0][1]) == [3, 4]
+    finally:
+        buddy.close()
