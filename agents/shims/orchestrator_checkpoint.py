@@ -6,7 +6,6 @@ where the orchestrator is not installed.
 
     import orchestrator_checkpoint as ckpt          # or: from orchestrator import checkpoint
     restored = ckpt.load()                          # (step, state), or None: start fresh
-    ...
     ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(), "step": step})
 
 Where a copy lives (docs/guides/checkpoints.md):
@@ -14,9 +13,9 @@ Where a copy lives (docs/guides/checkpoints.md):
 - **Memory**: ``$ORCHESTRATOR_CHECKPOINT_MEMORY/rank-<RANK>/``, a directory on the node's
   ``/dev/shm`` that the agent made and removes. A save takes a *slot* (a file this rank
   reuses, so its pages are already there), copies the tensors' bytes into it and writes the
-  save's description (``step-<S>.meta``, renamed into place last). That copy is all the
-  training waits for. The newest save's slot is never written, so one whole copy always
-  exists; slots are bounded by ``$ORCHESTRATOR_CHECKPOINT_MEMORY_BYTES``.
+  save's description (``step-<S>.meta``, renamed into place last): all the training waits
+  for. The newest save's slot is never written (one whole copy always exists); slots are
+  bounded by ``$ORCHESTRATOR_CHECKPOINT_MEMORY_BYTES``; with no room left, a save is skipped.
 - The agent then **seals** each save (``step-<S>.manifest``: a CRC-32 per chunk of the data
   and one of the meta) and **persists** every ``persist_every``-th one to
   ``$ORCHESTRATOR_CHECKPOINT_DIR/step-<S>/rank-<RANK>.{data,meta,manifest}``.
@@ -24,17 +23,13 @@ Where a copy lives (docs/guides/checkpoints.md):
   rank holding a good copy of, from the nearest copy that verifies: memory (mapped, not
   copied), then persisted. A copy that does not verify is named on stderr, marked, skipped.
 
-Without an agent (plain ``torchrun``), ``save`` writes the same files to
-``$ORCHESTRATOR_CHECKPOINT_DIR`` itself (synced before it returns), and ``load`` takes the
-newest step of which this rank has a good copy (the newest every rank has, when
-``torch.distributed`` is initialized).
+Without an agent (plain ``torchrun``), ``save`` writes the same files to ``$ORCHESTRATOR_
+CHECKPOINT_DIR`` itself (synced before it returns), and ``load`` takes the newest step of which
+this rank has a good copy (the newest every rank has, with ``torch.distributed`` initialized).
 
 The state is a tree of dicts (any keys of int, str, float, bool or None, and tuples of them),
 lists, tuples, tensors and small values (int, float, str, bool, None). It is stored as data:
-no pickle, so loading a copy runs no code.
-
-The agent imports the format's part of this module (it never imports torch, and neither does
-this module until a save or a load needs it).
+no pickle, so loading a copy runs no code. Torch is imported at a save or a load, not before.
 """
 
 import ctypes
@@ -72,8 +67,8 @@ class _Slot:
         if self.map is not None:
             self._unregister()
             self.map.close()
-        if os.fstat(self.fd).st_size < size:
-            os.ftruncate(self.fd, size)
+        if os.fstat(self.fd).st_size < size:  # its pages now: a full /dev/shm is an OSError
+            os.posix_fallocate(self.fd, 0, size)  # here, not a SIGBUS in the copy
         self.size = os.fstat(self.fd).st_size
         self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED,
                              prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -199,9 +194,9 @@ def _int_file(path):
 _said = set()  # type: set[str]
 
 
-def _say_once(text):
-    if text not in _said:
-        _said.add(text)
+def _say_once(text, key=None):
+    if (key or text) not in _said:
+        _said.add(key or text)
         _say(text)
 
 
@@ -264,10 +259,15 @@ def save(step, state, every=None):
     number, slot = _take_slot(rank_dir, size, budget, metas)
     try:
         slot = _unshared(slot)
+        try:
+            slot.ensure(max(size, 1))
+        except OSError as exc:  # the node's shared memory is full: the training goes on
+            _say_once("no room in %s for a %d-byte save (%s): step %d and later ones it cannot "
+                      "hold skipped" % (memory, size, exc.strerror, step), "room")
+            return 0.0
         for s, m in _metas(rank_dir, corrupt=True).items():
             if m.get("slot") == number or s == step:
                 _drop(rank_dir, s)  # its bytes are about to go: it is no longer a copy
-        slot.ensure(max(size, 1))
         _copy_in(torch, slot, views, entries)
         meta["slot"] = number
         meta["block_s"] = round(time.perf_counter() - started, 6)  # shown in status
