@@ -50,8 +50,6 @@ from agents.storewake import Wake
 MAX_REPORTED = 64  # steps per rank in one report (the newest)
 MAX_PROBLEMS = 256  # problems said in the agent's log over its life
 STORE_ID = ".orchestrator-store"  # names a checkpoint.dir: nodes that read the same one share it
-
-
 LOAD_FIRST = 10.0  # seconds a resuming attempt's copies wait for its ranks' loads at most
 
 

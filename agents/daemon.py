@@ -32,7 +32,8 @@ def start_agent(directory: str, outcome: str, config: C.Launch,
             os.close(ready_r)
             os.setsid()
             for sig, how in (inherited or {}).items():
-                signal.signal(sig, how)
+                if how is not None:  # None: a handler not from Python, nothing to restore
+                    signal.signal(sig, how)
             if os.fork() != 0:
                 os._exit(0)
             os.closerange(3, ready_w)
