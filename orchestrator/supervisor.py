@@ -50,7 +50,7 @@ from orchestrator.spec import JobSpec
 from orchestrator.state import FailureCause, JobState
 from orchestrator.store import Store, default_home
 from orchestrator.transport import Connector
-from orchestrator.transport.base import ConnectionFactory
+from orchestrator.transport.base import ConnectionFactory, agent_payload
 from orchestrator.transport.slurm import SlurmConnector
 from orchestrator.world import UserWorld
 
@@ -229,6 +229,7 @@ def _supervise(job_id: str, resume: bool) -> int:
     the job has ended: at once after a pause (HAND_OVER), once the home can be written
     (UNWRITABLE), after a backoff after a death (a crash, the OOM killer, a stray kill).
     A controller that keeps failing ends the job (``_failing``)."""
+    prepare()
     store = Store()
     store.claim_supervisor(job_id, os.getpid())
     child: _Forked | None = None
@@ -271,6 +272,13 @@ def _supervise(job_id: str, resume: bool) -> int:
                     state.value, delay)
         told.sleep(delay)
     return 0
+
+
+def prepare() -> None:
+    """What every controller it forks would otherwise make on its way to its first node:
+    the agent's payload, every agent module compiled and compressed (0.09-0.12 s here). Made
+    once, here, each controller inherits it."""
+    agent_payload()
 
 
 def _job_state(job_id: str, told: _Told) -> JobState | None:
