@@ -1,5 +1,5 @@
 """``python -m orchestrator`` is the ``orchestrator`` command."""
 
-from orchestrator.cli import main
+from orchestrator.entry import main
 
 main()

@@ -112,7 +112,7 @@ def submit(spec: str | os.PathLike[str] | JobSpec, *, spec_dir: str | None = Non
 
 def _fork_supervisor() -> spawn.Forked | None:
     try:
-        return spawn.Forked.start()
+        return spawn.forked()
     except OSError:
         return None  # a fresh interpreter then
 

@@ -10,17 +10,19 @@ Two ways, the same process afterwards:
 
 - a fresh interpreter, ``python -m orchestrator.supervisor JOB --supervise``: for API
   callers, whose process may hold threads, connections and state of their own;
-- a fork of the calling process (``Forked``: the orchestrator command), which has imported
-  most of what a controller needs already (pydantic's spec models, the store): a third of
-  a second sooner on every ``submit``. ``submit`` forks it as soon as the spec is valid,
-  before its checks and before any database is open (SQLite's locks and connections must
-  not cross a fork), and it imports the rest (paramiko, the controller) meanwhile; once the
-  job is recorded it is told to go, and a submit that fails tells it nothing: it exits
-  having done nothing. Taken only from a process with one thread that has imported nothing
-  from the user's paths (``PYTHONPATH``, the script's or current directory): a fork keeps
-  what its parent imported. The fork searches none of them, is detached twice, its
-  descriptors closed, its inherited objects frozen (nothing of its parent's is finalized in
-  it), and it never returns into its parent's code.
+- a fork of the calling process (``Forked``: the orchestrator command), the sooner on every
+  ``submit``. The command forks it first of all, before it imports the API (``fork_early``,
+  orchestrator/entry.py), and before any database is open (SQLite's locks and connections
+  must not cross a fork); the fork imports what a controller needs (the spec's models, the
+  controller, paramiko) and makes the agent's payload while the command imports, reads the
+  spec and checks it, instead of after the job is recorded: 0.15-0.2 s of every submit
+  (benchmarks/latency.md). Once the job is recorded it is told to go, and a submit that
+  fails tells it nothing: it exits having done nothing. (``submit(fork=True)`` without an
+  early fork forks once the spec is valid.) Taken only from a process with one thread that
+  has imported nothing from the user's paths (``PYTHONPATH``, the script's or current
+  directory): a fork keeps what its parent imported. The fork searches none of them, is
+  detached twice, its descriptors closed, its inherited objects frozen (nothing of its
+  parent's is finalized in it), and it never returns into its parent's code.
 
 Called by the API (``submit``, ``resume``, and when a waiter finds the controller gone). It
 may call the store and the supervisor.
@@ -37,9 +39,10 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
-from orchestrator.store import Store
+if TYPE_CHECKING:  # only its instances: the command forks before it imports the store
+    from orchestrator.store import Store
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parent.parent)
 
@@ -169,6 +172,28 @@ class Forked:
             os.close(pipe)
 
 
+_early: Forked | None = None
+
+
+def fork_early() -> None:
+    """Fork the supervisor now, for the job this process is about to submit (its first
+    thing: orchestrator/entry.py); ``forked`` hands it out. Nothing is lost where it cannot
+    be forked: ``forked`` tries again then."""
+    global _early
+    try:
+        _early = Forked.start()
+    except OSError:
+        _early = None
+
+
+def forked() -> Forked | None:
+    """The supervisor ``fork_early`` forked, else one forked now (None: this process may not
+    fork it, and a fresh interpreter it is)."""
+    global _early
+    early, _early = _early, None
+    return early if early is not None else Forked.start()
+
+
 def _one_thread() -> bool:
     try:
         return threading.active_count() == 1 and len(os.listdir("/proc/self/task")) == 1
@@ -201,6 +226,8 @@ def _child(go: int, said: int, user_paths: set[str]
                                        if p and p != PACKAGE_ROOT and p not in user_paths)]
         from orchestrator import supervisor
         from orchestrator.transport import ssh  # noqa: F401 (paramiko, for the connects)
+
+        supervisor.prepare()  # while the command checks: off the way to the first login
 
         leave = supervisor.leave
         with os.fdopen(go, "rb") as pipe:
