@@ -315,7 +315,7 @@ def _on_pool(files: list[CappedLog], step: Callable[[CappedLog], dict[str, int]]
     """``step`` of every file, in order, on the pool: a task per thread, each a slice of the
     files, not a task per file (4,000 tasks cost the loop's thread 0.7 s of the pool's own
     locks at the end of a 4,000-rank attempt, benchmarks/scale.md)."""
-    size = -(-len(files) // SYNC_THREADS)
+    size = max(1, -(-len(files) // SYNC_THREADS))
     slices = [files[first:first + size] for first in range(0, len(files), size)]
     done = _sync_pool().map(lambda part: [step(f) for f in part], slices)
     return [sizes for part in done for sizes in part]

@@ -15,8 +15,8 @@ Two ways, the same process afterwards:
   orchestrator/entry.py), and before any database is open (SQLite's locks and connections
   must not cross a fork); the fork imports what a controller needs (the spec's models, the
   controller, paramiko) and makes the agent's payload while the command imports, reads the
-  spec and checks it, instead of after the job is recorded: 0.15-0.2 s of every submit
-  (benchmarks/latency.md). Once the job is recorded it is told to go, and a submit that
+  spec and checks it, instead of after the job is recorded: about 0.1 s of every submit
+  (docs/benchmarks.md). Once the job is recorded it is told to go, and a submit that
   fails tells it nothing: it exits having done nothing. (``submit(fork=True)`` without an
   early fork forks once the spec is valid.) Taken only from a process with one thread that
   has imported nothing from the user's paths (``PYTHONPATH``, the script's or current
