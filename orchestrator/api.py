@@ -32,6 +32,7 @@ from orchestrator import (
 from orchestrator.errors import JobEndedError, LaunchError, OrchestratorError, StoreUnwritable
 from orchestrator.jobview import (
     SupervisorExit,
+    controller_gone,
     controller_view,
     is_controller,
     iso,
@@ -169,6 +170,9 @@ def _check_free_space(store: Store, min_free: int) -> None:
                           "free some space, or lower logs.min_free_bytes")
 
 
+RESUME_WAIT = 60.0  # seconds resume waits for a PREEMPTED job's controller to finish ending
+
+
 def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[str, Any]:
     """Start a new controller for a job whose controller is gone (or, when its controller
     keeps failing, have its supervisor try again now): it reattaches to the same agents and
@@ -179,6 +183,8 @@ def resume(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
     store = Store(home)
     try:
         job = store.get_job(check_job_id(job_id))
+        if job.state == JobState.PREEMPTED:  # (a waiter wakes at the state, not the exit)
+            job = controller_gone(job, lambda: store.get_job(job_id), RESUME_WAIT)
         if job.state == JobState.PREEMPTED and controller_view(job)["alive"] is False:
             _resume_preempted(store, job)
             job = store.get_job(job_id)

@@ -1,6 +1,7 @@
 """What readers show of a job: the ``status`` dict (the documented ``status --json`` shape,
 also the dashboard's), the state shown (UNKNOWN for a job whose controller is known to be
-dead), the job's controller as this machine sees it, and stored times as ISO 8601.
+dead), the job's controller as this machine sees it (and waiting for it to exit), and stored
+times as ISO 8601.
 
 Readers only: nothing here writes the store or starts a controller (``api.py`` does, when a
 reader finds the controller dead). May call ``pids``, ``timelost``, ``state`` and the
@@ -14,6 +15,7 @@ import os
 import select
 import socket
 import time
+from collections.abc import Callable
 from datetime import datetime, timezone
 from typing import Any
 
@@ -112,6 +114,25 @@ class SupervisorExit:
         if self._fd is not None:
             os.close(self._fd)
         self._fd, self.watching = None, False
+
+
+def controller_gone(job: JobRecord, reread: Callable[[], JobRecord], limit: float
+                    ) -> JobRecord:
+    """The job once its controller has exited (up to ``limit`` seconds; ``reread`` reads the
+    record again). For a job at rest: its controller writes the end before it lets go of its
+    nodes (lingering for unreachable agents, its notifications, its Slurm allocation), and a
+    ``resume`` typed as soon as a job shows PREEMPTED must not find it there and do nothing."""
+    ended = SupervisorExit()
+    deadline = time.monotonic() + limit
+    try:
+        while controller_view(job)["alive"] and time.monotonic() < deadline:
+            if not ended.watching:
+                ended.watch(job)
+            ended.sleep(0.1)
+            job = reread()
+    finally:
+        ended.close()
+    return job
 
 
 def iso(ts: Any) -> str | None:

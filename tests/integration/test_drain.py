@@ -329,3 +329,41 @@ def test_on_sigterm_worker_passes_a_sigterm_to_the_workers_at_once(tmp_path, hom
     assert [(out / f"handled-{r}").read_text() for r in range(2)] == ["SIGTERM"] * 2
     result = orchestrator.wait(job_id, timeout=60)  # how it ends is the script's to say
     assert result["state"] in ("SUCCEEDED", "FAILED") and result["nodes"][0]["notice"] is None
+
+
+def test_resume_waits_for_the_controller_that_stopped_the_job_to_finish_ending(tmp_path, home):
+    """A waiter wakes as soon as PREEMPTED is written, before the controller has let go of
+    its nodes (lingering for unreachable agents, its notifications, its Slurm allocation):
+    a ``resume`` typed then waits for it to exit, and the job goes on. (Fails on the old
+    code: resume found the controller alive and did nothing, ``resumed`` False.)"""
+    import secrets
+    import socket
+    import threading
+
+    from orchestrator.pids import pid_namespace
+    from orchestrator.spec import load_jobspec
+    from orchestrator.state import JobState
+    from orchestrator.store import Store
+    from orchestrator.world import UserWorld
+
+    job = load_jobspec(write_spec(tmp_path, {"name": "ending", "nodes": [{"host": "local"}],
+                                             "command": [PYTHON, "-c", "print('went on')"],
+                                             "workdir": str(tmp_path)}))
+    job_id = "ending-000001"
+    ending = subprocess.Popen(["sleep", "2"])  # the controller, still ending
+    threading.Thread(target=ending.wait, daemon=True).start()  # reaped once it exits
+    store = Store()
+    try:
+        store.create_job(job_id, job.name, job.model_dump_json(), str(tmp_path), 0, ["local"],
+                         secret=secrets.token_hex(32), world=UserWorld.capture().to_dict())
+        for state in (JobState.LAUNCHING, JobState.RUNNING, JobState.PREEMPTED):
+            store.set_state(job_id, state)
+        store.claim_controller(job_id, ending.pid, socket.gethostname(), pid_namespace())
+    finally:
+        store.close()
+    began = time.monotonic()
+    assert orchestrator.resume(job_id)["resumed"]
+    assert ending.poll() is not None and time.monotonic() - began > 1.0
+    result = orchestrator.wait(job_id, timeout=60)
+    assert result["state"] == "SUCCEEDED", result
+    assert any("went on" in line for line in orchestrator.logs(job_id))
