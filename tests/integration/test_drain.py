@@ -225,7 +225,9 @@ def preempted_and_resumed(job_id, out, tmp_path, notice, steps=STEPS) -> dict:
     failure = result["failure"]
     assert (failure["cause"], failure["failure_class"], failure["node_index"]) == (
         "PREEMPTED", "preempted", None), failure
-    agreed = int(re.search(r"every rank saved step (\d+), persisted", failure["message"])[1])
+    saved = re.search(r"every rank saved step (\d+), persisted", failure["message"])
+    assert saved, failure["message"]  # which ending it was, when not this one
+    agreed = int(saved[1])
     assert result["restarts"] == 0 and result["attempts"][0]["outcome"] == "FAILED"
     for rank in range(4):  # persisted at the agreed step though persist_every is 1000
         assert (tmp_path / "ckpt" / f"step-{agreed:012d}" / f"rank-{rank}.manifest").exists()
