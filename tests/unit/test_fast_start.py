@@ -69,6 +69,16 @@ def test_the_public_package_imports_each_name_when_it_is_first_used():
         "module 'orchestrator' has no attribute 'no_such_name'"]
 
 
+def test_every_public_name_has_one_place_to_come_from():
+    # The names are listed thrice (for type checkers, for the lazy import, for ``*``): kept
+    # the same, or a name would be typed but missing, or importable but not exported.
+    import orchestrator
+
+    assert set(orchestrator._WHERE) == set(orchestrator.__all__)
+    for name in orchestrator.__all__:
+        assert getattr(orchestrator, name).__name__ == name
+
+
 def test_paramiko_loads_invoke_only_when_an_ssh_config_runs_a_command():
     said = _run("""
         import sys
