@@ -72,6 +72,7 @@ class Outbox:
         self._holding = False
         self.hello: Any = None  # set by the agent: builds the hello message
         self.closed = False
+        self.sent_at = 0.0  # monotonic: the last message written to a controller
 
     # --- producers (any thread) ------------------------------------------------------------
     def put(self, message: dict[str, Any]) -> None:
@@ -302,6 +303,7 @@ class Outbox:
     def _write(self, conn: socket.socket, data: bytes) -> bool:
         try:
             conn.sendall(data)
+            self.sent_at = time.monotonic()
             return True
         except OSError:
             self.detach(conn)

@@ -33,6 +33,7 @@ from orchestrator.attempt import Attempt, AttemptResult, Failure
 from orchestrator.channel import Answer, Channel, ask_all
 from orchestrator.checkpoints import Holdings
 from orchestrator.events import Event, Wake
+from orchestrator.keeper import Keeper
 from orchestrator.logfiles import LogSink
 from orchestrator.loop import EventLoop
 from orchestrator.nodebook import LIVE, Node, NodeBook
@@ -49,7 +50,6 @@ R = TypeVar("R", bound=P.Reply)
 log = logging.getLogger("orchestrator.controller")
 
 POLL = 0.05  # seconds a turn waits for an event before its checks
-CHECKPOINT_EVERY = 0.05  # seconds between checkpoints while messages arrive
 # How often every node is looked at for silence: a scan of thousands of nodes costs
 # milliseconds, not to be paid on every turn of the loop (20 a second).
 SCAN_EVERY = 0.2
@@ -91,6 +91,7 @@ class Engine:
         self.book = NodeBook(job_id, spec, store, self.pool)
         self.nodes = self.book.nodes
         self.preparer = Preparer(job_id, spec, spec_dir, store, self.loop)
+        self.keeper = Keeper(store, job_id, self.book, self.pool.send)
         self.holdings = Holdings()  # the nodes' checkpoints, from their ``held`` reports
         self.hosts = {n.index: "local" if n.spec.is_local else n.spec.hostname
                       for n in self.nodes}
@@ -114,10 +115,9 @@ class Engine:
         self.on_attached: Callable[[Node, Channel], None] | None = None  # for benchmarks
         # Collecting stacks (a guard, not a mode): the turns inside do not start another.
         self._collecting = False
-        self._next_requests = self._scanned = self._liveness = self._checkpointed = 0.0
+        self._next_requests = self._scanned = self._liveness = 0.0
         self._room_checked = self._turned = self._compacted = 0.0
         self._compacted_wall: float | None = None  # when this controller last thinned them
-        self._checkpoint_every = CHECKPOINT_EVERY
 
     # --- the one wait ---------------------------------------------------------------------
     def wait(self, done: Callable[[], bool], timeout: float | None = None, *,
@@ -337,28 +337,14 @@ class Engine:
             "stacks": found.found, "diagnosis": found.diagnosis}))
 
     def checkpoint(self, force: bool = False) -> None:
-        """Record log sizes and handled messages together, then let the agents forget them."""
+        """Record log sizes and handled messages together, then let the agents forget them
+        (orchestrator/keeper.py: written while the loop turns; ``force``: now)."""
         attempt = self.current
         if attempt is None:
             return
-        now = time.monotonic()
-        dirty = any(n.received > n.acked for n in self.nodes)
-        if not force and (not dirty or now - self._checkpointed < self._checkpoint_every):
-            return
-        state = {**attempt.snapshot(), "participants": attempt.participants,
-                 "master_port": attempt.plan.master_port, "nprocs": attempt.nprocs,
-                 "sync_tree": self.preparer.tree_name}
-        if self.previous is not None:  # late lines of the attempt before: on disk first
-            self.previous.sink.flush()
-        self.store.checkpoint(self.job_id, attempt.number, state,
-                              {n.index: n.received for n in self.nodes},
-                              len(attempt.warm_started))
-        self._checkpointed = time.monotonic()
-        # A checkpoint fsyncs every log written since the last one: with thousands of ranks
-        # that is most of them, so checkpoints may take at most a fifth of the loop's time.
-        self._checkpoint_every = max(CHECKPOINT_EVERY, 4 * (self._checkpointed - now))
-        for node in self.book.kept():  # what the checkpoint holds, the agents may forget
-            self.pool.send(node, C.Ack(node.acked))
+        self.keeper.checkpoint(attempt, self.previous, lambda: {
+            "participants": attempt.participants, "master_port": attempt.plan.master_port,
+            "nprocs": attempt.nprocs, "sync_tree": self.preparer.tree_name}, force)
 
     def stop_attempt(self, margin: float, drain_limit: float) -> None:
         """Stop every worker of the current attempt on every node and wait until they are

@@ -8,8 +8,9 @@ that sends to it, writing encoded lines into a socketpair that the controller's 
 reads like any channel; a :class:`FakeCluster` is a connection factory that keeps one agent
 per host, which outlives each connection to it (:class:`FakeLink`) and replays what was not
 acknowledged when one attaches again, and, on one driver thread for all of them, sends what
-real agents send unprompted: heartbeats every ``min(heartbeat_interval, 0.5)`` s (as
-``agents/agent.py`` does) and numbered output lines at a rate per rank. It can silence a
+real agents send unprompted: heartbeats every ``min(heartbeat_interval, 0.5)`` s unless
+something else was said within it (as ``agents/agent.py`` does) and numbered output lines at
+a rate per rank. It can silence a
 node (a host that died: no message, no reply, no new connection) and end every running
 worker. What a fake agent says goes into a buffer first and into the socket as far as it
 has room (the driver keeps flushing): a controller that is behind never blocks the fakes.
@@ -150,6 +151,7 @@ class FakeAgent:
         self.attached = False
         self.launched = False  # a relay started this agent once (a later one finds it)
         self.dead = False  # a silenced node: says nothing, answers nothing
+        self.said_at = 0.0  # monotonic: when it last said anything
         self.instance = f"fake-{next(_pids)}"
         self.pid = next(_pids)
         # Faults for the policy tests.
@@ -244,6 +246,7 @@ class FakeAgent:
                 return
             message = changed
         self.wire.put(message)
+        self.said_at = time.monotonic()
 
     def _op_start(self, command: C.Start, req: None) -> None:
         self.attempt = a = command.attempt
@@ -287,8 +290,9 @@ class FakeAgent:
         self.wire.put(None)  # the agent exits: its channel closes
 
     # --- driven by FakeCluster (under ``lock``) -----------------------------------------------
-    def beat(self) -> None:
-        if self.attached and not self.dead:
+    def beat(self, every: float) -> None:
+        """A heartbeat, unless it said something else within ``every`` (as agents/agent.py)."""
+        if self.attached and not self.dead and time.monotonic() - self.said_at >= every:
             self._say({"type": P.HEARTBEAT, "attempt": self.attempt})
 
     def print_lines(self, worker: FakeWorker, upto: int) -> None:
@@ -415,7 +419,7 @@ class FakeCluster:
                 agent = self.agents[item.host]
                 with agent.lock:
                     if item.kind == "beat":
-                        agent.beat()
+                        agent.beat(self.beat_every)
                         nxt = item.at + self.beat_every
                     else:
                         for w in list(agent.running.values()):
