@@ -54,8 +54,16 @@ class _Cut:
         self.future: Future[None] | None = None
 
     def write(self) -> None:
+        """Every sink's part, even when one fails (a sink waits for its part to be done
+        before it closes): then the first error."""
+        error: BaseException | None = None
         for sink in self.sinks:  # the attempt before's late lines first
-            sink.write()
+            try:
+                sink.write()
+            except BaseException as exc:  # noqa: BLE001 (raised below)
+                error = error or exc
+        if error is not None:
+            raise error
 
     def written(self) -> bool:
         return self.future is None or self.future.done()
@@ -89,11 +97,16 @@ class Keeper:
                           or not any(n.received > n.acked for n in nodes)):
             return
         sinks = [previous.sink.cut()] if previous is not None else []
-        sink = current.sink.cut()
-        sinks.append(sink)
-        cut = _Cut(current.number, {**current.snapshot(sink.sizes), **more()}, sinks,
-                   {n.index: (n.numbering, n.received) for n in nodes},
-                   len(current.warm_started))
+        try:
+            sink = current.sink.cut()
+            sinks.append(sink)
+            cut = _Cut(current.number, {**current.snapshot(sink.sizes), **more()}, sinks,
+                       {n.index: (n.numbering, n.received) for n in nodes},
+                       len(current.warm_started))
+        except BaseException:
+            for taken in sinks:  # written by nobody: their sinks must not wait for them
+                taken.abandon()
+            raise
         if force:
             cut.write()
             self._record(cut)

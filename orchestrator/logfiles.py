@@ -569,9 +569,14 @@ class SinkCut:
                 sink._write(cuts[first:first + group])
                 sink._release(cuts[first:first + group])
         finally:
-            for cut in cuts:
-                cut.log.busy = False
-            self.done.set()
+            self.abandon()
+
+    def abandon(self) -> None:
+        """Done with it (written, failed, or never to be written): the loop has its files
+        back, and its sink may take the next cut or close."""
+        for cut in self._cuts:
+            cut.log.busy = False
+        self.done.set()
 
 
 def labels(directory: Path) -> dict[str, str]:

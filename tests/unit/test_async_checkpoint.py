@@ -10,6 +10,8 @@ import threading
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from agents import protocol as P
 from agents.agent import Agent
 from orchestrator import keeper as K
@@ -184,3 +186,40 @@ def test_an_agent_that_just_said_something_sends_no_heartbeat_unless_it_has_a_no
     assert beat(talking=True) == 0  # its output said it is alive
     notice = P.Notice("SIGTERM", time.time() + 60)
     assert beat(talking=True, notice=notice) == 5  # a notice always goes
+
+
+def test_a_failed_write_still_settles_every_sink_and_raises_at_the_record(tmp_path,
+                                                                          monkeypatch):
+    """A disk error while a checkpoint is written is the controller's to raise (crash-only,
+    or a pause), and no sink is left waiting for a write nobody will do: both close."""
+    before, current = LogSink(tmp_path / "1"), LogSink(tmp_path / "2")
+    real_write = SinkCut.write
+
+    def failing(cut):
+        if cut.sink is before:
+            cut.abandon()
+            raise OSError(28, "No space left on device")
+        real_write(cut)
+
+    monkeypatch.setattr(SinkCut, "write", failing)
+
+    class Store:
+        def checkpoint(self, *args):
+            raise AssertionError("recorded after a failed write")
+
+    book = _Book(1)
+    book.nodes[0].received = 3
+    keeper = K.Keeper(Store(), "job-1", book, lambda node, cmd: None)
+    previous, attempt = _Attempt(before), _Attempt(current)
+    previous.sink.write("h", "0", "stdout", ["late"])
+    attempt.sink.write("h", "0", "stdout", ["line 0"])
+    keeper.checkpoint(attempt, previous, dict)
+    deadline = time.monotonic() + 10
+    with pytest.raises(OSError, match="No space"):
+        while time.monotonic() < deadline:
+            keeper.checkpoint(attempt, previous, dict)
+            time.sleep(0.01)
+    assert book.nodes[0].acked == 0
+    before.close()
+    current.close()  # (would wait forever for a part nobody writes)
+    assert (tmp_path / "2" / "rank-0.log").read_text() == "line 0\n"
