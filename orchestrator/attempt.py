@@ -107,6 +107,7 @@ class Attempt:
         self.store = store
         self.job_id = job_id
         self.node_ranks = {n.node_index: n.node_rank for n in plan.nodes}
+        # By node index (also: is a node a participant, in O(1), for thousands of nodes).
         self.node_plans = {n.node_index: n for n in plan.nodes}
         # The ranks each node may speak for: a node reporting another's is out of protocol.
         self.ranks_of = {n.node_index: {w.rank for w in n.workers if w.rank is not None}
@@ -204,7 +205,7 @@ class Attempt:
         return None
 
     def _host(self, node_index: int) -> str:
-        return self.plan.nodes[self.participants.index(node_index)].host
+        return self.node_plans[node_index].host
 
     def _label(self, node_index: int, rank: int | None) -> str:
         return str(rank) if rank is not None else f"node{self.node_ranks[node_index]}"

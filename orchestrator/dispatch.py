@@ -102,7 +102,7 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
     if isinstance(message, P.Stopped) and engine.book.drained(node, message.attempt):
         attempt = engine.current
         if (attempt is not None and not attempt.ended and not attempt.stopping and
-                node.index in attempt.participants and message.attempt != attempt.number):
+                node.index in attempt.node_plans and message.attempt != attempt.number):
             engine.book.set(node, NodeState.RUNNING)
             engine.send_start(node)  # a participant whose start waited for the drain
     for attempt in (engine.current, engine.previous):
@@ -124,7 +124,7 @@ def assign_buddies(engine: Engine) -> None:
     attempt = engine.current
     if attempt is None or attempt.ended:
         return
-    spares = [n.index for n in engine.nodes if n.usable and n.index not in attempt.participants]
+    spares = [n.index for n in engine.nodes if n.usable and n.index not in attempt.node_plans]
     addresses = {i: node_address(engine.spec.nodes[i]) for i in [*attempt.participants, *spares]}
     news: list[tuple[int, C.Command]] = list(
         engine.holdings.buddies(attempt.participants, addresses, spares).items())

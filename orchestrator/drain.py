@@ -161,7 +161,7 @@ class Mover:
         leaving = tuple(i for i in attempt.participants if i in self.drained)
         if not leaving:
             return
-        spares = [n for n in engine.nodes if n.usable and n.index not in attempt.participants
+        spares = [n for n in engine.nodes if n.usable and n.index not in attempt.node_plans
                   and n.index not in self.drained]
         staying = len(attempt.participants) - len(leaving)
         stuck = staying + len(spares) < engine.spec.min_nodes

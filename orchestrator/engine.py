@@ -415,7 +415,7 @@ class Engine:
 
     def fail_participant(self, node: Node, cause: FailureCause, message: str) -> None:
         attempt = self.current
-        if attempt is not None and not attempt.ended and node.index in attempt.participants:
+        if attempt is not None and not attempt.ended and node.index in attempt.node_plans:
             attempt.fail(Failure(cause, message, node_index=node.index, node_rank=node.node_rank,
                                  host=node.host, at=node.last_heard_unix))
 

@@ -282,7 +282,7 @@ class NodeBook:
             node.numbering += 1
         info = NodeInfo.from_hello(hello)
         in_attempt = attempt is not None and not attempt.ended and \
-            node.index in attempt.participants
+            node.index in attempt.node_plans
         # Its workers belong to the attempt we run (a LOST node's never do: the attempt
         # failed without it). Any others go before the node runs anything: split-brain guard.
         ours = in_attempt and attempt is not None and node.state != NodeState.LOST and \
