@@ -401,11 +401,9 @@ class Attempt:
         return None
 
     # --- checkpoints ---------------------------------------------------------------------------
-    def snapshot(self, logs: dict[str, int] | None = None) -> dict[str, Any]:
-        """What a checkpoint records of it; ``logs``: the sizes of a cut of its sink taken
-        just before (None: its sink is flushed now)."""
+    def snapshot(self) -> dict[str, Any]:
         return {
-            "logs": self.sink.flush() if logs is None else logs,
+            "logs": self.sink.flush(),
             "log_state": self.sink.state(),
             "started": sorted(self.started),
             "warm_started": sorted(self.warm_started),

@@ -22,7 +22,6 @@ import errno
 import json
 import os
 import shutil
-import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -95,9 +94,6 @@ class CappedLog:
         self._waiting: list[tuple[int | None, bytes]] = []  # (segment, or None: the head)
         self._waiting_bytes = 0
         self._open: dict[int | None, Any] = {}  # the head's and the current segment's files
-        # A cut of it is being written on another thread (LogSink.cut): until that is done
-        # only that thread touches its files, and lines wait here whatever their size.
-        self.busy = False
         # ``fresh``: a new attempt's file, which has no strays, no sidecar and no size.
         self.main_size = self.current_size = 0
         if not fresh and path.exists():
@@ -135,15 +131,12 @@ class CappedLog:
     def _put(self, target: int | None, data: bytes) -> None:
         self._waiting.append((target, data))
         self._waiting_bytes += len(data)
-        if self._waiting_bytes > self.FLUSH_AT and not self.busy:
+        if self._waiting_bytes > self.FLUSH_AT:
             self._drain()
 
-    def _drain(self, waiting: list[tuple[int | None, bytes]] | None = None) -> None:
-        """Write what waits (or ``waiting``, taken by a cut), to the head or its segment
-        (opening files as needed)."""
-        if waiting is None:
-            waiting, self._waiting, self._waiting_bytes = self._waiting, [], 0
-        for target, data in waiting:
+    def _drain(self) -> None:
+        """Write what waits, to the head or its segment (opening files as needed)."""
+        for target, data in self._waiting:
             f = self._open.get(target)
             if f is None:
                 if target is not None:  # a newer segment: the older one is complete
@@ -153,6 +146,7 @@ class CappedLog:
                 f = self._open[target] = open(path, "ab",  # noqa: SIM115
                                               self._buffering if target is None else -1)
             f.write(data)
+        self._waiting, self._waiting_bytes = [], 0
 
     def write(self, data: bytes) -> None:
         """Whole lines (``data`` ends with a newline); split at line ends where a part of
@@ -208,7 +202,7 @@ class CappedLog:
             self.starts.pop(old, None)
             self._waiting = [(t, d) for t, d in self._waiting if t != old]  # never written
             self._waiting_bytes = sum(len(d) for _, d in self._waiting)
-            if old in self._open and not self.busy:  # (busy: closed as the next one opens)
+            if old in self._open:
                 self._open.pop(old).close()
             self._dropped.append(self._segment(old))
         self._write_layout()
@@ -224,24 +218,25 @@ class CappedLog:
         """Written, flushed and on disk (fsync; ``sync`` False: the caller syncs the whole
         filesystem): a checkpoint records these sizes, and then the agents forget what they
         sent, so the bytes must survive a crash of this host."""
-        cut = self.cut()
-        cut.write(sync)
-        if not sync:
-            cut.synced()
-        return cut.sizes
-
-    def cut(self) -> FileCut:
-        """What a checkpoint records of this file, taken now: its sizes once the lines
-        waiting now are written, which :meth:`FileCut.write` does (on any one thread)."""
+        for path in self._deletable:
+            path.unlink(missing_ok=True)
+        self._deletable = []
+        self._drain()
         out = {self.path.name: self.main_size}
         if self.segments:
             out[self._segment(self.segments[-1]).name] = self.current_size
-        cut = FileCut(self, self._waiting, self._deletable, out)
-        self._waiting, self._waiting_bytes, self._deletable = [], 0, []
-        return cut
+        for target, f in self._open.items():
+            f.flush()
+            name = self.path.name if target is None else self._segment(target).name
+            size = out.get(name)
+            if size is not None and size != self._synced.get(name):
+                if sync:
+                    os.fsync(f.fileno())
+                self._synced[name] = size
+        return out
 
     def state(self) -> dict[str, Any]:
-        """For the checkpoint, taken after its cut (or sizes())."""
+        """For the checkpoint, taken after sizes()."""
         self._deletable += self._dropped
         self._dropped = []
         return {"segments": list(self.segments), "segment_lines": dict(self.segment_lines),
@@ -289,43 +284,6 @@ class CappedLog:
         self.segments = []
 
 
-class FileCut:
-    """A file's part of a checkpoint: the lines that waited at the cut, the dropped segments
-    the checkpoint before counted as cut, and the sizes the file has once they are written."""
-
-    def __init__(self, log: CappedLog, waiting: list[tuple[int | None, bytes]],
-                 deletable: list[Path], sizes: dict[str, int]):
-        self.log, self.sizes = log, sizes
-        self._waiting, self._deletable = waiting, deletable
-        self._unsynced: list[tuple[Any, str, int]] = []  # (file, name, size) to be synced
-
-    def write(self, sync: bool = True) -> None:
-        """Write and flush it; fsync what changed (``sync`` False: the caller syncs the
-        filesystem, then calls :meth:`synced`, or :meth:`fsync` if it could not)."""
-        log = self.log
-        for path in self._deletable:
-            path.unlink(missing_ok=True)
-        log._drain(self._waiting)
-        for target, f in log._open.items():
-            f.flush()
-            name = log.path.name if target is None else log._segment(target).name
-            size = self.sizes.get(name)
-            if size is not None and size != log._synced.get(name):
-                self._unsynced.append((f, name, size))
-        if sync:
-            self.fsync()
-
-    def fsync(self) -> None:
-        for f, _name, _size in self._unsynced:
-            os.fsync(f.fileno())
-        self.synced()
-
-    def synced(self) -> None:
-        for _f, name, size in self._unsynced:
-            self.log._synced[name] = size
-        self._unsynced = []
-
-
 _pool: ThreadPoolExecutor | None = None
 SYNCFS_AT = 256  # files due at one checkpoint beyond which the filesystem is synced once
 
@@ -352,18 +310,15 @@ def _sync_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-def _on_pool(cuts: list[FileCut], step: Callable[[FileCut], None]) -> None:
-    """``step`` of every file's cut on the pool: a task per thread, each a slice of the
+def _on_pool(files: list[CappedLog], step: Callable[[CappedLog], dict[str, int]]
+             ) -> list[dict[str, int]]:
+    """``step`` of every file, in order, on the pool: a task per thread, each a slice of the
     files, not a task per file (4,000 tasks cost the loop's thread 0.7 s of the pool's own
     locks at the end of a 4,000-rank attempt, benchmarks/scale.md)."""
-    size = max(1, -(-len(cuts) // SYNC_THREADS))
-    slices = [cuts[first:first + size] for first in range(0, len(cuts), size)]
-    def run(part: list[FileCut]) -> None:
-        for cut in part:
-            step(cut)
-
-    for _ in _sync_pool().map(run, slices):  # (raises the first error)
-        pass
+    size = max(1, -(-len(files) // SYNC_THREADS))
+    slices = [files[first:first + size] for first in range(0, len(files), size)]
+    done = _sync_pool().map(lambda part: [step(f) for f in part], slices)
+    return [sizes for part in done for sizes in part]
 
 
 class LogSink:
@@ -408,7 +363,6 @@ class LogSink:
         self._sizes: dict[str, dict[str, int]] = {}  # file -> its last sizes()
         self.stderr: dict[str, deque[str]] = {}
         self._since_check = 0
-        self._writing: SinkCut | None = None  # the last cut, until it is written
         self._check_space()
 
     def _file(self, name: str) -> CappedLog:
@@ -459,78 +413,55 @@ class LogSink:
             self._check_space()
 
     def flush(self) -> dict[str, int]:
-        """Every file's lines written and synced, now; their sizes."""
-        cut = self.cut()
-        cut.write()
-        return cut.sizes
-
-    def cut(self) -> SinkCut:
-        """A checkpoint's part of the sink, taken now on the loop's thread (with
-        :meth:`state` right after): the sizes every file has once the lines waiting now are
-        written. :meth:`SinkCut.write` writes and syncs them, on another thread if need be:
-        meanwhile lines go on arriving, and wait for the next cut. One cut at a time."""
-        self.settle()
+        sizes = dict(self._restored)
         due = [(name, f) for name, f in self._files.items()
                if name in self._dirty or f._dropped or f._deletable or name not in self._sizes]
-        cuts = []
-        for name, f in due:
-            cut = f.cut()
-            self._sizes[name] = cut.sizes
-            f.busy = True
-            cuts.append(cut)
-        sizes = dict(self._restored)
+        # Within the descriptor budget: in groups, each closed again once written.
+        group = max(1, len(due) if self.max_open is None else self.max_open // 2)
+        for first in range(0, len(due), group):
+            self._write(due[first:first + group])
+            self._release()
         for name in self._files:
             sizes.update(self._sizes[name])
-        self._writing = SinkCut(self, cuts, sizes)
-        return self._writing
+        return sizes
 
-    def settle(self) -> None:
-        """Wait until the last cut is written (its error is its writer's to raise)."""
-        if self._writing is not None:
-            self._writing.done.wait()
-            self._writing = None
-
-    def _write(self, cuts: list[FileCut]) -> None:
-        if len(cuts) > SYNCFS_AT and _syncfs is not None:
+    def _write(self, due: list[tuple[str, CappedLog]]) -> None:
+        if len(due) > SYNCFS_AT and _syncfs is not None:
             # Thousands of files (a launch of thousands of ranks): written on the pool, then
             # the filesystem synced once, instead of a journal commit per file.
-            _on_pool(cuts, lambda c: c.write(sync=False))
+            written = _on_pool([f for _, f in due], lambda f: f.sizes(sync=False))
             fd = os.open(self.directory, os.O_RDONLY)
             try:
-                refused = _syncfs(fd) != 0  # an old kernel, a FUSE mount: file by file
+                if _syncfs(fd) != 0:  # refused (an old kernel, a FUSE mount): file by file
+                    written = [f.sizes() for _, f in due]
             finally:
                 os.close(fd)
-            for cut in cuts:
-                if refused:
-                    cut.fsync()
-                else:
-                    cut.synced()
-        elif len(cuts) > 8:
+        elif len(due) > 8:
             # fsync lets go of the GIL and, with thousands of busy threads, waits to get it
-            # back: a few threads waiting at once instead of one thread once per file.
-            _on_pool(cuts, FileCut.write)
+            # back: a few threads waiting at once instead of the main thread once per file.
+            written = _on_pool([f for _, f in due], CappedLog.sizes)
         else:
-            for cut in cuts:
-                cut.write()
+            written = [f.sizes() for _, f in due]
+        for (name, _), got in zip(due, written, strict=True):
+            self._sizes[name] = got
 
-    def _release(self, cuts: list[FileCut]) -> None:
-        """Keep the open files within ``max_open``: close those of ``cuts`` (written and
-        synced; no other thread touches them) written longest ago."""
+    def _release(self) -> None:
+        """Keep the open files within ``max_open``: close the least recently written."""
         if self.max_open is None:
             return
-        # (On the writer's thread, while the loop adds files: list() copies at once.)
-        held = sum(f.descriptors for f in list(self._files.values()))
-        mine = {c.log.path.name: c.log for c in cuts}
+        held = sum(f.descriptors for f in self._files.values())
         for name in list(self._recent):
             if held <= self.max_open:
                 break
-            f = mine.get(name)
-            if f is not None and f.descriptors and not f._waiting:
+            f = self._files.get(name)
+            if f is None:
+                del self._recent[name]
+            elif f.descriptors and not f._waiting:  # written and synced: close it
                 held -= f.descriptors
                 f.release()
 
     def state(self) -> dict[str, Any]:
-        """For the checkpoint, taken after its cut (or flush())."""
+        """For the checkpoint, taken after flush()."""
         for name in self._dirty:
             f = self._files.get(name)
             if f is not None:
@@ -542,41 +473,12 @@ class LogSink:
         return {"files": dict(self._states)}
 
     def close(self) -> None:
-        self.settle()
         for f in self._files.values():
             f.close()
         self._files = {}
         if self._labels_file is not None:
             self._labels_file.close()
             self._labels_file = None
-
-
-class SinkCut:
-    """A sink's part of a checkpoint (LogSink.cut): ``sizes`` to record once :meth:`write`
-    has returned."""
-
-    def __init__(self, sink: LogSink, cuts: list[FileCut], sizes: dict[str, int]):
-        self.sink, self.sizes, self._cuts = sink, sizes, cuts
-        self.done = threading.Event()
-
-    def write(self) -> None:
-        """Write and sync every file's cut: within the sink's descriptor budget, in groups,
-        each closed again once written."""
-        sink, cuts = self.sink, self._cuts
-        try:
-            group = max(1, len(cuts) if sink.max_open is None else sink.max_open // 2)
-            for first in range(0, len(cuts), group):
-                sink._write(cuts[first:first + group])
-                sink._release(cuts[first:first + group])
-        finally:
-            self.abandon()
-
-    def abandon(self) -> None:
-        """Done with it (written, failed, or never to be written): the loop has its files
-        back, and its sink may take the next cut or close."""
-        for cut in self._cuts:
-            cut.log.busy = False
-        self.done.set()
 
 
 def labels(directory: Path) -> dict[str, str]:

@@ -82,7 +82,6 @@ class Node:
     heard: float = 0.0  # set when attached or resumed; the channel stamps what it reads
     received: int = 0  # last sequenced message handled
     acked: int = 0  # last sequenced message a checkpoint holds (the agent may forget it)
-    numbering: int = 0  # how often another agent numbered its messages afresh from 1
     unreachable_since: float | None = None
     state_before: NodeState | None = None  # where an UNREACHABLE node goes back to
     draining: int | None = None  # attempt whose leftover workers we stop before a rejoin
@@ -279,7 +278,6 @@ class NodeBook:
         node.heard = time.monotonic()
         if channel.launched or hello.instance != node.info.instance:
             node.received = node.acked = 0  # another agent: its messages are numbered from 1
-            node.numbering += 1
         info = NodeInfo.from_hello(hello)
         in_attempt = attempt is not None and not attempt.ended and \
             node.index in attempt.node_plans
@@ -329,13 +327,13 @@ class NodeBook:
                                     and not stale and not start) else None,
             prepare=prepare)
 
-    def kept(self, acked: dict[int, int]) -> list[Node]:
-        """A checkpoint holds every message up to ``acked`` (node index -> sequence number):
-        the nodes whose acknowledgement moved on (tell their agents)."""
+    def kept(self) -> list[Node]:
+        """A checkpoint holds every message handled: the nodes with messages not yet
+        acknowledged, now acknowledged (``acked``: tell their agents)."""
         out = []
         for node in self.nodes:
-            if acked.get(node.index, 0) > node.acked:
-                node.acked = acked[node.index]
+            if node.received > node.acked:
+                node.acked = node.received
                 out.append(node)
         return out
 
