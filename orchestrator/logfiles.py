@@ -433,6 +433,8 @@ class LogSink:
             fd = os.open(self.directory, os.O_RDONLY)
             try:
                 if _syncfs(fd) != 0:  # refused (an old kernel, a FUSE mount): file by file
+                    for _, f in due:  # (the first pass took them as synced)
+                        f._synced.clear()
                     written = [f.sizes() for _, f in due]
             finally:
                 os.close(fd)

@@ -3,6 +3,8 @@ and the free-space guard."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from orchestrator.attempt import LogSink
@@ -128,3 +130,21 @@ def test_reading_a_cut_log_while_it_runs_and_after_shows_the_marker_with_its_cou
     assert accounted(Follower(tmp_path / "rank-0.log").read()) == (numbers, cut)
     after, _ = tail_lines(tmp_path / "rank-0.log", 10 ** 6, 1 << 20)
     assert accounted(after) == (numbers, cut)
+
+
+def test_a_filesystem_that_refuses_syncfs_has_every_file_fsynced(tmp_path, monkeypatch):
+    """Thousands of files due at once are synced with one syncfs; where that is refused
+    (an old kernel, a FUSE mount) each file is fsynced instead (it used to count them as
+    synced already, and fsync none)."""
+    from orchestrator import logfiles
+
+    monkeypatch.setattr(logfiles, "_syncfs", lambda fd: -1)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(logfiles.os, "fsync", lambda fd: (synced.append(fd), real_fsync(fd)))
+    sink = LogSink(tmp_path, cap=None)
+    for rank in range(logfiles.SYNCFS_AT + 10):
+        sink.write("h", str(rank), "stdout", ["a line"])
+    sink.flush()
+    assert len(synced) == logfiles.SYNCFS_AT + 10 + 1  # every rank's log and combined.log
+    sink.close()
