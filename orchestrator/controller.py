@@ -114,6 +114,7 @@ class Controller:
         engine = self.engine
         engine.timeline.mark("controller")
         engine.pool.start_pinger()
+        engine.ticker.start()
         try:
             outcome = self._supervise()
             if outcome is None:  # told to exit: the job stays with its agents

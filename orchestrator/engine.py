@@ -501,7 +501,14 @@ class Ticker:
         self._gaps: deque[tuple[float, float]] = deque(maxlen=64)
         self._last = time.monotonic()
         self._closed = threading.Event()
-        threading.Thread(target=self._run, daemon=True, name="ticker").start()
+        self._started = False
+
+    def start(self) -> None:
+        """Tick from now on (the controller's process, once; an engine that never ticks
+        counts every long turn as a stop, the cautious answer)."""
+        if not self._started:
+            self._started, self._last = True, time.monotonic()
+            threading.Thread(target=self._run, daemon=True, name="ticker").start()
 
     def _run(self) -> None:
         while not self._closed.wait(self.TICK):

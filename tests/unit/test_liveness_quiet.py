@@ -58,6 +58,7 @@ def test_a_busy_loop_is_not_a_stopped_process():
     """The loop's thread busy (here: blocked, as in a checkpoint's fsyncs, and then
     holding the GIL) while the rest of the process runs: nothing to forgive."""
     ticker = Ticker()
+    ticker.start()
     try:
         since = time.monotonic()
         time.sleep(1.0)  # blocked
@@ -78,6 +79,7 @@ def test_a_stopped_process_is_forgiven_the_time_it_was_stopped():
         try:
             os.close(read)
             ticker = Ticker()
+            ticker.start()
             since = time.monotonic()
             time.sleep(0.3)
             os.write(write, b"ready\n")
@@ -102,7 +104,7 @@ def test_a_stopped_process_is_forgiven_the_time_it_was_stopped():
 
 
 def test_a_stop_not_yet_ticked_counts_up_to_now():
-    ticker = Ticker()
+    ticker = Ticker()  # never started (an engine run without a controller): cautious
     ticker.close()
     time.sleep(0.2)  # no ticks any more: the ticker itself is "late"
     now = time.monotonic()
