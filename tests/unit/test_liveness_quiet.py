@@ -53,7 +53,6 @@ def test_an_agent_that_just_said_something_sends_no_heartbeat_unless_it_has_a_no
     assert beat(talking=True, notice=notice) == 5  # a notice always goes
 
 
-
 def test_a_busy_loop_is_not_a_stopped_process():
     """The loop's thread busy (here: blocked, as in a checkpoint's fsyncs, and then
     holding the GIL) while the rest of the process runs: nothing to forgive."""
