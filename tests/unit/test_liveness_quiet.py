@@ -15,42 +15,78 @@ from agents.agent import Agent
 from orchestrator.engine import Ticker
 
 
-def test_an_agent_that_just_said_something_sends_no_heartbeat_unless_it_has_a_notice():
-    sent: list[dict] = []
-    turns = iter(range(6))
+class Clock:
+    """Fake time for the heartbeat thread: its sleeps pass at once, and what else the agent
+    "sent" (at the times in ``talks``) moves the outbox's ``sent_at`` as the time passes."""
+
+    def __init__(self, outbox, talks: list[float], end: float):
+        self.now, self.outbox, self.talks, self.end = 0.0, outbox, sorted(talks), end
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(seconds, 1e-6)  # a real sleep always takes some time
+        while self.talks and self.talks[0] <= self.now:
+            self.outbox.sent_at = self.talks.pop(0)
+        self.outbox.closed = self.now >= self.end
+
+
+def beats(monkeypatch, talks: list[float], notice=None) -> list[float]:
+    """When an agent with a period of 0.5 s sends heartbeats over 10 s (0.5 to 10.0) while
+    it also says what ``talks`` says."""
+    sent: list[float] = []
 
     class Outbox:
-        sent_at = 0.0
-
-        @property
-        def closed(self):
-            return next(turns, None) is None
+        sent_at = -1.0
+        closed = False
 
         def current(self):
             return object()
 
         def put(self, message):
-            sent.append(message)
+            assert message["type"] == P.HEARTBEAT and message["attempt"] == 3
+            sent.append(clock.now)
+            self.sent_at = clock.now
 
         def detach(self, conn):
             raise AssertionError("the controller was heard from")
 
-    agent = SimpleNamespace(outbox=Outbox(), heartbeat_interval=0.01, node_timeout=60.0,
-                            last_heard=time.monotonic(), notice=None, attempt=3)
+    outbox = Outbox()
+    clock = Clock(outbox, talks, end=10.0)
+    monkeypatch.setattr("agents.agent.time", clock)
+    agent = SimpleNamespace(outbox=outbox, heartbeat_interval=0.5, node_timeout=60.0,
+                            last_heard=1e9, notice=notice, attempt=3)
+    Agent._beat(agent)  # type: ignore[arg-type]
+    return sent
 
-    def beat(talking: bool, notice=None) -> int:
-        nonlocal turns
-        sent.clear()
-        turns = iter(range(5))
-        agent.notice = notice
-        agent.outbox.sent_at = time.monotonic() + (60 if talking else -60)
-        Agent._beat(agent)  # type: ignore[arg-type]
-        return len(sent)
 
-    assert beat(talking=False) == 5  # quiet: one every period
-    assert beat(talking=True) == 0  # its output said it is alive
+def longest_silence(messages: list[float]) -> float:
+    times = sorted([0.0, *messages, 10.0])
+    return max(b - a for a, b in zip(times, times[1:], strict=False))
+
+
+def test_a_quiet_agent_beats_once_a_period(monkeypatch):
+    sent = beats(monkeypatch, talks=[])
+    assert len(sent) == 20 and longest_silence(sent) <= 0.5 + 1e-5, sent
+
+
+def test_talk_takes_the_place_of_heartbeats_but_never_leaves_a_period_of_silence(monkeypatch):
+    """Output just after each beat used to put off the next beat by a whole period: two
+    periods of silence, past what a controller waits before it calls a node UNREACHABLE
+    (1.5 periods) at the slightest delay. The next beat is due a period after the last
+    message of any kind."""
+    talks = [0.51, 0.8, 1.1, 1.4, 1.7, 2.0, 2.3, 2.6, 6.0, 6.1, 6.2]
+    sent = beats(monkeypatch, talks=talks)
+    assert longest_silence(sent + talks) <= 0.5 + 1e-5, (sent, talks)
+    assert len(sent) < 20  # the talk said the node is alive: fewer beats
+    assert not [t for t in sent if 0.51 < t < 2.6 + 0.5 - 1e-5], sent  # none while it talked
+
+
+def test_a_notice_rides_on_every_beat_however_much_the_agent_says(monkeypatch):
     notice = P.Notice("SIGTERM", time.time() + 60)
-    assert beat(talking=True, notice=notice) == 5  # a notice always goes
+    talks = [i / 10 for i in range(1, 100)]  # talking all the time
+    assert len(beats(monkeypatch, talks=talks, notice=notice)) == 20
 
 
 def test_a_busy_loop_is_not_a_stopped_process():
