@@ -34,7 +34,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from agents import commands as C
@@ -105,6 +105,10 @@ class Move:
     within: float
     whole: bool = False  # every node leaves: the job stops PREEMPTED (persisted, if it can)
     in_memory: float | None = None  # seconds from its start to every rank's save in memory
+    persist: bool = False
+    # Node index -> the channel it was told the step on (None: it had none). A node that
+    # attaches again meanwhile (a notice's SIGTERM may take its relay: Slurm's) is told again.
+    told: dict[int, Any] = field(default_factory=dict)
 
 
 class Mover:
@@ -190,9 +194,9 @@ class Mover:
                       "memory: the next attempt resumes from the job's own checkpoints", whole)
             return
         persist = whole and engine.spec.checkpoint.dir is not None
-        self._tell(engine, attempt, C.SaveAt(step, within, persist), () if whole else leaving)
         self.move = Move(attempt.number, leaving, reason, step, time.monotonic() + within,
-                         within, whole)
+                         within, whole, persist=persist)
+        self._tell_step(engine, attempt, self.move)
         log.warning("%s drained (%s): every rank saves step %d%s, then the job %s",
                     self._names(leaving), reason, step, " and persists it" if persist else "",
                     "stops PREEMPTED" if whole else "goes on without it")
@@ -200,6 +204,7 @@ class Mover:
     def _check(self, engine: Engine, attempt: Attempt) -> None:
         move = self.move
         assert move is not None
+        self._tell_step(engine, attempt, move)  # those that attached again since
         placement = self._placement(attempt)
         where = engine.spec.checkpoint.dir if move.whole else None
         began = move.deadline - move.within
@@ -272,12 +277,33 @@ class Mover:
         return step
 
     @staticmethod
-    def _tell(engine: Engine, attempt: Attempt, command: C.SaveAt,
-              leaving: tuple[int, ...] = ()) -> None:
-        """Every participant; only the ``leaving`` ones replicate meanwhile."""
+    def _tell(engine: Engine, attempt: Attempt, command: C.SaveAt) -> None:
         for index in attempt.participants:
-            engine.pool.send(engine.nodes[index],
-                             replace(command, replicate=index in leaving))
+            engine.pool.send(engine.nodes[index], command)
+
+    @staticmethod
+    def _tell_step(engine: Engine, attempt: Attempt, move: Move) -> None:
+        """The agreed step to each participant not yet told it on the channel it has now
+        (a command sent while a node's channel is down is lost with it), holding for what is
+        left of the move; only the leaving nodes replicate meanwhile."""
+        command: C.SaveAt | None = None
+        first = not move.told
+        for index in attempt.participants:
+            node = engine.nodes[index]
+            channel = node.channel
+            if index in move.told and move.told[index] is channel:
+                continue
+            move.told[index] = channel
+            if channel is None:
+                continue
+            if not first:
+                log.info("%s attached again during the move: told step %d again", node.host,
+                         move.step)
+            if command is None:
+                command = C.SaveAt(move.step, max(0.0, move.deadline - time.monotonic()),
+                                   move.persist)
+            engine.pool.send(node, replace(
+                command, replicate=not move.whole and index in move.nodes))
 
     def _names(self, nodes: tuple[int, ...]) -> str:
         return ", ".join(f"node {i} ({self.hosts[i]})" for i in nodes)

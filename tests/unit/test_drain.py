@@ -3,12 +3,16 @@ drain holds, when every rank has saved the agreed step, and what the policy does
 
 from __future__ import annotations
 
+import time
+from types import SimpleNamespace
+
 import pytest
 
+from agents import commands as C
 from agents import protocol as P
 from orchestrator.attempt import AttemptResult, Failure
 from orchestrator.checkpoints import Holdings
-from orchestrator.drain import drained, matches
+from orchestrator.drain import Move, Mover, drained, matches
 from orchestrator.policy import Preempted, Restart, decide
 from orchestrator.spec import parse_jobspec
 from orchestrator.state import (
@@ -101,3 +105,40 @@ def test_a_move_of_every_node_stops_the_job_preempted_until_resumed():
     check_transition(JobState.RUNNING, JobState.PREEMPTED)
     with pytest.raises(InvalidTransition):
         check_transition(JobState.PREEMPTED, JobState.RUNNING)
+
+
+def test_a_node_that_attaches_again_during_a_move_is_told_the_step_again():
+    """A notice's SIGTERM can take a node's relay with it (Slurm's: the step's task): a
+    ``save_at`` sent while its channel was down was lost, and the node never persisted the
+    step (the job stopped "not every rank saved step 29"). Each node is told on the channel
+    it has now, holding for what is left of the move."""
+    sent: list[tuple[int, C.SaveAt]] = []
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object()) for i in range(3)]
+    nodes[1].channel = None  # its relay went with the SIGTERM
+    engine = SimpleNamespace(nodes=nodes, pool=SimpleNamespace(
+        send=lambda node, command: sent.append((node.index, command)) or True))
+    attempt = SimpleNamespace(participants=[0, 1, 2])
+    move = Move(1, (1,), "SIGTERM", 29, time.monotonic() + 30, 30.0, whole=True,
+                persist=True)
+    Mover._tell_step(engine, attempt, move)  # type: ignore[arg-type]
+    assert [i for i, _ in sent] == [0, 2]
+    assert all(c.step == 29 and c.persist and not c.replicate for _, c in sent)
+    sent.clear()
+    Mover._tell_step(engine, attempt, move)  # type: ignore[arg-type]
+    assert sent == []  # told once on each channel
+    nodes[1].channel = object()  # attached again
+    nodes[2].channel = object()  # and another one, on a new channel
+    Mover._tell_step(engine, attempt, move)  # type: ignore[arg-type]
+    assert [i for i, _ in sent] == [1, 2]
+    assert all(c.step == 29 and c.persist and 29.0 < c.hold <= 30.0 for _, c in sent)
+
+
+def test_only_the_leaving_nodes_replicate_during_a_move_the_job_survives():
+    sent: list[tuple[int, C.SaveAt]] = []
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object()) for i in range(3)]
+    engine = SimpleNamespace(nodes=nodes, pool=SimpleNamespace(
+        send=lambda node, command: sent.append((node.index, command)) or True))
+    move = Move(1, (2,), "maintenance", 7, time.monotonic() + 60, 60.0)
+    Mover._tell_step(engine, SimpleNamespace(participants=[0, 1, 2]), move)  # type: ignore[arg-type]
+    assert [(i, c.step, c.replicate, c.persist) for i, c in sent] == [
+        (0, 7, False, False), (1, 7, False, False), (2, 7, True, False)]
