@@ -7,22 +7,22 @@ noticed node the job cannot do without, the agreed step is also persisted
 (``save_at.persist``) and the job stops PREEMPTED (a failure naming no node:
 ``policy.decide``), for ``resume``.
 
-The store keeps the drains (for every job, or for one, where a node index may name the node).
-The engine's checks call :meth:`Mover.look` four times a second. When a participant of the
-running attempt is drained and the job can go on without it, the mover picks the agreed
-step: where the ranks are now (the highest step any rank reported, a heartbeat's or a
+The store keeps the drains (for every job, or for one, where a node index may name the
+node). The engine's checks call :meth:`Mover.look` four times a second. When a participant
+of the running attempt is drained and the job can go on without it, the mover picks the
+agreed step: where the ranks are now (the highest step any rank reported, a heartbeat's or a
 save's, and their pace since), plus what they do in 1.5 s (reports lag) and one. It tells
-every participant's agent (``save_at``); a script that saves every step, or with
-``checkpoint.save(step, state, every=N)`` (called at every step: it reports the step as it
-goes), saves it and waits there (up to ``within``), so that no step is done twice. Once
-every rank holds it in its node's memory, and each drained node's ranks also have a
-replica elsewhere, the attempt ends with cause PREEMPTED (class preempted: restarted at
-once, not charged), and the next one runs without the drained nodes from that step. Past
-the drain's ``within`` seconds it ends all the same, and the next attempt resumes the newest
-step every rank holds (the failure says so). A job that cannot go on without a drained node
-keeps it (a drain stops new work, as Slurm's does) and says so once. A job whose ranks keep
-nothing in the agents' memory (none reported within 15 s) moves then, and resumes from its
-own checkpoints.
+every participant's agent (``save_at``; again to one that attaches again meanwhile); a
+script that saves every step, or with ``checkpoint.save(step, state, every=N)`` (called at
+every step: it reports the step as it goes), saves it and waits there (up to ``within``), so
+that no step is done twice. Once every rank holds it in its node's memory, and each drained
+node's ranks also have a replica elsewhere, the attempt ends with cause PREEMPTED (class
+preempted: restarted at once, not charged), and the next one runs without the drained nodes
+from that step. Past the drain's ``within`` seconds it ends all the same, and the next
+attempt resumes the newest step every rank holds (the failure says so). A job that cannot go
+on without a drained node keeps it (a drain stops new work, as Slurm's does) and says so
+once. A job whose ranks keep nothing in the agents' memory (none reported within 15 s) moves
+then, and resumes from its own checkpoints.
 
 May call ``attempt``, ``reputation`` (host names) and the store's drains; the engine is
 handed in.
