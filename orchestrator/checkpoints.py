@@ -55,14 +55,17 @@ class Holdings:
         newest = [max(s) for s in held.memory.values() if s]
         stored = [max(s) for s in held.persisted.values() if s]
         kept = [max(s) for s in held.replicas.values() if s]
-        last = max((s[0] for s in held.saves.values()), default=None)
-        saves = [s for s in held.saves.values() if s[0] == last]
+        # The newest step every rank of the node saved (a rank's save of the next one may be
+        # reported before its neighbour's: then that one's bytes alone looked like the save).
+        saves = list(held.saves.values())
+        last = min((s[0] for s in saves), default=None)
         return {"memory_bytes": held.bytes, "ranks": len(held.memory),
                 "newest_in_memory": min(newest) if newest else None,
                 "newest_persisted": min(stored) if stored else None,
                 # Of other nodes' ranks (its buddy's, or every participant's on a spare).
                 "replicas": {"ranks": len(kept), "newest": min(kept) if kept else None},
-                # The newest save: its ranks' bytes together, and the longest any was held.
+                # The newest save: the ranks' latest saves' bytes together, and the longest
+                # any held the training.
                 "last_save": {"step": last, "bytes": sum(s[1] for s in saves),
                               "block_s": max(s[2] for s in saves)} if saves else None,
                 # This attempt's loads: per rank the step, which copy, seconds, bad copies.

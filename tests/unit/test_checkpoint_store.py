@@ -237,6 +237,21 @@ def test_what_a_save_held_and_where_a_load_came_from_reach_status(store, monkeyp
     assert shown["restored"]["1"]["source"] == "persisted"
 
 
+def test_the_newest_save_shown_is_one_every_rank_of_the_node_made():
+    """Rank 0 reported its save of step 6 before rank 1 did: the node's newest save is still
+    step 5, with both ranks' bytes (it showed step 6 with rank 0's alone)."""
+    book = Holdings()
+    book.update(0, P.Held(2, {0: (5, 6), 1: (5,)}, {}, 3 << 20, None,
+                          saves={0: (6, 1 << 20, 0.25), 1: (5, 1 << 20, 0.5)}))
+    shown = book.summary(0)
+    assert shown is not None
+    assert shown["last_save"] == {"step": 5, "bytes": 2 << 20, "block_s": 0.5}
+    book.update(0, P.Held(2, {0: (5, 6), 1: (5, 6)}, {}, 4 << 20, None,
+                          saves={0: (6, 1 << 20, 0.25), 1: (6, 1 << 20, 0.125)}))
+    assert book.summary(0)["last_save"] == {  # type: ignore[index]
+        "step": 6, "bytes": 2 << 20, "block_s": 0.25}
+
+
 @pytest.mark.parametrize("record", [
     '{"attempt": 1, "step": 7, "source": "elsewhere", "seconds": 0.1, "skipped": 0}',
     '{"attempt": 1, "step": -7, "source": "memory", "seconds": 0.1, "skipped": 0}',
