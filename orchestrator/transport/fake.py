@@ -291,7 +291,8 @@ class FakeAgent:
 
     # --- driven by FakeCluster (under ``lock``) -----------------------------------------------
     def beat(self, every: float) -> None:
-        """A heartbeat, unless it said something else within ``every`` (as agents/agent.py)."""
+        """A heartbeat, unless it said something else within ``every`` (agents/agent.py,
+        at the cluster's ticks: a real agent's is due ``every`` after its last message)."""
         if self.attached and not self.dead and time.monotonic() - self.said_at >= every:
             self._say({"type": P.HEARTBEAT, "attempt": self.attempt})
 
