@@ -280,7 +280,7 @@ class Engine:
                 if node.state == NodeState.UNREACHABLE:
                     self.lose(node, why)
                 else:
-                    self.book.unreachable(node, why)
+                    self.book.unreachable(node, why, keep_channel=True)
         self._check_hang(now)
         if not self.ending and now - self._room_checked >= ROOM_EVERY:  # a pause, not a loss
             self._room_checked = now

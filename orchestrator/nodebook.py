@@ -1,8 +1,9 @@
 """The node book: every node's state, and every change of it, in one owner.
 
 A node is PENDING until its agent first answers; CONNECTED (or RUNNING, or STOPPED) while
-its channel is attached; UNREACHABLE while its channel is down and we reconnect (the attempt
-goes on); LOST when it has been unheard for ``health.node_timeout``, when its agent is gone
+its channel is attached; UNREACHABLE while its channel is down, or it is silent, and we
+reconnect (the attempt goes on; a silent node keeps its channel meanwhile: a word on it brings
+it back); LOST when it has been unheard for ``health.node_timeout``, when its agent is gone
 or spoke out of protocol, or when its workers did not stop in time; FAILED when it never
 came up; DONE at the end. **A node becomes LOST in one place**: :meth:`NodeBook.lose`.
 
@@ -190,14 +191,29 @@ class NodeBook:
             node.longest_silence = record.longest_silence or 0.0
 
     # --- losing a node ------------------------------------------------------------------------
-    def unreachable(self, node: Node, why: str) -> None:
-        """The channel is gone but the agent may be fine: reconnect, the attempt goes on."""
-        self.pool.drop_channel(node)
+    def unreachable(self, node: Node, why: str, *, keep_channel: bool = False) -> None:
+        """The channel is gone but the agent may be fine: reconnect, the attempt goes on.
+        With ``keep_channel`` (a node only silent: busy, not cut), its channel stays read
+        meanwhile: a node that speaks again on it is back at once (:meth:`heard_again`), not
+        silent until a new relay is up (on an oversubscribed node, longer than the rest of
+        node_timeout: a false LOST)."""
+        if not keep_channel:
+            self.pool.drop_channel(node)
         if node.state != NodeState.UNREACHABLE:
             node.state_before = node.state
             node.unreachable_since = time.monotonic()
             self.set(node, NodeState.UNREACHABLE, f"{node.host}: {why}")
         self.pool.connect(node, launch=False, retry=True)
+
+    def heard_again(self, node: Node, in_attempt: bool) -> None:
+        """An UNREACHABLE node spoke on the channel it kept: back where it was (a node that
+        ran workers of an attempt that ended meanwhile: STOPPED, as when it attaches)."""
+        away = time.monotonic() - (node.unreachable_since or time.monotonic())
+        target = node.state_before or NodeState.CONNECTED
+        if target == NodeState.RUNNING and not in_attempt:
+            target = NodeState.STOPPED
+        node.unreachable_since = None
+        self.set(node, target, f"heard again after {away:.1f}s unreachable")
 
     def lose(self, node: Node, message: str, *, retry: bool = True) -> bool:
         """The node is LOST (or FAILED, if it never came up): its channel goes, and, with

@@ -50,8 +50,9 @@ class JobState(str, Enum):
 class NodeState(str, Enum):
     """What the controller knows of one node's agent.
 
-    A dropped channel makes a node UNREACHABLE, not LOST: its agent keeps the workers and
-    spools their output, and the controller reconnects. Only when the agent has not been
+    A dropped channel (or a silence) makes a node UNREACHABLE, not LOST: its agent keeps the
+    workers and spools their output, and the controller reconnects (a silent node's word on
+    the channel it kept brings it back sooner). Only when the agent has not been
     heard for ``health.node_timeout`` (or is gone) is the node LOST::
 
         PENDING ─> CONNECTED <─> RUNNING <─> STOPPED        (any of these) ─> DONE
@@ -66,7 +67,7 @@ class NodeState(str, Enum):
     CONNECTED = "CONNECTED"  # agent said hello, no workers of the current attempt
     RUNNING = "RUNNING"  # workers of the current attempt running
     STOPPED = "STOPPED"  # workers stopped or finished
-    UNREACHABLE = "UNREACHABLE"  # channel dropped: reconnecting while the agent carries on
+    UNREACHABLE = "UNREACHABLE"  # channel dropped or silent: reconnecting, the agent goes on
     LOST = "LOST"  # agent gone or unheard for node_timeout
     FAILED = "FAILED"  # could not connect or start the agent
     DONE = "DONE"  # agent shut down cleanly

@@ -11,7 +11,8 @@ acknowledged when one attaches again, and, on one driver thread for all of them,
 real agents send unprompted: heartbeats every ``min(heartbeat_interval, 0.5)`` s unless
 something else was said within it (as ``agents/agent.py`` does) and numbered output lines at
 a rate per rank. It can silence a node (a host that died: no message, no reply, no new
-connection) and end every running worker. What a fake agent says goes into a buffer first
+connection), starve one for a while (no message; a new connection slow to come up) and end
+every running worker. What a fake agent says goes into a buffer first
 and into the socket as far as it has room (the driver keeps flushing): a controller that is
 behind never blocks the fakes.
 
@@ -151,6 +152,11 @@ class FakeAgent:
         self.attached = False
         self.launched = False  # a relay started this agent once (a later one finds it)
         self.dead = False  # a silenced node: says nothing, answers nothing
+        # A busy node (starved of CPU) until then, monotonic: says nothing meanwhile, and a
+        # connection opened to it is up ``relay_s`` after it (a relay started on a loaded
+        # node), while the one it has keeps working.
+        self.busy_until = 0.0
+        self.relay_s = 0.0
         self.said_at = 0.0  # monotonic: when it last said anything
         self.instance = f"fake-{next(_pids)}"
         self.pid = next(_pids)
@@ -173,6 +179,14 @@ class FakeAgent:
     def open(self) -> None:
         if self.fail_open or self.dead:
             raise ConnectError(self.host, "connection refused")
+        wait = self.busy_until - time.monotonic()
+        if wait > 0:
+            time.sleep(wait + self.relay_s)
+
+    @property
+    def quiet(self) -> bool:
+        """Says nothing now: dead, or busy."""
+        return self.dead or time.monotonic() < self.busy_until
 
     def fileno(self) -> int:
         return self.wire.fileno()
@@ -293,12 +307,12 @@ class FakeAgent:
     def beat(self, every: float) -> None:
         """A heartbeat, unless it said something else within ``every`` (agents/agent.py,
         at the cluster's ticks: a real agent's is due ``every`` after its last message)."""
-        if self.attached and not self.dead and time.monotonic() - self.said_at >= every:
+        if self.attached and not self.quiet and time.monotonic() - self.said_at >= every:
             self._say({"type": P.HEARTBEAT, "attempt": self.attempt})
 
     def print_lines(self, worker: FakeWorker, upto: int) -> None:
         """Numbered lines up to ``upto`` (exclusive), one output message."""
-        if self.dead or upto <= worker.lines or self.running.get(worker.rank) is not worker:
+        if self.quiet or upto <= worker.lines or self.running.get(worker.rank) is not worker:
             return
         lines = [f"line {i}" for i in range(worker.lines, upto)]
         worker.lines = upto
@@ -438,6 +452,13 @@ class FakeCluster:
         agent = self.agents[host]
         with agent.lock:
             agent.dead = True
+
+    def stall(self, host: str, seconds: float, relay_s: float) -> None:
+        """The host is starved for ``seconds``: its agent says nothing, and a new connection
+        to it is up ``relay_s`` after that (see FakeAgent.busy_until)."""
+        agent = self.agents[host]
+        with agent.lock:
+            agent.busy_until, agent.relay_s = time.monotonic() + seconds, relay_s
 
     def finish(self) -> None:
         """Every running worker of every live agent exits 0 (after its lines so far)."""
