@@ -38,9 +38,7 @@ def dispatch(engine: Engine, event: E.Event) -> None:
             if node.channel is not channel:
                 return  # a channel we already left
             if node.state == NodeState.UNREACHABLE:  # silent, its channel kept: busy, not cut
-                attempt = engine.current
-                engine.book.heard_again(node, attempt is not None and not attempt.ended and
-                                        node.index in attempt.node_plans)
+                engine.book.heard_again(node, engine.current)
             # A message that passed the door is the node's word; if handling it fails, the
             # error is ours (the store, the disk, a bug), never the node's: it propagates,
             # the controller is replaced, and the agent replays the message to the next one.

@@ -205,14 +205,10 @@ class NodeBook:
             self.set(node, NodeState.UNREACHABLE, f"{node.host}: {why}")
         self.pool.connect(node, launch=False, retry=True)
 
-    def heard_again(self, node: Node, in_attempt: bool) -> None:
-        """An UNREACHABLE node spoke on the channel it kept: back where it was (a node that
-        ran workers of an attempt that ended meanwhile: STOPPED, as when it attaches)."""
-        away = time.monotonic() - (node.unreachable_since or time.monotonic())
-        target = node.state_before or NodeState.CONNECTED
-        if target == NodeState.RUNNING and not in_attempt:
-            target = NodeState.STOPPED
-        node.unreachable_since = None
+    def heard_again(self, node: Node, attempt: Attempt | None) -> None:
+        """An UNREACHABLE node spoke on the channel it kept: back where it was, as when it
+        attaches again."""
+        target, away = _way_back(node, _in_attempt(node, attempt))
         self.set(node, target, f"heard again after {away:.1f}s unreachable")
 
     def lose(self, node: Node, message: str, *, retry: bool = True) -> bool:
@@ -295,8 +291,7 @@ class NodeBook:
         if channel.launched or hello.instance != node.info.instance:
             node.received = node.acked = 0  # another agent: its messages are numbered from 1
         info = NodeInfo.from_hello(hello)
-        in_attempt = attempt is not None and not attempt.ended and \
-            node.index in attempt.node_plans
+        in_attempt = _in_attempt(node, attempt)
         # Its workers belong to the attempt we run (a LOST node's never do: the attempt
         # failed without it). Any others go before the node runs anything: split-brain guard.
         ours = in_attempt and attempt is not None and node.state != NodeState.LOST and \
@@ -307,11 +302,8 @@ class NodeBook:
         if resuming and ours:
             target, message = NodeState.RUNNING, "reattached by a new controller"
         elif node.state == NodeState.UNREACHABLE:
-            away = time.monotonic() - (node.unreachable_since or time.monotonic())
-            target, message = (node.state_before or NodeState.CONNECTED,
-                               f"reattached after {away:.1f}s unreachable")
-            if target == NodeState.RUNNING and not in_attempt:
-                target = NodeState.STOPPED
+            target, away = _way_back(node, in_attempt)
+            message = f"reattached after {away:.1f}s unreachable"
         elif node.state in LIVE:
             target = node.state
         elif stale:
@@ -386,3 +378,18 @@ class NodeBook:
         self.set(node, NodeState.CONNECTED,
                  f"rejoined: workers of attempt {attempt_number} stopped first")
         return True
+
+
+def _in_attempt(node: Node, attempt: Attempt | None) -> bool:
+    """Whether ``node`` is a participant of ``attempt``, which still runs."""
+    return attempt is not None and not attempt.ended and node.index in attempt.node_plans
+
+
+def _way_back(node: Node, in_attempt: bool) -> tuple[NodeState, float]:
+    """Where an UNREACHABLE node goes back to, and how long it was away: where it was (a
+    node that ran workers of an attempt that ended meanwhile: STOPPED)."""
+    away = time.monotonic() - (node.unreachable_since or time.monotonic())
+    target = node.state_before or NodeState.CONNECTED
+    if target == NodeState.RUNNING and not in_attempt:
+        target = NodeState.STOPPED
+    return target, away

@@ -12,9 +12,9 @@ real agents send unprompted: heartbeats every ``min(heartbeat_interval, 0.5)`` s
 something else was said within it (as ``agents/agent.py`` does) and numbered output lines at
 a rate per rank. It can silence a node (a host that died: no message, no reply, no new
 connection), starve one for a while (no message; a new connection slow to come up) and end
-every running worker. What a fake agent says goes into a buffer first
-and into the socket as far as it has room (the driver keeps flushing): a controller that is
-behind never blocks the fakes.
+every running worker. What a fake agent says goes into a buffer first and into the socket
+as far as it has room (the driver keeps flushing): a controller that is behind never blocks
+the fakes.
 
 Exits are scripted per attempt and rank: ``exits[attempt][rank]`` is an exit code, a
 signal name, or None (runs until stopped, or until :meth:`FakeCluster.finish`). Missing
