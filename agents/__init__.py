@@ -32,7 +32,7 @@ MODULES = ("agents", "agents.fields", "agents.protocol", "agents.commandbase",
            "agents.shims.sitecustomize", "agents.shims.orchestrator_worker",
            "agents.shims.orchestrator_checkpoint_format",
            "agents.shims.orchestrator_checkpoint", "agents.replicas", "agents.storewake",
-           "agents.checkpoints",
+           "agents.pulls", "agents.checkpoints",
            "agents.shims.standby_boot", "agents.workers", "agents.standby", "agents.stacks",
            "agents.ops", "agents.preemption", "agents.agent", "agents.daemon", "agents.holder",
            "agents.relay", "agents.main")

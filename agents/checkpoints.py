@@ -18,8 +18,8 @@ thread of its own, woken so, the store then, for every save it finds:
   on every new controller connection, and before ``stopped``, so that the controller's
   choice of the step every rank resumes is made on what is there.
 
-A node that takes a lost node's place first ``install``s the copies the controller told it
-to pull from the replicas. The memory goes with the agent: ``close()`` removes it, and the
+A node that takes a lost or drained node's place ``install``s the copies the controller told
+it to pull (agents/pulls.py). The memory goes with the agent: ``close()`` removes it, and the
 watchdog does when the agent dies (agents/processes.py).
 """
 
@@ -41,8 +41,8 @@ from agents import protocol as P
 from agents import rankfiles
 from agents.outbox import Outbox
 from agents.paths import memory_root, own_memory, sweep_memory
+from agents.pulls import install
 from agents.replicas import ReplicaError, Server
-from agents.replicas import pull as pull_replica
 from agents.replicas import push as push_replica
 from agents.shims import orchestrator_checkpoint_format as F
 from agents.storewake import Wake
@@ -141,14 +141,8 @@ class Store:
             F.write_file(path, F.save_at_text(at.step, time.time() + at.hold))
 
     def install(self, pulls: tuple[C.Pull, ...]) -> None:
-        """Copies of ranks that now run here, pulled from the nodes that hold their
-        replicas, into this node's memory as if saved here (a node took a lost one's place)."""
-        for pull in pulls:
-            try:
-                _install(self.root, self.secret, self.replicas, pull)
-            except (OSError, ReplicaError, ValueError) as exc:
-                self._problem(f"checkpoint: no replica of step {pull.step} of rank "
-                              f"{pull.rank} from {pull.address}:{pull.port}: {exc}")
+        """Copies of ranks that now run here, into this node's memory (agents/pulls.py)."""
+        install(self.root, self.secret, self.replicas, pulls, self._problem, self._wake.set)
 
     def configure(self, config: C.CheckpointConfig, workdir: str, attempt: int,
                   local_ranks: int) -> dict[str, str | None]:
@@ -238,17 +232,18 @@ class Store:
 
     def _pass(self, final: bool = False) -> None:
         ranks = self._rank_dirs()
+        unsealed = {rank_dir: _unsealed(rank_dir) for _, rank_dir in ranks}
+        # What memory holds is news at once: a planned move waits for every rank's save
+        # there, and replicating a big state takes seconds (measured: 5 s of a drain's 11 s
+        # at 512 MiB per rank went to waiting for this report), sealing it a fraction (0.4 s
+        # of a drain's pause for 1 GiB; a copy is pulled from a node only once sealed).
         tried: dict[str, set[int]] = {}
         for rank, rank_dir in ranks:
-            unsealed = _unsealed(rank_dir)
-            tried[rank_dir] = set(unsealed)
-            for step, meta_bytes in sorted(unsealed.items()):
+            tried[rank_dir] = set(unsealed[rank_dir])
+            for step, meta_bytes in sorted(unsealed[rank_dir].items()):
                 self._seal(rank, rank_dir, step, meta_bytes)
         if final:  # the job ends: its buddy's copy is of no use any more
             return
-        # What memory holds is news at once: a planned move waits for every rank's save
-        # there, and replicating a big state takes seconds (measured: 5 s of a drain's 11 s
-        # at 512 MiB per rank went to waiting for this report).
         self._report()
         if self.deferred:
             return
@@ -478,27 +473,6 @@ class _mapped:
         self.view.release()  # a mapping with a view on it cannot be closed
         if self.map is not None:
             self.map.close()
-
-
-def _install(root: str, secret: str, replicas: Server | None, pull: C.Pull) -> None:
-    """One rank's copy into a new slot of its directory: from this node's own replicas (a
-    rename) or pulled from the node that holds it, marked as pulled (its load says "buddy")."""
-    rank_dir = os.path.join(root, f"rank-{pull.rank}")
-    os.makedirs(rank_dir, mode=0o700, exist_ok=True)
-    numbers = [F.parse_step(n, prefix="slot-") for n in _listdir(rank_dir)]
-    slot = max([n for n in numbers if n is not None], default=-1) + 1
-    path = os.path.join(rank_dir, f"slot-{slot}")
-    own = replicas.take(pull.rank, pull.step, path) if replicas else None
-    meta_bytes, manifest = own or pull_replica(
-        pull.address, pull.port, secret, pull.rank, pull.step, path)
-    meta = json.loads(meta_bytes)
-    meta.update(slot=slot, persist=False, pulled=True)
-    meta_bytes = json.dumps(meta).encode()
-    man = json.loads(manifest)
-    man["meta"] = zlib.crc32(meta_bytes)  # the data's checksums stay the sender's
-    base = os.path.join(rank_dir, F.step_name(pull.step))
-    F.write_file(base + ".meta", meta_bytes)
-    F.write_file(base + ".manifest", json.dumps(man).encode())
 
 
 def _restored(path: str) -> list[Any] | None:

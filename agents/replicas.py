@@ -17,7 +17,8 @@ request, a JSON line:
   answers ``{"ok": true}`` or ``{"ok": false, "error"}``.
 - ``get`` (a replacement node's agent pulls a copy): ``{"op": "get", "rank", "step"}``,
   answered by ``{"ok": true, "meta", "manifest", "size"}`` and the bytes, which the puller
-  verifies before it trusts them.
+  verifies before it trusts them: a replica this node keeps, else a sealed save of its own
+  ranks in its memory (a drained node's ranks, pulled by the nodes that take their place).
 
 Everything a peer sends is bounded and checked; a peer that fails authentication or sends
 anything malformed is dropped with nothing kept.
@@ -26,6 +27,7 @@ anything malformed is dropped with nothing kept.
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import hashlib
 import hmac
 import json
@@ -34,6 +36,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -47,6 +50,7 @@ MAX_HEADER = 4096
 TIMEOUT = 60.0  # seconds a peer may stall a transfer
 CONNECT_TIMEOUT = 5.0  # a buddy that does not answer: the next save tries again
 CONTEXT = b"orchestrator-replica-1"
+SEAL_WAIT = 10.0  # seconds a pull of a node's own save waits for the agent to seal it
 _BLOCK = 1 << 20
 
 
@@ -195,6 +199,7 @@ class Server:
 
     def __init__(self, root: str, secret: str, room: Callable[[], int],
                  problem: Callable[[str], None], kept: Callable[[], None] = lambda: None):
+        self.memory = root  # the node's own saves: served too (see _own)
         self.root = os.path.join(root, "replicas")
         self.kept = kept  # a replica was kept: the node's report of what it holds is news
         self.secret = secret
@@ -367,24 +372,59 @@ class Server:
 
     def _get(self, conn: socket.socket, header: Fields) -> None:
         rank, step = _number(header, "rank", MAX_RANK), _number(header, "step", F.MAX_STEP)
-        base = os.path.join(self.root, f"rank-{rank}", f"step-{step}")
-        with self._lock:
-            meta, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
-            try:
-                fd = os.open(base + ".data", os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
-                fd = -1
-        if meta is None or manifest is None or fd < 0:
+        found = self._replica(rank, step) or self._own(rank, step)
+        if found is None:
             raise ReplicaError(f"no replica of step {step} of rank {rank} here")
+        meta, manifest, fd, size = found
         try:
-            size = os.fstat(fd).st_size
             _send_line(conn, {"ok": True, "meta": len(meta), "manifest": len(manifest),
                               "size": size})
             conn.sendall(meta + manifest)
-            conn.sendfile(os.fdopen(os.dup(fd), "rb"))
+            with os.fdopen(os.dup(fd), "rb") as data:
+                conn.sendfile(data, 0, size)
         finally:
-            os.close(fd)
+            os.close(fd)  # and with it the shared lock of an own save's slot
 
+    def _replica(self, rank: int, step: int) -> tuple[bytes, bytes, int, int] | None:
+        """(meta, manifest, an open fd, size) of this node's replica of ``rank`` at ``step``."""
+        base = os.path.join(self.root, f"rank-{rank}", f"step-{step}")
+        with self._lock:
+            meta, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
+            if meta is None or manifest is None:
+                return None
+            try:
+                fd = os.open(base + ".data", os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                return None
+        return meta, manifest, fd, os.fstat(fd).st_size
+
+    def _own(self, rank: int, step: int) -> tuple[bytes, bytes, int, int] | None:
+        """The same of a save of this node's own ranks, in its memory (a drained node's,
+        pulled by its replacement: agents/checkpoints.py). Its slot stays under a shared
+        lock while it is sent (a save takes an exclusive one); one not sealed yet is waited
+        for up to SEAL_WAIT seconds (the agent seals it: a CRC pass over its bytes)."""
+        base = os.path.join(self.memory, f"rank-{rank}", F.step_name(step))
+        deadline = time.monotonic() + SEAL_WAIT
+        while True:
+            meta, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
+            if meta is None or os.path.exists(base + ".corrupt"):
+                return None
+            if manifest is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.02)
+        try:
+            described = json.loads(meta)
+            size, slot = described["size"], int(described["slot"])
+            fd = os.open(os.path.join(self.memory, f"rank-{rank}", f"slot-{slot}"),
+                         os.O_RDONLY | os.O_CLOEXEC)
+        except (ValueError, KeyError, TypeError, OSError):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if manifest is None or F.read_bytes(base + ".meta") != meta or type(size) is not int \
+                or not 0 <= size <= os.fstat(fd).st_size:
+            os.close(fd)  # not sealed, or its slot written again meanwhile
+            return None
+        return meta, manifest, fd, size
 
 
 def _connect(address: str, port: int, secret: str) -> socket.socket:

@@ -6,10 +6,11 @@ that node's last one, and a node whose channel closes is forgotten until it repo
 (its agent re-sends on attach). At the start of an attempt, ``agreed_step`` is the newest
 step of which every rank of the new attempt has a copy where it will run (in its node's
 memory, or persisted in a directory its node reads: the same store id from several nodes
-is a shared filesystem) or a replica on a live node, which that node's agent then pulls
-(``pulls``) before its workers start. Every rank is told that step
-(``ORCHESTRATOR_CHECKPOINT_STEP``), so all of them resume the same one. ``buddies`` says
-where each node replicates: the next node of the attempt, in node-rank order.
+is a shared filesystem) or a replica on a live node, or a copy in a drained node's memory
+(it stays up), which the new node's agent then pulls (``pulls``) as its workers start.
+Every rank is told that step (``ORCHESTRATOR_CHECKPOINT_STEP``), so all of them resume the
+same one. ``buddies`` says where each node replicates: the next node of the attempt, in
+node-rank order.
 
 Pure bookkeeping: the engine owns one and feeds it; nothing here sends or writes.
 May call ``plan`` and ``spec`` (types only).
@@ -100,13 +101,28 @@ class Holdings:
         return {step: index for index, held in sorted(self._nodes.items())
                 if held.port is not None for step in held.replicas.get(rank, ())}
 
+    def _sources(self, rank: int) -> dict[int, int]:
+        """Step -> a node index that serves a copy of ``rank`` at that step: a replica, else a
+        leaving node's own memory (drained: it stays up while its replacement pulls)."""
+        out = {step: index for index in sorted(self._leaving)
+               if (held := self._nodes.get(index)) is not None and held.port is not None
+               for step in held.memory.get(rank, ())}
+        out.update(self._replicated(rank))
+        return out
+
+    def serving(self, nodes: Iterable[int]) -> bool:
+        """Whether each of ``nodes`` has a replica server (it can hand its ranks' copies
+        to the nodes that take their place)."""
+        return all((held := self._nodes.get(i)) is not None and held.port is not None
+                   for i in nodes)
+
     def agreed_step(self, placement: Mapping[int, int]) -> int | None:
         """The newest step every rank of ``placement`` (rank -> the node index it will run
         on) can load there, or have pulled there from a replica; None: some rank has none
         (all start fresh)."""
         common: set[int] | None = None
         for rank, node_index in placement.items():
-            steps = self._local(rank, node_index) | set(self._replicated(rank))
+            steps = self._local(rank, node_index) | set(self._sources(rank))
             if self.below is not None:  # falling back: the same error came after that step
                 steps = {s for s in steps if s < self.below}
             common = steps if common is None else common & steps
@@ -116,11 +132,11 @@ class Holdings:
 
     def pulls(self, placement: Mapping[int, int], step: int,
               addresses: Mapping[int, str]) -> dict[int, tuple[C.Pull, ...]]:
-        """Node index -> the replicas its agent fetches before its workers start: ranks that
-        hold ``step`` nowhere they run (a node took a lost one's place)."""
+        """Node index -> the copies its agent fetches as its workers start: ranks that hold
+        ``step`` nowhere they run (a node took a lost or drained one's place)."""
         out: dict[int, list[C.Pull]] = {}
         for rank, node_index in sorted(placement.items()):
-            source = self._replicated(rank).get(step)
+            source = self._sources(rank).get(step)
             if step in self._local(rank, node_index) or source is None:
                 continue
             if self.holds_replica(node_index, rank, step):
@@ -130,6 +146,21 @@ class Holdings:
             out.setdefault(node_index, []).append(
                 C.Pull(rank, step, addresses[source], port))
         return {node: tuple(p) for node, p in out.items()}
+
+    def where_from(self, pulls: Mapping[int, tuple[C.Pull, ...]], step: int) -> str:
+        """Where ``pulls`` of ``step`` come from, for the log: replicas (some held by the node
+        that runs them), or a drained node's memory."""
+        replicas = held = 0
+        for node, its in pulls.items():
+            for pull in its:
+                held += self.holds_replica(node, pull.rank, step)
+                replicas += step in self._replicated(pull.rank)
+        parts = [f"{replicas} ranks from replicas, {held} of them held by the node that runs "
+                 "them"] if replicas else []
+        if sum(map(len, pulls.values())) > replicas:
+            parts.append(f"{sum(map(len, pulls.values())) - replicas} ranks from the memory "
+                         "of the node(s) leaving")
+        return f" ({'; '.join(parts)})" if parts else ""
 
     def newest_saved(self, placement: Mapping[int, int]) -> int | None:
         """The newest step any rank of ``placement`` holds in its node's memory (None: no
@@ -239,11 +270,8 @@ def attempt_config(spec: JobSpec, holdings: Holdings, plan: LaunchPlan,
     if step is not None:
         addresses = {i: node_address(spec.nodes[i]) for i in range(len(spec.nodes))}
         pulls = holdings.pulls(where, step, addresses)
-        held = sum(1 for node, its in pulls.items() for pull in its
-                   if holdings.holds_replica(node, pull.rank, step))
         log.info("attempt %d resumes checkpoint step %d%s", plan.attempt, step,
-                 f" ({sum(map(len, pulls.values()))} ranks from replicas, {held} of them "
-                 "held by the node that runs them)" if pulls else "")
+                 holdings.where_from(pulls, step))
     section = spec.checkpoint
     return C.CheckpointConfig(section.dir, section.persist_every, section.keep,
                               section.memory, step), pulls

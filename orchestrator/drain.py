@@ -15,14 +15,16 @@ save's, and their pace since), plus what they do in 1.5 s (reports lag) and one.
 every participant's agent (``save_at``; again to one that attaches again meanwhile); a
 script that saves every step, or with ``checkpoint.save(step, state, every=N)`` (called at
 every step: it reports the step as it goes), saves it and waits there (up to ``within``), so
-that no step is done twice. Once every rank holds it in its node's memory, and each drained
-node's ranks also have a replica elsewhere, the attempt ends with cause PREEMPTED (class
-preempted: restarted at once, not charged), and the next one runs without the drained nodes
-from that step. Past the drain's ``within`` seconds it ends all the same, and the next
-attempt resumes the newest step every rank holds (the failure says so). A job that cannot go
-on without a drained node keeps it (a drain stops new work, as Slurm's does) and says so
-once. A job whose ranks keep nothing in the agents' memory (none reported within 15 s) moves
-then, and resumes from its own checkpoints.
+that no step is done twice. Once every rank holds it in its node's memory, and each noticed
+node's ranks also have a replica elsewhere (it may go away: a drained node stays up, and
+the nodes taking its place pull its ranks' copies from its memory while their workers
+start), the attempt ends with cause PREEMPTED (class preempted: restarted at once, not
+charged), and the next one runs without the leaving nodes from that step. Past the
+drain's ``within`` seconds it ends all the same, and the next attempt resumes the newest
+step every rank holds (the failure says so). A job that cannot go on without a drained node
+keeps it (a drain stops new work, as Slurm's does) and says so once. A job whose ranks keep
+nothing in the agents' memory (none reported within 15 s) moves then, and resumes from its
+own checkpoints.
 
 May call ``attempt``, ``reputation`` (host names) and the store's drains; the engine is
 handed in.
@@ -106,6 +108,10 @@ class Move:
     whole: bool = False  # every node leaves: the job stops PREEMPTED (persisted, if it can)
     in_memory: float | None = None  # seconds from its start to every rank's save in memory
     persist: bool = False
+    # The leaving nodes stay up (drained, not noticed) and serve their ranks' copies: the move
+    # ends once every rank holds the step in memory, and the nodes taking their places pull
+    # those copies from them while their workers start (no replica sent during the move).
+    pull: bool = False
     # Node index -> the channel it was told the step on (None: it had none). A node that
     # attaches again meanwhile (a notice's SIGTERM may take its relay: Slurm's) is told again.
     told: dict[int, Any] = field(default_factory=dict)
@@ -194,8 +200,10 @@ class Mover:
                       "memory: the next attempt resumes from the job's own checkpoints", whole)
             return
         persist = whole and engine.spec.checkpoint.dir is not None
+        pull = not whole and not any(d.get("notice") for d in drains) and \
+            engine.holdings.serving(leaving)
         self.move = Move(attempt.number, leaving, reason, step, time.monotonic() + within,
-                         within, whole, persist=persist)
+                         within, whole, persist=persist, pull=pull)
         self._tell_step(engine, attempt, self.move)
         log.warning("%s drained (%s): every rank saves step %d%s, then the job %s",
                     self._names(leaving), reason, step, " and persists it" if persist else "",
@@ -212,12 +220,14 @@ class Mover:
             move.in_memory = time.monotonic() - began  # what the rest of the move took is
             log.info("every rank holds step %d in its node's memory, %.2fs after the move "
                      "began", move.step, move.in_memory)  # copies elsewhere (or persisted)
-        if engine.holdings.saved(move.step, placement, () if move.whole else move.nodes) and \
+        elsewhere = () if move.whole or move.pull else move.nodes
+        if engine.holdings.saved(move.step, placement, elsewhere) and \
                 (where is None or engine.holdings.persisted(move.step, placement)):
             took = time.monotonic() - began
             log.warning("every rank saved step %d%s, %.2fs after the move began", move.step,
-                        " and its copies elsewhere" if not move.whole else
-                        f" in {where}" if where else "", took)
+                        f" in {where}" if where else "" if move.whole else
+                        " (the leaving ranks' copies are pulled from their node)" if move.pull
+                        else " and its copies elsewhere", took)
             self._end(attempt, move.nodes, move.reason, f"every rank saved step {move.step}" +
                       (f", persisted in {where}" if where else "") + f" (in {took:.1f}s)",
                       move.whole)
@@ -285,7 +295,8 @@ class Mover:
     def _tell_step(engine: Engine, attempt: Attempt, move: Move) -> None:
         """The agreed step to each participant not yet told it on the channel it has now
         (a command sent while a node's channel is down is lost with it), holding for what is
-        left of the move; only the leaving nodes replicate meanwhile."""
+        left of the move; only the leaving nodes replicate meanwhile (none, where their
+        copies are pulled from them after it)."""
         command: C.SaveAt | None = None
         first = not move.told
         for index in attempt.participants:
@@ -303,7 +314,7 @@ class Mover:
                 command = C.SaveAt(move.step, max(0.0, move.deadline - time.monotonic()),
                                    move.persist)
             engine.pool.send(node, replace(
-                command, replicate=not move.whole and index in move.nodes))
+                command, replicate=not move.whole and not move.pull and index in move.nodes))
 
     def _names(self, nodes: tuple[int, ...]) -> str:
         return ", ".join(f"node {i} ({self.hosts[i]})" for i in nodes)

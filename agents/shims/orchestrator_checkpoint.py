@@ -19,9 +19,9 @@ Where a copy lives (docs/guides/checkpoints.md):
 - The agent then **seals** each save (``step-<S>.manifest``: a CRC-32 per chunk of the data
   and one of the meta) and **persists** every ``persist_every``-th one to
   ``$ORCHESTRATOR_CHECKPOINT_DIR/step-<S>/rank-<RANK>.{data,meta,manifest}``.
-- ``load()`` restores ``$ORCHESTRATOR_CHECKPOINT_STEP``, the step the controller found every
-  rank holding a good copy of, from the nearest copy that verifies: memory (mapped, not
-  copied), then persisted. A copy that does not verify is named on stderr, marked, skipped.
+- ``load()`` restores ``$ORCHESTRATOR_CHECKPOINT_STEP``, the step every rank has a good copy
+  of, from the nearest that verifies: memory (mapped; one pulled from another node waited
+  for), then persisted. A copy that does not verify is named on stderr, marked, skipped.
 
 Without an agent (plain ``torchrun``), ``save`` writes the same files to ``$ORCHESTRATOR_
 CHECKPOINT_DIR`` itself (synced before it returns), and ``load`` takes the newest step of which
@@ -455,9 +455,11 @@ def _memory_copy(torch, step):
     if not memory:
         return None
     rank_dir = os.path.join(memory, "rank-%d" % _rank())
+    F.await_pull(rank_dir)  # a copy the agent pulls from another node as the ranks start
     base = os.path.join(rank_dir, F.step_name(step))
     meta_bytes = F.read_bytes(base + ".meta")
     if meta_bytes is None or os.path.exists(base + ".corrupt"):
+        F.pull_failed(rank_dir, step)  # raises: the next attempt agrees on what is left
         return None
     # Not sealed yet (the agent has not read it): nothing is known wrong with it.
     man = F.read_json(base + ".manifest")
@@ -571,8 +573,7 @@ def _held_steps(root):
 
 
 def _distributed(torch):
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized()
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _agree(torch, candidates):
@@ -589,10 +590,9 @@ def _agree(torch, candidates):
 
 def _everyone(torch, good):
     """Whether every rank's copy verified (only this rank's without torch.distributed)."""
-    dist = torch.distributed
     if _distributed(torch):
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, bool(good))
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, bool(good))
         return all(everyone)
     return bool(good)
 

@@ -23,6 +23,10 @@ FORMAT = 1
 CHUNK = 16 << 20  # bytes a CRC covers: a corrupt byte names a chunk, not the whole copy
 WAKE_NAME = "wake"  # the agent's datagram socket in the memory root: a save pokes it
 SAVE_AT_NAME = "save-at"  # in the memory root: the step the controller asks every rank to save
+# In a rank's directory: its copy is being pulled from another node (the content: until when,
+# by the node's clock, its load waits), and why the pull failed (JSON: step, error).
+PULLING_NAME = "pulling"
+PULL_FAILED_NAME = "pull-failed"
 OWN_BELOW = 1 << 16  # bytes: a loaded tensor this small is a copy, not a view of the whole
 ALIGN = 64
 MEMORY_VAR = "ORCHESTRATOR_CHECKPOINT_MEMORY"
@@ -88,6 +92,29 @@ def hold(memory, step):
 
 _reported = [0.0]  # when this process last reported its step (report_step)
 REPORT_EVERY = 0.2  # seconds
+
+
+def await_pull(rank_dir):
+    """Wait while the agent pulls this rank's copy from another node (this one took a
+    drained or lost one's place), up to the time the agent wrote (agents/pulls.py)."""
+    path = os.path.join(rank_dir, PULLING_NAME)
+    while True:
+        text = read_bytes(path, 64)
+        try:
+            if text is None or time.time() >= float(text):
+                return
+        except ValueError:
+            return
+        time.sleep(0.02)
+
+
+def pull_failed(rank_dir, step):
+    """Raises CheckpointError where the agent could not pull this rank's copy of ``step``."""
+    failed = read_json(os.path.join(rank_dir, PULL_FAILED_NAME), 8192)
+    if failed is not None and failed.get("step") == step:
+        raise CheckpointError("%s has no copy of step %d, the step every rank was to resume: %s"
+                              % (os.path.basename(rank_dir).replace("-", " "), step,
+                                 str(failed.get("error"))[:2000]))
 
 
 def report_step(step):

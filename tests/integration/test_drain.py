@@ -93,6 +93,12 @@ def test_a_drained_node_leaves_at_a_step_every_rank_saved_and_the_spare_goes_on(
         assert done.returncode == 0 and f"drained {node} for {job}" in done.stdout, done
 
     drain_moves_to_the_spare(job_id, out, by_cli)
+    # A drained node stays up: the move ended once every rank held the step in memory, and
+    # the spare pulled the leaving ranks' copies from the drained node as its workers started.
+    log = (home / "jobs" / job_id / "controller.log").read_text()
+    assert "(the leaving ranks' copies are pulled from their node)" in log and \
+        "(2 ranks from the memory of the node(s) leaving)" in log, \
+        [ln for ln in log.splitlines() if "every rank saved" in ln or "resumes checkpoint" in ln]
     assert [d["target"] for d in orchestrator.drains()] == ["1"]
     assert orchestrator.undrain_node("1", job=job_id) and orchestrator.drains() == []
 

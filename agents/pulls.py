@@ -1,0 +1,112 @@
+"""Copies of ranks that now run on this node (it took a lost or drained node's place), into
+its memory as if saved here, as its attempt starts.
+
+The controller names them (``checkpoint.pulls`` of ``start``: orchestrator/checkpoints.py).
+One this node keeps as a replica is taken at once (a rename). One from another node (a
+buddy's replica, or a drained node's own save) is pulled on a thread of its own while the
+workers start; the rank's ``load()`` waits for it (``F.PULLING_NAME`` in the rank's
+directory; measured: a drain's replacement waited 1.4 s for its copies before its workers
+could start, which then took 1.8 s to start, join and allocate). A pull that fails is said
+in the agent's log, and its rank's load says so (``F.PULL_FAILED_NAME``) instead of every
+rank agreeing on nothing and starting from scratch.
+
+May call ``replicas`` and the checkpoint format; the store (agents/checkpoints.py) calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable
+
+from agents import commands as C
+from agents.replicas import ReplicaError, Server
+from agents.replicas import pull as pull_replica
+from agents.shims import orchestrator_checkpoint_format as F
+
+PULL_WAIT = 600.0  # seconds a rank's load waits for its copy pulled from another node at most
+
+
+def install(root: str, secret: str, replicas: Server | None, pulls: tuple[C.Pull, ...],
+            problem: Callable[[str], None], done: Callable[[], None]) -> None:
+    """Installs ``pulls`` into the memory at ``root``: what is held here at once, the rest
+    on threads (``done`` is called after each: what the node holds is news)."""
+    for name in _listdir(root):  # an attempt before's
+        if F.parse_step(name, prefix="rank-") is not None:
+            _unlink(os.path.join(root, name, F.PULL_FAILED_NAME))
+    for pull in pulls:
+        try:
+            if _install(root, secret, replicas, pull, fetch=False):
+                continue
+            F.write_file(os.path.join(root, f"rank-{pull.rank}", F.PULLING_NAME),
+                         str(time.time() + PULL_WAIT).encode())
+        except (OSError, ValueError) as exc:
+            _failed(root, pull, exc, problem)
+            continue
+        threading.Thread(target=_fetch, args=(root, secret, replicas, pull, problem, done),
+                         daemon=True, name=f"pull-{pull.rank}").start()
+
+
+def _fetch(root: str, secret: str, replicas: Server | None, pull: C.Pull,
+           problem: Callable[[str], None], done: Callable[[], None]) -> None:
+    try:
+        _install(root, secret, replicas, pull, fetch=True)
+    except (OSError, ReplicaError, ValueError) as exc:
+        _failed(root, pull, exc, problem)
+    finally:  # after the failure is written: the load reads it once this is gone
+        _unlink(os.path.join(root, f"rank-{pull.rank}", F.PULLING_NAME))
+        done()
+
+
+def _failed(root: str, pull: C.Pull, exc: Exception, problem: Callable[[str], None]) -> None:
+    text = (f"checkpoint: no copy of step {pull.step} of rank {pull.rank} from "
+            f"{pull.address}:{pull.port}: {exc}")
+    problem(text)
+    try:
+        F.write_file(os.path.join(root, f"rank-{pull.rank}", F.PULL_FAILED_NAME),
+                     json.dumps({"step": pull.step, "error": text}).encode())
+    except OSError:
+        pass
+
+
+def _install(root: str, secret: str, replicas: Server | None, pull: C.Pull,
+             fetch: bool) -> bool:
+    """One rank's copy into a new slot of its directory: from this node's own replicas (a
+    rename) or, with ``fetch``, pulled from the node that holds it, marked as pulled (its
+    load says "buddy"). False: not held here, and not ``fetch``."""
+    rank_dir = os.path.join(root, f"rank-{pull.rank}")
+    os.makedirs(rank_dir, mode=0o700, exist_ok=True)
+    numbers = [F.parse_step(n, prefix="slot-") for n in _listdir(rank_dir)]
+    slot = max([n for n in numbers if n is not None], default=-1) + 1
+    path = os.path.join(rank_dir, f"slot-{slot}")
+    own = replicas.take(pull.rank, pull.step, path) if replicas else None
+    if own is None and not fetch:
+        return False
+    meta_bytes, manifest = own or pull_replica(
+        pull.address, pull.port, secret, pull.rank, pull.step, path)
+    meta = json.loads(meta_bytes)
+    meta.update(slot=slot, persist=False, pulled=True)
+    meta_bytes = json.dumps(meta).encode()
+    man = json.loads(manifest)
+    man["meta"] = zlib.crc32(meta_bytes)  # the data's checksums stay the sender's
+    base = os.path.join(rank_dir, F.step_name(pull.step))
+    F.write_file(base + ".meta", meta_bytes)
+    F.write_file(base + ".manifest", json.dumps(man).encode())
+    return True
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
