@@ -400,7 +400,7 @@ class Server:
 
     def _own(self, rank: int, step: int) -> tuple[bytes, bytes, int, int] | None:
         """The same of a save of this node's own ranks, in its memory (a drained node's,
-        pulled by its replacement: agents/checkpoints.py). Its slot stays under a shared
+        pulled by its replacement: agents/pulls.py). Its slot stays under a shared
         lock while it is sent (a save takes an exclusive one); one not sealed yet is waited
         for up to SEAL_WAIT seconds (the agent seals it: a CRC pass over its bytes)."""
         base = os.path.join(self.memory, f"rank-{rank}", F.step_name(step))
