@@ -39,6 +39,7 @@ class Holdings:
         self.below: int | None = None  # the next attempt resumes a step older than this
         self.fell_back = False  # that happened once in this job (policy.decide)
         self._leaving: frozenset[int] = frozenset()  # drained or noticed: never a spare
+        self._up: frozenset[int] = frozenset()  # of them, drained only: their memory serves
 
     def update(self, node_index: int, held: P.Held) -> None:
         self._nodes[node_index] = held
@@ -104,7 +105,7 @@ class Holdings:
     def _sources(self, rank: int) -> dict[int, int]:
         """Step -> a node index that serves a copy of ``rank`` at that step: a replica, else a
         leaving node's own memory (drained: it stays up while its replacement pulls)."""
-        out = {step: index for index in sorted(self._leaving)
+        out = {step: index for index in sorted(self._up)
                if (held := self._nodes.get(index)) is not None and held.port is not None
                for step in held.memory.get(rank, ())}
         out.update(self._replicated(rank))
@@ -220,10 +221,12 @@ class Holdings:
         self._retained = step
         return C.Retain(step)
 
-    def set_leaving(self, nodes: Iterable[int]) -> None:
+    def set_leaving(self, nodes: Iterable[int], staying_up: Iterable[int] = ()) -> None:
         """Nodes drained or noticed (orchestrator/drain.py): they take no failed node's place,
-        so no copies go to them as a spare's."""
-        self._leaving = frozenset(nodes)
+        so no copies go to them as a spare's. Of them, ``staying_up`` (drained, with no
+        notice: they do not go away) hand their ranks' copies to the nodes that replace them;
+        a noticed node's copies count only as replicas elsewhere."""
+        self._leaving, self._up = frozenset(nodes), frozenset(staying_up)
 
     def buddies(self, ring: list[int], addresses: Mapping[int, str],
                 spares: Sequence[int] = ()) -> dict[int, C.ReplicateTo]:

@@ -133,7 +133,8 @@ class Mover:
     def look(self, engine: Engine) -> None:
         self.drained = {**noticed(engine.nodes, self.job_id),
                         **drained(self.store.drains(), self.job_id, self.hosts)}
-        engine.holdings.set_leaving(self.drained)
+        engine.holdings.set_leaving(self.drained, [i for i, d in self.drained.items()
+                                                   if not d.get("notice")])
         attempt = engine.current
         if attempt is None or attempt.ended or attempt.failure is not None or \
                 attempt.stopping or engine.state != JobState.RUNNING:

@@ -43,7 +43,9 @@ def test_a_leaving_nodes_memory_is_where_its_ranks_copies_come_from():
     h.update(2, held({}, {0: [5], 1: [5], 2: [5], 3: [5]}, port=4002))  # the spare
     where = {0: 0, 1: 0, 2: 2, 3: 2}
     assert h.agreed_step(where) == 5  # a node's memory is no source while it stays in
-    h.set_leaving([1])
+    h.set_leaving([1])  # nor a noticed one's: it may be gone before the copies are
+    assert h.agreed_step(where) == 5
+    h.set_leaving([1], staying_up=[1])  # drained
     assert h.agreed_step(where) == 9
     addresses = {0: "10.0.0.1", 1: "10.0.0.2", 2: "10.0.0.3"}
     pulls = h.pulls(where, 9, addresses)
