@@ -171,6 +171,8 @@ class Controller:
         every agent that answers is told to stop its workers and exit (none is started),
         then the end is recorded."""
         engine = self.engine
+        # As the last controller left them (from nothing, an agent's messages were a gap).
+        engine.book.restore(self.store.get_job(self.job_id).nodes)
         engine.enter(Phase.LINGERING)  # whatever attaches is shut down
         for node in self.nodes:
             engine.pool.connect(node, launch=False)

@@ -202,10 +202,16 @@ def test_cancel_ends_a_failing_job_at_once(home, tmp_path, monkeypatch):
     job_id = orchestrator.submit(spec(tmp_path, env={"STEPS": "2000", "STEP_SLEEP": "0.05"}))
     wait_for(lambda: orchestrator.status(job_id)["controller"]["failing"], 40,
              what="the controller shown failing")
+    agent = orchestrator.status(job_id)["nodes"][0]["agent_pid"]
     started = time.monotonic()
     result = orchestrator.cancel(job_id, wait_seconds=30)
     assert result["state"] == "CANCELLED" and time.monotonic() - started < 15, result
     assert_no_job_processes(job_id, within=10)
+    # And its agent, told to shut down: not left waiting controller_grace for a controller
+    # (the abandon read a gap in its messages, relaunched it and crashed on RUNNING -> PENDING).
+    wait_for(lambda: not os.path.exists(f"/proc/{agent}"), 15, what=f"agent {agent} gone")
+    log = (home / "jobs" / job_id / "controller.log").read_text()
+    assert "InvalidTransition" not in log and "missing: reattaching" not in log, log[-3000:]
 
 
 @contextlib.contextmanager
