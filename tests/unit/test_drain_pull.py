@@ -27,7 +27,7 @@ from agents.replicas import ReplicaError, Server, pull
 from agents.shims import orchestrator_checkpoint as ckpt
 from agents.shims import orchestrator_checkpoint_format as F
 from orchestrator.checkpoints import Holdings
-from orchestrator.drain import Move, Mover
+from orchestrator.drain import Mover
 from tests.unit.test_checkpoint_store import Outbox, store  # noqa: F401 (a fixture)
 
 
@@ -65,8 +65,6 @@ def test_a_drain_ends_at_every_rank_in_memory_and_a_notice_waits_for_replicas():
     nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True, info=None)
              for i in range(3)]
     holdings = Holdings()
-    holdings.update(0, held({0: [9], 1: [9]}, port=4000))
-    holdings.update(1, held({2: [9], 3: [9]}, port=4001))
     sent: list = []
     engine = SimpleNamespace(nodes=nodes, holdings=holdings, spec=SimpleNamespace(
         checkpoint=SimpleNamespace(dir=None), min_nodes=2), pool=SimpleNamespace(
@@ -74,22 +72,33 @@ def test_a_drain_ends_at_every_rank_in_memory_and_a_notice_waits_for_replicas():
     plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n, workers=[
         SimpleNamespace(rank=2 * n + i) for i in range(2)]) for n in (0, 1)])
     attempt = SimpleNamespace(number=1, participants=[0, 1], plan=plan, node_ranks={1: 1},
-                              fail=failed.append)
+                              node_plans={0: None, 1: None}, last_steps={}, fail=failed.append)
     mover = Mover("j", None, {0: "n0", 1: "n1", 2: "n2"})  # type: ignore[arg-type]
     for notice in (False, True):
         failed.clear()
         sent.clear()
-        mover.move = Move(1, (1,), "maintenance", 9, time.monotonic() + 60, 60.0,
-                          pull=not notice)
-        mover._check(engine, attempt)  # type: ignore[arg-type]
+        mover.move = None
+        holdings.update(0, held({0: [9], 1: [9]}, port=4000))
+        holdings.update(1, held({2: [9], 3: [9]}, port=4001))
+        mover.drained = {1: {"target": "1", "job_id": "j", "since": 0.0, "reason": "maintenance",
+                             "within": 60.0, **({"notice": True} if notice else {})}}
+        holdings.set_leaving([1], [] if notice else [1])
+        mover._begin(engine, attempt)  # type: ignore[arg-type]
+        move = mover.move
+        assert move is not None and move.pull is not notice and move.step == 11  # 9 + MARGIN
         # Told the step: only a noticed node replicates (a drained one's copies are pulled).
-        assert [(i, c.step, c.replicate) for i, c in sent] == [(0, 9, False), (1, 9, notice)]
+        assert [(i, c.step, c.replicate) for i, c in sent] == [(0, 11, False), (1, 11, notice)]
+        holdings.update(0, held({0: [9, 11], 1: [9, 11]}, port=4000))
+        holdings.update(1, held({2: [9, 11], 3: [9, 11]}, port=4001))
+        mover._check(engine, attempt)  # type: ignore[arg-type]
         if notice:  # its ranks are in node 1's memory only: the move waits
-            assert failed == [] and mover.move is not None
+            assert failed == [] and mover.move is move
         else:
             (failure,) = failed
             assert failure.message.startswith("node 1 (n1) drained (maintenance): every rank "
-                                              "saved step 9"), failure.message
+                                              "saved step 11"), failure.message
+            # The next attempt: node 1's ranks on the spare, from node 1's memory.
+            assert holdings.agreed_step({0: 0, 1: 0, 2: 2, 3: 2}) == 11
 
 
 @pytest.fixture
