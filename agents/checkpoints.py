@@ -40,7 +40,7 @@ from agents import commands as C
 from agents import protocol as P
 from agents import rankfiles
 from agents.outbox import Outbox
-from agents.paths import memory_root, own_memory, sweep_memory
+from agents.paths import entries, memory_root, own_memory, remove, sweep_memory
 from agents.pulls import install
 from agents.replicas import ReplicaError, Server
 from agents.replicas import push as push_replica
@@ -136,7 +136,7 @@ class Store:
         if not self.deferred:
             self._wake.set()
         if at.step is None:
-            _unlink(path)
+            remove(path)
         else:  # the hold's end by this node's clock, which the workers share
             F.write_file(path, F.save_at_text(at.step, time.time() + at.hold))
 
@@ -163,7 +163,7 @@ class Store:
                 self._loading = (time.monotonic() + LOAD_FIRST, local_ranks) \
                     if config.restore_step is not None else None
                 self._discard_after(config.restore_step)
-                _unlink(os.path.join(self.root, F.SAVE_AT_NAME))  # an attempt before's
+                remove(os.path.join(self.root, F.SAVE_AT_NAME))  # an attempt before's
         budget = config.memory or default_memory()
         return {F.MEMORY_VAR: self.root,
                 F.BUDGET_VAR: str(budget // max(1, local_ranks)),
@@ -177,20 +177,20 @@ class Store:
         them), and must never be mixed with the new one's. Persisted copies go only when a
         step is resumed (a first attempt may resume from them)."""
         self._pushed.clear()
-        _unlink(os.path.join(self.root, "retain"))
+        remove(os.path.join(self.root, "retain"))
 
         def later(s: int | None) -> bool:
             return s is not None and (step is None or s > step)
         for rank, rank_dir in self._rank_dirs():
-            for name in _listdir(rank_dir):
+            for name in entries(rank_dir):
                 if later(F.parse_step(name, suffix=".meta")):
                     for suffix in (".meta", ".manifest", ".persisted", ".corrupt"):
-                        _unlink(os.path.join(rank_dir, name[:-5] + suffix))
+                        remove(os.path.join(rank_dir, name[:-5] + suffix))
             if self.persist_dir and step is not None:
                 for old in F.persisted_steps(self.persist_dir, rank):
                     if old > step:
                         for suffix in (".manifest", ".corrupt", ".meta", ".data"):
-                            _unlink(os.path.join(F.persisted_dir(self.persist_dir, old),
+                            remove(os.path.join(F.persisted_dir(self.persist_dir, old),
                                                  f"rank-{rank}{suffix}"))
         if self.replicas is not None:
             self.replicas.retain = None
@@ -276,7 +276,7 @@ class Store:
             if any(set(_unsealed(d)) - left.get(d, set()) for _, d in ranks):
                 return  # a new save: sealed first, by the next pass
             for rank, rank_dir in ranks:
-                names = set(_listdir(rank_dir))
+                names = set(entries(rank_dir))
                 steps = [s for s in (F.parse_step(n, suffix=".manifest") for n in names)
                          if s is not None and (asked is None or s == asked)
                          and (floor is None or s >= floor)]
@@ -408,7 +408,7 @@ class Store:
         ranks = self._rank_dirs()
         for rank, rank_dir in ranks:
             steps = []
-            names = _listdir(rank_dir)
+            names = entries(rank_dir)
             for name in names:
                 step = F.parse_step(name, suffix=".meta")
                 if step is not None:
@@ -490,22 +490,8 @@ def _restored(path: str) -> list[Any] | None:
     return values if 0 <= seconds < 1e9 else None
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
 def _unsealed(rank_dir: str) -> dict[int, bytes]:
-    names = set(_listdir(rank_dir))
+    names = set(entries(rank_dir))
     out = {}
     for name in names:
         step = F.parse_step(name, suffix=".meta")
@@ -520,11 +506,11 @@ def _unsealed(rank_dir: str) -> dict[int, bytes]:
 def _persisted(root: str) -> dict[int, list[int]]:
     """``{rank: [steps]}`` with a sealed copy in ``root``."""
     out: dict[int, list[int]] = {}
-    for name in _listdir(root):
+    for name in entries(root):
         step = F.parse_step(name)
         if step is None:
             continue
-        for entry in _listdir(os.path.join(root, name)):
+        for entry in entries(os.path.join(root, name)):
             rank = F.parse_step(entry, prefix="rank-", suffix=".manifest")
             if rank is not None:
                 out.setdefault(rank, []).append(step)
@@ -558,4 +544,3 @@ def _sync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-

@@ -244,3 +244,19 @@ class Lock:
 
     def __exit__(self, *_: object) -> None:
         os.close(self.fd)
+
+
+def entries(path: str) -> list[str]:
+    """The names in a directory; none when it is gone (or unreadable)."""
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def remove(path: str) -> None:
+    """Unlink ``path``; one already gone (or not ours to remove) is no matter."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -23,6 +23,7 @@ import zlib
 from collections.abc import Callable
 
 from agents import commands as C
+from agents.paths import entries, remove
 from agents.replicas import ReplicaError, Server
 from agents.replicas import pull as pull_replica
 from agents.shims import orchestrator_checkpoint_format as F
@@ -34,9 +35,9 @@ def install(root: str, secret: str, replicas: Server | None, pulls: tuple[C.Pull
             problem: Callable[[str], None], done: Callable[[], None]) -> None:
     """Installs ``pulls`` into the memory at ``root``: what is held here at once, the rest
     on threads (``done`` is called after each: what the node holds is news)."""
-    for name in _listdir(root):  # an attempt before's
+    for name in entries(root):  # an attempt before's
         if F.parse_step(name, prefix="rank-") is not None:
-            _unlink(os.path.join(root, name, F.PULL_FAILED_NAME))
+            remove(os.path.join(root, name, F.PULL_FAILED_NAME))
     for pull in pulls:
         try:
             if _install(root, secret, replicas, pull, fetch=False):
@@ -57,7 +58,7 @@ def _fetch(root: str, secret: str, replicas: Server | None, pull: C.Pull,
     except (OSError, ReplicaError, ValueError) as exc:
         _failed(root, pull, exc, problem)
     finally:  # after the failure is written: the load reads it once this is gone
-        _unlink(os.path.join(root, f"rank-{pull.rank}", F.PULLING_NAME))
+        remove(os.path.join(root, f"rank-{pull.rank}", F.PULLING_NAME))
         done()
 
 
@@ -79,7 +80,7 @@ def _install(root: str, secret: str, replicas: Server | None, pull: C.Pull,
     load says "buddy"). False: not held here, and not ``fetch``."""
     rank_dir = os.path.join(root, f"rank-{pull.rank}")
     os.makedirs(rank_dir, mode=0o700, exist_ok=True)
-    numbers = [F.parse_step(n, prefix="slot-") for n in _listdir(rank_dir)]
+    numbers = [F.parse_step(n, prefix="slot-") for n in entries(rank_dir)]
     slot = max([n for n in numbers if n is not None], default=-1) + 1
     path = os.path.join(rank_dir, f"slot-{slot}")
     own = replicas.take(pull.rank, pull.step, path) if replicas else None
@@ -96,17 +97,3 @@ def _install(root: str, secret: str, replicas: Server | None, pull: C.Pull,
     F.write_file(base + ".meta", meta_bytes)
     F.write_file(base + ".manifest", json.dumps(man).encode())
     return True
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

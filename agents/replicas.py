@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agents.fields import MAX_COUNT, MAX_RANK, Fields, ProtocolError
+from agents.paths import entries, remove
 from agents.shims import orchestrator_checkpoint_format as F
 
 KEEP = 4  # replicas kept per rank until the controller says which step to retain
@@ -169,7 +170,7 @@ def _receive_to(conn: socket.socket, path: str, meta: bytes, man: dict[str, Any]
         if why is not None:
             raise ReplicaError(f"the copy failed verification: {why}")
     except BaseException:
-        _unlink(path)
+        remove(path)
         raise
     finally:
         os.close(fd)
@@ -229,12 +230,12 @@ class Server:
         """``({rank: [steps]}, bytes)`` of the replicas kept here."""
         held: dict[int, list[int]] = {}
         used = 0
-        for name in _listdir(self.root):
+        for name in entries(self.root):
             rank = F.parse_step(name, prefix="rank-")
             if rank is None:
                 continue
             directory = os.path.join(self.root, name)
-            for entry in _listdir(directory):
+            for entry in entries(directory):
                 step = F.parse_step(entry, suffix=".manifest")
                 if step is not None:
                     held.setdefault(rank, []).append(step)
@@ -303,7 +304,7 @@ class Server:
             except FileExistsError:
                 pass
             for suffix in (".manifest", ".meta", ".data"):  # an older copy of this step goes
-                _unlink(base + suffix)
+                remove(base + suffix)
         # A name of this transfer's own: two nodes may send the same copy at once (a spare's
         # and the leaving node's), and a file cut short under a mapping is a SIGBUS.
         tmp = f"{base}.data.{secrets.token_hex(8)}.tmp"
@@ -331,26 +332,26 @@ class Server:
 
     def discard(self, which: Callable[[int | None], bool]) -> None:
         """Replicas of the steps ``which`` names go (a new attempt left them behind)."""
-        for name in _listdir(self.root):
+        for name in entries(self.root):
             rank_dir = os.path.join(self.root, name)
             with self._lock:
-                for entry in _listdir(rank_dir):
+                for entry in entries(rank_dir):
                     if which(F.parse_step(entry, suffix=".manifest")):
                         for suffix in (".manifest", ".meta", ".data"):
-                            _unlink(os.path.join(rank_dir, entry[:-9] + suffix))
+                            remove(os.path.join(rank_dir, entry[:-9] + suffix))
 
     def prune(self, directory: str | None = None) -> None:
         """Replicas older than the retained step go (the newest of a rank always stays)."""
         for rank_dir in [directory] if directory else [
-                os.path.join(self.root, n) for n in _listdir(self.root)]:
+                os.path.join(self.root, n) for n in entries(self.root)]:
             with self._lock:
                 steps = sorted(s for s in (F.parse_step(n, suffix=".manifest")
-                                           for n in _listdir(rank_dir)) if s is not None)
+                                           for n in entries(rank_dir)) if s is not None)
                 retain = self.retain
                 old = steps[:-KEEP] if retain is None else [s for s in steps[:-1] if s < retain]
                 for step in old:
                     for suffix in (".manifest", ".meta", ".data"):
-                        _unlink(os.path.join(rank_dir, f"step-{step}{suffix}"))
+                        remove(os.path.join(rank_dir, f"step-{step}{suffix}"))
 
     def take(self, rank: int, step: int, data_path: str) -> tuple[bytes, bytes] | None:
         """This node's replica of ``rank`` at ``step`` moved to ``data_path``, and its (meta,
@@ -367,7 +368,7 @@ class Server:
             except OSError:
                 return None
             for suffix in (".manifest", ".meta"):
-                _unlink(base + suffix)
+                remove(base + suffix)
         return meta, manifest
 
     def _get(self, conn: socket.socket, header: Fields) -> None:
@@ -478,17 +479,3 @@ def _ok(line: Fields) -> bool:
         return bool(line.flag("ok", False))
     except ProtocolError:
         return False
-
-
-def _listdir(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
