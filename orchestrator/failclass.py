@@ -7,7 +7,8 @@ cluster's own failures::
     user            the program failed on its own: a Python exception, a nonzero exit
     infrastructure  a node or agent lost, a worker killed from outside (SIGKILL: the kernel's
                     OOM killer, most often), a bus error, a gloo/NCCL connection or timeout
-                    error, a GPU error, a host that cannot be reached
+                    error, a GPU error, a host that cannot be reached, a checkpoint copy
+                    that could not be pulled from another node
     preempted       a SIGTERM (or SIGHUP, SIGINT) from outside the orchestrator: ours never
                     end an attempt's first failure (e.g. a Slurm preemption); a planned
                     move off drained nodes (orchestrator/drain.py)
@@ -54,7 +55,8 @@ _INFRA_LINE = re.compile(
     r"|NCCL (error|communicator was aborted)|nccl(System|Remote|Internal)Error"
     r"|Socket Timeout|Watchdog caught collective operation timeout"
     r"|\bXid\b|uncorrectable ECC|ECC error|cudaErrorECCUncorrectable"
-    r"|unspecified launch failure|GPU is lost|fell off the bus",
+    r"|unspecified launch failure|GPU is lost|fell off the bus"
+    r"|no copy of step \d+ of rank \d+ from",  # a copy not pulled (agents/pulls.py)
     re.IGNORECASE)
 _PREEMPTING = frozenset({"SIGTERM", "SIGHUP", "SIGINT"})
 _INFRA_SIGNALS = {"SIGKILL": "killed by SIGKILL from outside the orchestrator (the kernel's "

@@ -49,6 +49,12 @@ def test_what_the_infrastructure_did():
     nccl = classify(worker(tail=["torch.distributed.DistBackendError: NCCL error in: x, "
                                  "unhandled system error (run with NCCL_DEBUG=INFO)"]))
     assert nccl.klass == FailureClass.INFRASTRUCTURE
+    # Ours: a rank whose copy of the agreed step could not be pulled (agents/pulls.py).
+    pulled = classify(worker(tail=[
+        "orchestrator_checkpoint_format.CheckpointError: rank 2 has no copy of step 23, the "
+        "step every rank was to resume: checkpoint: no copy of step 23 of rank 2 from "
+        "10.0.0.2:4001: the peer has no replica of step 23 of rank 2"]))
+    assert pulled.klass == FailureClass.INFRASTRUCTURE, pulled
     node = classify(Failure(FailureCause.NODE_FAIL, "b: heartbeats stopped"))
     assert node.klass == FailureClass.INFRASTRUCTURE and "b: heartbeats stopped" in node.evidence
     unreachable = classify(Failure(FailureCause.LAUNCH_FAILED, "b: [Errno 113] No route to host"))
