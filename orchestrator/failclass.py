@@ -13,7 +13,9 @@ cluster's own failures::
                     end an attempt's first failure (e.g. a Slurm preemption); a planned
                     move off drained nodes (orchestrator/drain.py)
     hung            no output and no heartbeat for health.hang_timeout
-    unknown         none of those (SIGSEGV, SIGABRT, max_duration)
+    unknown         none of those (SIGSEGV, SIGABRT, max_duration); but a SIGABRT right
+                    after an uncaught exception (C++ ``terminate`` as the interpreter exits)
+                    is that exception's class
 
 ``signature`` is the error itself (exception type and innermost frame), from torch's error
 file or the traceback at the end of the rank's stderr. Pure: no I/O.
@@ -58,6 +60,8 @@ _INFRA_LINE = re.compile(
     r"|unspecified launch failure|GPU is lost|fell off the bus"
     r"|no copy of step \d+ of rank \d+ from",  # a copy not pulled (agents/pulls.py)
     re.IGNORECASE)
+# What the C++ runtime prints as it aborts a process on its way out (a thread left running).
+_ABORT_LINE = re.compile(r"terminate called |\s*what\(\):|Aborted( \(core dumped\))?$")
 _PREEMPTING = frozenset({"SIGTERM", "SIGHUP", "SIGINT"})
 _INFRA_SIGNALS = {"SIGKILL": "killed by SIGKILL from outside the orchestrator (the kernel's "
                              "OOM killer, most often)",
@@ -98,6 +102,8 @@ def classify(failure: Failure) -> Verdict:
     line = _infra_line(failure.stderr_tail)
     if line is not None:
         return Verdict(FailureClass.INFRASTRUCTURE, line)
+    if sig == "SIGABRT" and _aborted_exiting(failure):
+        return Verdict(FailureClass.USER, f"{exception_line(failure)} (then SIGABRT, exiting)")
     if sig is not None:
         return Verdict(FailureClass.UNKNOWN, f"killed by {sig}")
     error = exception_line(failure)
@@ -113,6 +119,21 @@ def _infra_line(lines: list[str]) -> str | None:
         if _INFRA_LINE.search(line):
             return _RANK_PREFIX.sub("", line).strip()[:300]
     return None
+
+
+def _aborted_exiting(failure: Failure) -> bool:
+    """The rank's stderr ends with an uncaught exception and then only the C++ runtime's
+    abort: the program failed of its exception and the abort came with the interpreter's
+    exit (a thread torch left running), which is no second error."""
+    error = exception_line(failure)
+    if error is None:
+        return False
+    tail = [_RANK_PREFIX.sub("", line) for line in failure.stderr_tail]
+    after = next((tail[i + 1:] for i in range(len(tail) - 1, -1, -1)
+                  if tail[i].strip() == error), None)
+    if after is None:  # the exception came from torch's error file, not the tail
+        return bool(failure.error_file)
+    return all(not line.strip() or _ABORT_LINE.match(line) for line in after)
 
 
 def _traceback_lines(failure: Failure) -> list[str]:

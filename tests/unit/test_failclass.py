@@ -70,6 +70,24 @@ def test_preempted_hung_and_unknown():
     assert segv.klass == FailureClass.UNKNOWN and segv.evidence == "killed by SIGSEGV"
 
 
+def test_an_abort_while_exiting_after_an_exception_is_that_exception():
+    """A rank that raised and then aborted as the interpreter exited (C++ ``terminate`` from a
+    thread torch left running: seen in CI after a FloatingPointError) failed of its exception:
+    the user's class, so that the same error twice is still seen as one (stop_on_repeat)."""
+    raised = MISSING_IMPORT + ["terminate called without an active exception"]
+    aborted = classify(worker(code=None, sig="SIGABRT", tail=raised))
+    assert aborted.klass == FailureClass.USER, aborted
+    assert aborted.evidence.startswith("ModuleNotFoundError: No module named 'mymodel'")
+    assert same_error(worker(code=None, sig="SIGABRT", tail=raised), worker(tail=MISSING_IMPORT))
+    # An abort with anything else after the exception, or with no exception, is no bug of its.
+    later = raised[:-1] + ["[rank1]: still running", raised[-1]]
+    assert classify(worker(code=None, sig="SIGABRT", tail=later)).klass == FailureClass.UNKNOWN
+    bare = classify(worker(code=None, sig="SIGABRT", tail=["terminate called recursively"]))
+    assert bare.klass == FailureClass.UNKNOWN and bare.evidence == "killed by SIGABRT"
+    segv = classify(worker(code=None, sig="SIGSEGV", tail=MISSING_IMPORT))
+    assert segv.klass == FailureClass.UNKNOWN
+
+
 def test_the_signature_is_the_exception_type_and_the_innermost_frame():
     assert signature(worker(tail=MISSING_IMPORT)) == "ModuleNotFoundError at train.py:4"
     # torch's error file wins over the tail, and its innermost frame is the one raising.
