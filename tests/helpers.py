@@ -41,6 +41,28 @@ def job_processes(job_id: str) -> list[int]:
     return found
 
 
+def agent_processes(job_id: str) -> list[int]:
+    """Pids of live processes holding one of the job's agents' alive files open (its agents,
+    on any node of this machine: agents carry no job id in their environment)."""
+    prefix, found = f"{job_id}.", []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fds = os.listdir(f"/proc/{entry}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                parent, _, name = os.readlink(f"/proc/{entry}/fd/{fd}").rpartition("/")
+            except OSError:  # closed meanwhile
+                continue
+            if parent.endswith("/agents") and name.startswith(prefix) and name.endswith(".alive"):
+                found.append(int(entry))
+                break
+    return found
+
+
 def standby_processes(job_id: str) -> list[int]:
     """The job's warm standby interpreters (agents/standby.py), found by its job id."""
     out = []
@@ -67,10 +89,11 @@ def command_lines() -> list[bytes]:
 
 
 def assert_no_job_processes(job_id: str, within: float = 5.0) -> None:
-    """Every process of the job must be gone (within a short settling time)."""
+    """Every process of the job, its workers and its agents, must be gone (within a short
+    settling time)."""
     deadline = time.monotonic() + within
     while True:
-        left = job_processes(job_id)
+        left = sorted(set(job_processes(job_id)) | set(agent_processes(job_id)))
         if not left:
             return
         if time.monotonic() > deadline:
