@@ -117,6 +117,18 @@ class Move:
     told: dict[int, Any] = field(default_factory=dict)
 
 
+@dataclass
+class Lift:
+    """A move undrained before it ended: every participant is told the step is off, as it
+    was told the step (again on a channel it attaches on later). One not told would hold its
+    ranks at the step until the move's deadline, and send no replicas for the rest of the
+    attempt (its agent defers them during a move)."""
+
+    attempt: int
+    deadline: float  # the move's (monotonic)
+    told: dict[int, Any] = field(default_factory=dict)  # as Move.told
+
+
 class Mover:
     """The planned moves of one job (the engine's; its checks call :meth:`look`)."""
 
@@ -129,6 +141,7 @@ class Mover:
         self._seen: deque[tuple[float, int, int]] = deque(maxlen=PACE_CHANGES)
         self._placed: tuple[int, dict[int, int]] | None = None
         self._unsaved: dict[tuple[int, ...], float] = {}  # a drain seen before any save
+        self._lift: Lift | None = None
 
     def look(self, engine: Engine) -> None:
         self.drained = {**noticed(engine.nodes, self.job_id),
@@ -150,9 +163,10 @@ class Mover:
             else:  # undrained meanwhile: the ranks held at the step go on
                 log.warning("%s undrained: the job goes on there", self._names(move.nodes))
                 self.move = None
-                self._tell(engine, attempt, C.SaveAt(None))
+                self._lift = Lift(attempt.number, move.deadline)
         elif self.drained:
             self._begin(engine, attempt)
+        self._tell_lift(engine, attempt)
 
     def leave_out(self, healthy: list[Any], min_nodes: int) -> list[Any]:
         """``healthy`` nodes less the drained ones, where ``min_nodes`` allows."""
@@ -287,27 +301,30 @@ class Mover:
                  since, pace)
         return step
 
-    @staticmethod
-    def _tell(engine: Engine, attempt: Attempt, command: C.SaveAt) -> None:
-        for index in attempt.participants:
-            engine.pool.send(engine.nodes[index], command)
+    def _tell_lift(self, engine: Engine, attempt: Attempt) -> None:
+        """An undrained move's end to each participant not yet told it on the channel it has
+        now; until a new move, the next attempt, or the old deadline once every participant
+        was told on a channel."""
+        lift = self._lift
+        if lift is None:
+            return
+        if self.move is not None or lift.attempt != attempt.number or (
+                time.monotonic() > lift.deadline and
+                all(lift.told.get(i) is not None for i in attempt.participants)):
+            self._lift = None
+            return
+        for node in _untold(engine, attempt, lift.told):
+            engine.pool.send(node, C.SaveAt(None))
 
     @staticmethod
     def _tell_step(engine: Engine, attempt: Attempt, move: Move) -> None:
-        """The agreed step to each participant not yet told it on the channel it has now
-        (a command sent while a node's channel is down is lost with it), holding for what is
-        left of the move; only the leaving nodes replicate meanwhile (none, where their
-        copies are pulled from them after it)."""
+        """The agreed step to each participant not yet told it on the channel it has now,
+        holding for what is left of the move; only the leaving nodes replicate meanwhile
+        (none, where their copies are pulled from them after it)."""
         command: C.SaveAt | None = None
         first = not move.told
-        for index in attempt.participants:
-            node = engine.nodes[index]
-            channel = node.channel
-            if index in move.told and move.told[index] is channel:
-                continue
-            move.told[index] = channel
-            if channel is None:
-                continue
+        for node in _untold(engine, attempt, move.told):
+            index = node.index
             if not first:
                 log.info("%s attached again during the move: told step %d again", node.host,
                          move.step)
@@ -324,3 +341,18 @@ class Mover:
         if key not in self._said:
             self._said.add(key)
             log.warning(text, *args)
+
+
+def _untold(engine: Engine, attempt: Attempt, told: dict[int, Any]) -> list[Any]:
+    """The participants not yet told on the channel each has now (a command sent while a
+    node's channel is down is lost with it), marked told in ``told`` (index -> channel)."""
+    out = []
+    for index in attempt.participants:
+        node = engine.nodes[index]
+        channel = node.channel
+        if index in told and told[index] is channel:
+            continue
+        told[index] = channel
+        if channel is not None:
+            out.append(node)
+    return out

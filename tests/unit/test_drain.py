@@ -142,3 +142,51 @@ def test_only_the_leaving_nodes_replicate_during_a_move_the_job_survives():
     Mover._tell_step(engine, SimpleNamespace(participants=[0, 1, 2]), move)  # type: ignore[arg-type]
     assert [(i, c.step, c.replicate, c.persist) for i, c in sent] == [
         (0, 7, False, False), (1, 7, False, False), (2, 7, True, False)]
+
+
+def test_an_undrain_reaches_a_node_whose_channel_was_down_when_it_came():
+    """A move undrained while a node's channel is down: its ranks would hold at the step
+    until the move's deadline, and its agent send no replicas for the rest of the attempt
+    (replication is deferred during a move). The end of the move is told again on the channel
+    the node attaches on, as the step is, and not once a new move has begun."""
+    sent: list[tuple[int, C.SaveAt]] = []
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                             info=SimpleNamespace(notice=None)) for i in range(2)]
+    holdings = Holdings()
+    holdings.update(0, held({0: [9]}))
+    holdings.update(1, held({1: [9]}))
+    attempt = SimpleNamespace(number=1, participants=[0, 1], ended=False, failure=None,
+                              stopping=False, last_steps={}, node_plans={0: None, 1: None},
+                              plan=SimpleNamespace(nodes=[SimpleNamespace(
+                                  node_index=n, workers=[SimpleNamespace(rank=n)])
+                                  for n in (0, 1)]))
+    engine = SimpleNamespace(nodes=nodes, holdings=holdings, current=attempt,
+                             state=JobState.RUNNING, spec=SimpleNamespace(
+                                 checkpoint=SimpleNamespace(dir=None), min_nodes=1),
+                             pool=SimpleNamespace(send=lambda node, command:
+                                                  sent.append((node.index, command)) or True))
+    drains = [drain("1", "j")]
+    store = SimpleNamespace(drains=lambda: list(drains))
+    mover = Mover("j", store, {0: "n0", 1: "n1"})  # type: ignore[arg-type]
+    mover.look(engine)  # type: ignore[arg-type]
+    assert [(i, c.step) for i, c in sent] == [(0, 11), (1, 11)]  # the move: 9 + MARGIN
+    sent.clear()
+    nodes[0].channel = None  # its relay restarts
+    drains.clear()  # undrained
+    mover.look(engine)  # type: ignore[arg-type]
+    assert mover.move is None and [(i, c.step) for i, c in sent] == [(1, None)]
+    sent.clear()
+    mover.look(engine)  # type: ignore[arg-type]
+    assert sent == []  # told once on each channel
+    nodes[0].channel = object()  # attached again
+    mover.look(engine)  # type: ignore[arg-type]
+    assert [(i, c.step) for i, c in sent] == [(0, None)]
+    # Drained again: a new move, whose step a node attaching again is told, not its end.
+    sent.clear()
+    drains.append(drain("1", "j"))
+    mover.look(engine)  # type: ignore[arg-type]
+    assert [(i, c.step) for i, c in sent] == [(0, 11), (1, 11)]
+    sent.clear()
+    nodes[0].channel = object()
+    mover.look(engine)  # type: ignore[arg-type]
+    assert [(i, c.step) for i, c in sent] == [(0, 11)]
