@@ -39,7 +39,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from agents.fields import MAX_COUNT, MAX_RANK, Fields, ProtocolError
 from agents.paths import entries, remove
@@ -53,6 +53,7 @@ CONNECT_TIMEOUT = 5.0  # a buddy that does not answer: the next save tries again
 CONTEXT = b"orchestrator-replica-1"
 SEAL_WAIT = 10.0  # seconds a pull of a node's own save waits for the agent to seal it
 _BLOCK = 1 << 20
+_T = TypeVar("_T")
 
 
 class ReplicaError(Exception):
@@ -358,18 +359,13 @@ class Server:
         manifest); None if it holds none. For a node that now runs the ranks it held copies
         of: a rename, not a copy (1 GiB took 2.1 s through ``pull``). Verified on receipt,
         and again by the rank's load."""
-        base = os.path.join(self.root, f"rank-{rank}", f"step-{step}")
-        with self._lock:
-            meta, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
-            if meta is None or manifest is None:
-                return None
-            try:
-                os.rename(base + ".data", data_path)
-            except OSError:
-                return None
+        def move(base: str) -> None:
+            os.rename(base + ".data", data_path)
             for suffix in (".manifest", ".meta"):
                 remove(base + suffix)
-        return meta, manifest
+
+        found = self._held(rank, step, move)
+        return None if found is None else (found[0], found[1])
 
     def _get(self, conn: socket.socket, header: Fields) -> None:
         rank, step = _number(header, "rank", MAX_RANK), _number(header, "step", F.MAX_STEP)
@@ -388,16 +384,27 @@ class Server:
 
     def _replica(self, rank: int, step: int) -> tuple[bytes, bytes, int, int] | None:
         """(meta, manifest, an open fd, size) of this node's replica of ``rank`` at ``step``."""
+        found = self._held(rank, step,
+                           lambda base: os.open(base + ".data", os.O_RDONLY | os.O_CLOEXEC))
+        if found is None:
+            return None
+        meta, manifest, fd = found
+        return meta, manifest, fd, os.fstat(fd).st_size
+
+    def _held(self, rank: int, step: int,
+              act: Callable[[str], _T]) -> tuple[bytes, bytes, _T] | None:
+        """(meta, manifest, ``act(base)``) of this node's replica of ``rank`` at ``step``,
+        under the lock (a prune or discard waits); None where it holds none, or ``act``
+        finds its data gone (OSError)."""
         base = os.path.join(self.root, f"rank-{rank}", f"step-{step}")
         with self._lock:
             meta, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
             if meta is None or manifest is None:
                 return None
             try:
-                fd = os.open(base + ".data", os.O_RDONLY | os.O_CLOEXEC)
+                return meta, manifest, act(base)
             except OSError:
                 return None
-        return meta, manifest, fd, os.fstat(fd).st_size
 
     def _own(self, rank: int, step: int) -> tuple[bytes, bytes, int, int] | None:
         """The same of a save of this node's own ranks, in its memory (a drained node's,
