@@ -256,11 +256,11 @@ class Cluster:
         for i in range(len(self.hosts)):
             with contextlib.suppress(Exception):
                 _stop_pidfile(self.dir / f"sshd{i}.pid")
+        with contextlib.suppress(Exception):
+            # Whatever still runs in our namespaces was started through them (ssh sessions,
+            # agents, workers, exec()): ours to end.
+            _end_netns_processes([h.netns for h in self.hosts])
         for h in self.hosts:
-            with contextlib.suppress(Exception):
-                # Whatever still runs in our namespace was started through it (ssh sessions,
-                # agents, workers, exec()): ours to kill.
-                _kill_pids(_netns_pids(h.netns))
             with contextlib.suppress(Exception):
                 _run("ip", "netns", "del", h.netns, check=False)
             with contextlib.suppress(Exception):
@@ -1138,12 +1138,28 @@ def _netns_pids(netns: str) -> list[int]:
     return [int(p) for p in out.split() if p.isdigit()]
 
 
-def _kill_pids(pids: list[int]) -> None:
+def _kill_pids(pids: list[int], sig: int = signal.SIGKILL) -> None:
     me = os.getpid()
     for pid in pids:
         if pid != me:
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, sig)
+
+
+def _end_netns_processes(namespaces: list[str], grace: float = 1.0) -> None:
+    """Every process in ``namespaces``: SIGTERM, then SIGKILL to what is left after
+    ``grace`` seconds. Not SIGKILL at once: a login shell killed in the middle of its profile
+    can leave a lock that every later login of the machine's user waits for (pyenv's rehash,
+    run by a ~/.bashrc, takes one and lets go of it in an EXIT trap, which SIGTERM runs and
+    SIGKILL does not: seen after a benchmark's teardown, every SSH login of the next
+    clusters waited 60 s for it, and their jobs failed "agent did not answer")."""
+    for netns in namespaces:
+        _kill_pids(_netns_pids(netns), signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while any(_netns_pids(n) for n in namespaces) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for netns in namespaces:
+        _kill_pids(_netns_pids(netns))
 
 
 _SSHD_VERSION: tuple[int, int] | None = None

@@ -398,3 +398,20 @@ def test_cleanup_skips_a_tampered_registry_file(foreign, how):
         assert path.exists()
     finally:
         path.unlink(missing_ok=True)
+
+
+def test_down_lets_what_runs_in_the_namespaces_clean_up_after_itself(tmp_path):
+    """Teardown ends a host's processes with SIGTERM first: a shell's EXIT trap runs. A login
+    shell killed outright in its profile left a lock (pyenv's rehash) that every later SSH
+    login on this machine waited 60 s for, and every cluster test after it failed."""
+    c = local_cluster.Cluster(1, private_dir(tmp_path / "cl")).up()
+    left = tmp_path / "released"
+    try:
+        shell = c.exec(0, ["bash", "-c", f"trap 'touch {left}' EXIT; while :; do sleep 0.05; done"])
+        deadline = time.monotonic() + 10
+        while shell.pid not in c.netns_pids(0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        c.down()
+    shell.wait(timeout=10)
+    assert left.exists()
