@@ -13,8 +13,8 @@ something else was said within it (as ``agents/agent.py`` does) and numbered out
 a rate per rank. It can silence a node (a host that died: no message, no reply, no new
 connection), starve one for a while (no message; a new connection slow to come up) and end
 every running worker. What a fake agent says goes into a buffer first and into the socket
-as far as it has room (the driver keeps flushing): a controller that is behind never blocks
-the fakes.
+as far as it has room (the driver flushes the channels that have some left): a controller
+that is behind never blocks the fakes.
 
 Exits are scripted per attempt and rank: ``exits[attempt][rank]`` is an exit code, a
 signal name, or None (runs until stopped, or until :meth:`FakeCluster.finish`). Missing
@@ -31,7 +31,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 from agents import commands as C
@@ -48,7 +48,7 @@ class Wire:
     """One channel: a socketpair whose far end the fake agent writes to (buffered, never
     blocking), and whose near end the controller reads (``fileno``, ``read``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_backlog: Callable[[Wire], None] | None = None) -> None:
         self.near, self.far = socket.socketpair()
         for s in (self.near, self.far):
             s.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 21)
@@ -58,6 +58,8 @@ class Wire:
         self._lock = threading.Lock()
         self._ending = False
         self.framer = Framer()
+        # Told when bytes are left waiting for room (the cluster's driver flushes them later).
+        self.on_backlog = on_backlog
 
     def put(self, message: dict[str, Any] | None) -> None:
         """A message to the controller; None: the agent's end closes (after what is queued)."""
@@ -77,6 +79,8 @@ class Wire:
             try:
                 sent = self.far.send(self._pending)
             except BlockingIOError:
+                if self.on_backlog is not None:
+                    self.on_backlog(self)
                 return
             except OSError:
                 self._pending.clear()
@@ -338,7 +342,7 @@ class FakeLink:
     def __init__(self, agent: FakeAgent):
         self.agent = agent
         self.host = agent.host
-        self.wire = Wire()
+        self.wire = Wire(agent.cluster.backlog if agent.cluster is not None else None)
         self.framer = self.wire.framer
 
     def open(self) -> None:
@@ -366,14 +370,6 @@ class FakeLink:
         self.wire.close()
 
 
-@dataclass(order=True)
-class _Due:
-    at: float
-    order: int
-    kind: str = field(compare=False)
-    host: str = field(compare=False)
-
-
 class FakeCluster:
     """A connection factory of FakeAgents (one per host) and the driver thread that sends
     their heartbeats and their workers' output.
@@ -394,7 +390,10 @@ class FakeCluster:
         self.agents: dict[str, FakeAgent] = {}
         self.sent_lines: dict[tuple[int, int], int] = {}  # (attempt, rank) -> lines printed
         self._random = random.Random(seed)
-        self._heap: list[_Due] = []
+        # (when, order, "beat" or "print", host): plain tuples, compared in C (thousands of
+        # pushes a second with thousands of nodes).
+        self._heap: list[tuple[float, int, str, str]] = []
+        self._backlog: set[Wire] = set()  # channels with bytes waiting for room
         self._order = itertools.count()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -417,32 +416,38 @@ class FakeCluster:
         return FakeLink(agent)
 
     def _push(self, at: float, kind: str, host: str) -> None:
-        heapq.heappush(self._heap, _Due(at, next(self._order), kind, host))
+        heapq.heappush(self._heap, (at, next(self._order), kind, host))
+
+    def backlog(self, wire: Wire) -> None:
+        """``wire`` has bytes waiting for room in its socket: the driver flushes it."""
+        with self._lock:
+            self._backlog.add(wire)
 
     def _drive(self) -> None:
         start_cpu = time.thread_time()
         while not self._stop.is_set():
             now = time.monotonic()
-            due: list[_Due] = []
+            due: list[tuple[float, int, str, str]] = []
             with self._lock:
-                while self._heap and self._heap[0].at <= now:
+                while self._heap and self._heap[0][0] <= now:
                     due.append(heapq.heappop(self._heap))
-                wait = (self._heap[0].at - now) if self._heap else 0.05
-            for agent in list(self.agents.values()):  # what waited for room in a socket
-                agent.wire.flush()
-            for item in due:
-                agent = self.agents[item.host]
+                wait = (self._heap[0][0] - now) if self._heap else 0.05
+                waiting, self._backlog = self._backlog, set()
+            for wire in waiting:  # what waited for room in a socket (still full: told again)
+                wire.flush()
+            for at, _, kind, host in due:
+                agent = self.agents[host]
                 with agent.lock:
-                    if item.kind == "beat":
+                    if kind == "beat":
                         agent.beat(self.beat_every)
-                        nxt = item.at + self.beat_every
+                        nxt = at + self.beat_every
                     else:
                         for w in list(agent.running.values()):
                             agent.print_lines(w, w.lines + 1)
                             self.sent_lines[(w.attempt, w.rank)] = w.lines
-                        nxt = item.at + 1.0 / self.lines_per_s
+                        nxt = at + 1.0 / self.lines_per_s
                 with self._lock:
-                    self._push(max(nxt, now), item.kind, item.host)
+                    self._push(max(nxt, now), kind, host)
             self.cpu_s = time.thread_time() - start_cpu
             self._stop.wait(min(max(wait, 0.001), 0.05))
 
