@@ -199,6 +199,7 @@ def ceiling(step_time: float, fault_every: float, copy: float) -> float:
 
 
 NODE_TIMEOUT = 2.0  # the cut run's health.node_timeout (heartbeat_interval 0.5)
+CUT_MEMORY = "4GiB"  # the cut run's checkpoint.memory per node
 
 
 def run_cut(args: argparse.Namespace) -> dict[str, Any]:
@@ -220,6 +221,10 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
             "nnodes": 2, "nproc_per_node": RANKS, "python": PY, "command": [PY, WORKER],
             "workdir": tmp, "env": env_of(args), "max_restarts": 10, "stop_grace_period": 2,
             "restart": {"warm": True}, "restart_backoff": {"initial": 0.1, "max": 0.1},
+            # The three "nodes" share this machine's memory: each gets a share of it, not
+            # the default half of /dev/shm (three halves are more than there is: a run whose
+            # buddies held copies too ran it out of memory, and the kernel killed ranks).
+            "checkpoint": {"memory": CUT_MEMORY},
             "ssh": {"identity_file": str(cluster.client_key),
                     "known_hosts": str(cluster.known_hosts), "connect_timeout": 2},
             "health": {"heartbeat_interval": 0.5, "node_timeout": NODE_TIMEOUT}}))
@@ -402,7 +407,8 @@ def main() -> int:
         text = (f"A cut node with a hot spare, over SSH on the namespace cluster: 2 nodes x "
                 f"{RANKS} ranks and a spare, {args.state_mb:g} MiB of state per rank saved "
                 f"every step of {args.step_time:g} s; node rank 1's cable cut after step "
-                f"{args.cut_after} (`python benchmarks/bench_ckpt_goodput.py --cut`).\n\n"
+                f"{args.cut_after} (`python benchmarks/bench_ckpt_goodput.py --cut --step-time "
+                f"{args.step_time:g}`; `checkpoint.memory` {CUT_MEMORY} per node).\n\n"
                 f"- cut -> every rank training again: {result['recover_s']} s "
                 f"(node_timeout {NODE_TIMEOUT:g} s)\n"
                 f"- steps redone: {result['redone']}\n"
