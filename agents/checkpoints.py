@@ -275,18 +275,31 @@ class Store:
             # second's: measured, rank 1 had none anywhere after 30 s).
             if any(set(_unsealed(d)) - left.get(d, set()) for _, d in ranks):
                 return  # a new save: sealed first, by the next pass
-            for rank, rank_dir in ranks:
-                names = set(entries(rank_dir))
-                steps = [s for s in (F.parse_step(n, suffix=".manifest") for n in names)
-                         if s is not None and (asked is None or s == asked)
-                         and (floor is None or s >= floor)]
-                step = max(steps, default=-1)
-                if step <= self._pushed.get((target, rank), -1):
-                    continue
-                if self.deferred or self._closed or target not in self.targets:
-                    return  # a move in which this node stays, a target no more
-                if not self._push(rank, rank_dir, step, target):
-                    break  # this target is behind: the next pass tries again
+            # Every rank's copy held (a shared lock: no save writes over it) before the first
+            # is sent: while one rank's went, the next rank's newest sealed copy was written
+            # over, its push found it gone, and that rank's copies went nowhere (measured:
+            # 512 MiB per rank saved every 0.5 s, the second rank of each node had no copy
+            # on any other node, and a cut node's job started again from scratch).
+            held = []
+            try:
+                for rank, rank_dir in ranks:
+                    names = set(entries(rank_dir))
+                    steps = [s for s in (F.parse_step(n, suffix=".manifest") for n in names)
+                             if s is not None and (asked is None or s == asked)
+                             and (floor is None or s >= floor)]
+                    step = max(steps, default=-1)
+                    if step > self._pushed.get((target, rank), -1):
+                        copy = _Held.take(rank_dir, step)
+                        if copy is not None:
+                            held.append((rank, step, copy))
+                for rank, step, copy in held:
+                    if self.deferred or self._closed or target not in self.targets:
+                        return  # a move in which this node stays, a target no more
+                    if not self._push(rank, step, copy, target):
+                        break  # this target is behind: the next pass tries again
+            finally:
+                for _, _, copy in held:
+                    copy.close()
 
     def _still_loading(self, ranks: list[tuple[int, str]]) -> bool:
         """Whether a resuming attempt's ranks are loading yet (up to LOAD_FIRST seconds):
@@ -302,29 +315,16 @@ class Store:
         self._loading = None
         return False
 
-    def _push(self, rank: int, rank_dir: str, step: int, buddy: tuple[str, int]) -> bool:
-        base = os.path.join(rank_dir, F.step_name(step))
-        meta_bytes, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
+    def _push(self, rank: int, step: int, copy: _Held, buddy: tuple[str, int]) -> bool:
         try:
-            meta = json.loads(meta_bytes or b"")
-            fd = os.open(os.path.join(rank_dir, f"slot-{int(meta['slot'])}"),
-                         os.O_RDONLY | os.O_CLOEXEC)
-        except (ValueError, KeyError, TypeError, OSError):
-            return True  # gone meanwhile (its slot reused): the next one
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            if F.read_bytes(base + ".meta") != meta_bytes or manifest is None:
-                return True
-            with _mapped(fd, meta["size"]) as view:
-                push_replica(buddy[0], buddy[1], self.secret, rank, step, meta_bytes,
-                             manifest, view)
+            with _mapped(copy.fd, copy.size) as view:
+                push_replica(buddy[0], buddy[1], self.secret, rank, step, copy.meta,
+                             copy.manifest, view)
             self._pushed[(buddy, rank)] = step
             return True
         except (OSError, ReplicaError) as exc:
             self._problem(f"checkpoint: replicating to {buddy[0]}:{buddy[1]} failed: {exc}")
             return False
-        finally:
-            os.close(fd)
 
     def _room(self) -> int:
         """Bytes of checkpoint.memory not in use (for a buddy's replica)."""
@@ -456,6 +456,35 @@ class Store:
         if text not in self.problems and len(self.problems) < MAX_PROBLEMS:
             self.problems.append(text)
             self.outbox.put({"type": P.ERROR, "attempt": self.attempt, "message": text[:4000]})
+
+
+class _Held:
+    """A sealed copy in its slot, held under a shared lock (no save writes over it) until
+    closed."""
+
+    def __init__(self, fd: int, meta: bytes, manifest: bytes, size: int):
+        self.fd, self.meta, self.manifest, self.size = fd, meta, manifest, size
+
+    @classmethod
+    def take(cls, rank_dir: str, step: int) -> _Held | None:
+        """None: gone meanwhile (its slot written over)."""
+        base = os.path.join(rank_dir, F.step_name(step))
+        meta_bytes, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
+        try:
+            meta = json.loads(meta_bytes or b"")
+            size = int(meta["size"])
+            fd = os.open(os.path.join(rank_dir, f"slot-{int(meta['slot'])}"),
+                         os.O_RDONLY | os.O_CLOEXEC)
+        except (ValueError, KeyError, TypeError, OSError):
+            return None
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        if manifest is None or F.read_bytes(base + ".meta") != meta_bytes:
+            os.close(fd)
+            return None
+        return cls(fd, meta_bytes, manifest, size)
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 class _mapped:

@@ -199,7 +199,7 @@ def ceiling(step_time: float, fault_every: float, copy: float) -> float:
 
 
 NODE_TIMEOUT = 2.0  # the cut run's health.node_timeout (heartbeat_interval 0.5)
-CUT_MEMORY = "4GiB"  # the cut run's checkpoint.memory per node
+CUT_MEMORY = "5GiB"  # the cut run's checkpoint.memory per node
 
 
 def run_cut(args: argparse.Namespace) -> dict[str, Any]:

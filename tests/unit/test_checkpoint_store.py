@@ -495,3 +495,36 @@ def test_saves_faster_than_the_network_send_the_newest_not_a_queue(store, tmp_pa
         assert sorted(buddy.holdings()[0][1]) == [3, 4]
     finally:
         buddy.close()
+
+
+def test_each_ranks_copy_is_held_while_the_ranks_before_it_are_sent(store, tmp_path,
+                                                                     monkeypatch):
+    """Two ranks on the node; while rank 0's copy goes (seconds at 512 MiB), rank 1 saves
+    twice more, which writes over the slot of its sealed save: that save still goes, as it
+    was held (a shared lock) before the first push began. When it was looked up only at its
+    turn, it was gone, and saves that came this fast never had a copy on another node
+    (measured: the second rank of each node, and a cut node's job started from scratch)."""
+    from agents import checkpoints as store_module
+    from agents.replicas import Server
+
+    s, _ = store
+    buddy = Server(str(tmp_path / "buddy"), "s3cret", lambda: 1 << 30, lambda _: None)
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        ckpt.save(5, {"w": torch.full((10,), 5.0)})
+    real_push = store_module.push_replica
+
+    def push_while_rank_1_saves(*args, **kwargs):
+        if args[3] == 0:  # rank 0's copy goes; meanwhile rank 1 saves steps 6 and 7
+            monkeypatch.setenv("RANK", "1")
+            for step in (6, 7):
+                ckpt.save(step, {"w": torch.full((10,), float(step))})
+        return real_push(*args, **kwargs)
+
+    try:
+        monkeypatch.setattr(store_module, "push_replica", push_while_rank_1_saves)
+        s.replicate_to(C.ReplicateTo("127.0.0.1", buddy.port))
+        s._pass()
+        assert buddy.holdings()[0] == {0: [5], 1: [5]}
+    finally:
+        buddy.close()
