@@ -42,7 +42,7 @@ from agents import rankfiles
 from agents.outbox import Outbox
 from agents.paths import entries, memory_root, own_memory, remove, sweep_memory
 from agents.pulls import install
-from agents.replicas import ReplicaError, Server
+from agents.replicas import ReplicaError, Server, hold_save
 from agents.replicas import push as push_replica
 from agents.shims import orchestrator_checkpoint_format as F
 from agents.storewake import Wake
@@ -289,7 +289,7 @@ class Store:
                              and (floor is None or s >= floor)]
                     step = max(steps, default=-1)
                     if step > self._pushed.get((target, rank), -1):
-                        copy = _Held.take(rank_dir, step)
+                        copy = hold_save(rank_dir, step)
                         if copy is not None:
                             held.append((rank, step, copy))
                 for rank, step, copy in held:
@@ -298,8 +298,8 @@ class Store:
                     if not self._push(rank, step, copy, target):
                         break  # this target is behind: the next pass tries again
             finally:
-                for _, _, copy in held:
-                    copy.close()
+                for _, _, (_, _, fd, _) in held:
+                    os.close(fd)
 
     def _still_loading(self, ranks: list[tuple[int, str]]) -> bool:
         """Whether a resuming attempt's ranks are loading yet (up to LOAD_FIRST seconds):
@@ -315,11 +315,13 @@ class Store:
         self._loading = None
         return False
 
-    def _push(self, rank: int, step: int, copy: _Held, buddy: tuple[str, int]) -> bool:
+    def _push(self, rank: int, step: int, copy: tuple[bytes, bytes, int, int],
+              buddy: tuple[str, int]) -> bool:
+        """``copy`` (as ``hold_save`` gives it) to ``buddy``; False if it did not go."""
+        meta, manifest, fd, size = copy
         try:
-            with _mapped(copy.fd, copy.size) as view:
-                push_replica(buddy[0], buddy[1], self.secret, rank, step, copy.meta,
-                             copy.manifest, view)
+            with _mapped(fd, size) as view:
+                push_replica(buddy[0], buddy[1], self.secret, rank, step, meta, manifest, view)
             self._pushed[(buddy, rank)] = step
             return True
         except (OSError, ReplicaError) as exc:
@@ -456,35 +458,6 @@ class Store:
         if text not in self.problems and len(self.problems) < MAX_PROBLEMS:
             self.problems.append(text)
             self.outbox.put({"type": P.ERROR, "attempt": self.attempt, "message": text[:4000]})
-
-
-class _Held:
-    """A sealed copy in its slot, held under a shared lock (no save writes over it) until
-    closed."""
-
-    def __init__(self, fd: int, meta: bytes, manifest: bytes, size: int):
-        self.fd, self.meta, self.manifest, self.size = fd, meta, manifest, size
-
-    @classmethod
-    def take(cls, rank_dir: str, step: int) -> _Held | None:
-        """None: gone meanwhile (its slot written over)."""
-        base = os.path.join(rank_dir, F.step_name(step))
-        meta_bytes, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
-        try:
-            meta = json.loads(meta_bytes or b"")
-            size = int(meta["size"])
-            fd = os.open(os.path.join(rank_dir, f"slot-{int(meta['slot'])}"),
-                         os.O_RDONLY | os.O_CLOEXEC)
-        except (ValueError, KeyError, TypeError, OSError):
-            return None
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        if manifest is None or F.read_bytes(base + ".meta") != meta_bytes:
-            os.close(fd)
-            return None
-        return cls(fd, meta_bytes, manifest, size)
-
-    def close(self) -> None:
-        os.close(self.fd)
 
 
 class _mapped:

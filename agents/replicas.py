@@ -408,31 +408,43 @@ class Server:
 
     def _own(self, rank: int, step: int) -> tuple[bytes, bytes, int, int] | None:
         """The same of a save of this node's own ranks, in its memory (a drained node's,
-        pulled by its replacement: agents/pulls.py). Its slot stays under a shared
-        lock while it is sent (a save takes an exclusive one); one not sealed yet is waited
-        for up to SEAL_WAIT seconds (the agent seals it: a CRC pass over its bytes)."""
-        base = os.path.join(self.memory, f"rank-{rank}", F.step_name(step))
+        pulled by its replacement: agents/pulls.py), held while it is sent (``hold_save``);
+        one not sealed yet is waited for up to SEAL_WAIT seconds (the agent seals it: a CRC
+        pass over its bytes)."""
+        rank_dir = os.path.join(self.memory, f"rank-{rank}")
+        base = os.path.join(rank_dir, F.step_name(step))
         deadline = time.monotonic() + SEAL_WAIT
-        while True:
-            meta, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
-            if meta is None or os.path.exists(base + ".corrupt"):
+        while not os.path.exists(base + ".manifest") and time.monotonic() <= deadline:
+            if not os.path.exists(base + ".meta") or os.path.exists(base + ".corrupt"):
                 return None
-            if manifest is not None or time.monotonic() > deadline:
-                break
             time.sleep(0.02)
-        try:
-            described = json.loads(meta)
-            size, slot = described["size"], int(described["slot"])
-            fd = os.open(os.path.join(self.memory, f"rank-{rank}", f"slot-{slot}"),
-                         os.O_RDONLY | os.O_CLOEXEC)
-        except (ValueError, KeyError, TypeError, OSError):
-            return None
+        return None if os.path.exists(base + ".corrupt") else hold_save(rank_dir, step)
+
+
+def hold_save(rank_dir: str, step: int) -> tuple[bytes, bytes, int, int] | None:
+    """(meta, manifest, an fd of its slot, size) of a node's own sealed save of ``step`` in
+    ``rank_dir``, its slot under a shared lock until the fd is closed: no save writes over
+    it meanwhile (a save takes an exclusive one, or another slot). None: not sealed, or its
+    slot written again before it was held."""
+    base = os.path.join(rank_dir, F.step_name(step))
+    meta, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
+    if meta is None or manifest is None:
+        return None
+    try:
+        described = json.loads(meta)
+        size, slot = described["size"], int(described["slot"])
+        fd = os.open(os.path.join(rank_dir, f"slot-{slot}"), os.O_RDONLY | os.O_CLOEXEC)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        if manifest is None or F.read_bytes(base + ".meta") != meta or type(size) is not int \
-                or not 0 <= size <= os.fstat(fd).st_size:
-            os.close(fd)  # not sealed, or its slot written again meanwhile
-            return None
-        return meta, manifest, fd, size
+        if F.read_bytes(base + ".meta") == meta and type(size) is int \
+                and 0 <= size <= os.fstat(fd).st_size:
+            return meta, manifest, fd, size
+    except OSError:
+        pass
+    os.close(fd)  # its slot written again meanwhile
+    return None
 
 
 def _connect(address: str, port: int, secret: str) -> socket.socket:
