@@ -96,8 +96,10 @@ def holder_main(job_id: str, say: Any) -> int:
         if controller.is_set() and (server is not None or not started) and \
                 not any(_agent_answers(job_id, index) for index in started):
             if server is not None:
-                server.close()
-                os.unlink(path)
+                with Lock(path + ".lock") as lock:  # a standby holder may take over after
+                    server.close()
+                    os.unlink(path)
+                    lock.remove()  # one empty file per node and job, never read again
             return 0
 
 

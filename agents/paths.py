@@ -234,16 +234,36 @@ def close_socket(conn: socket.socket) -> None:
 
 
 class Lock:
-    """An exclusive flock on ``path``, so that two relays never start two agents."""
+    """An exclusive flock on ``path``, so that two relays never start two agents. Its holder
+    may remove the file (``remove``, as the last user of it leaves): one that locked it
+    meanwhile finds it gone from ``path`` and locks the file there now, so that the name
+    keeps meaning one lock and no empty file is left behind per job."""
 
     def __init__(self, path: str):
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        self.path = path
+        self.fd = -1
 
-    def __enter__(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+    def __enter__(self) -> Lock:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                here = os.path.samestat(os.fstat(fd), os.stat(self.path, follow_symlinks=False))
+            except FileNotFoundError:
+                here = False
+            if here:
+                self.fd = fd
+                return self
+            os.close(fd)  # removed while we waited for it
+
+    def remove(self) -> None:
+        """Unlink the file; only while this lock holds it."""
+        assert self.fd >= 0
+        remove(self.path)
 
     def __exit__(self, *_: object) -> None:
         os.close(self.fd)
+        self.fd = -1
 
 
 def entries(path: str) -> list[str]:
