@@ -282,7 +282,10 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
             "name": "ckpt-drain", "nodes": [{"host": "local"}] * 3, "nnodes": 2,
             "nproc_per_node": RANKS, "command": [PY, WORKER], "workdir": tmp,
             "env": {**env_of(args), "CKPT_EVERY": str(args.ckpt_every)}, "max_restarts": 0,
-            "stop_grace_period": 2, "restart": {"warm": True}}))
+            "stop_grace_period": 2, "restart": {"warm": True},
+            # The three nodes share this machine: half of /dev/shm each (the default) is
+            # more memory than it has.
+            "checkpoint": {"memory": CUT_MEMORY}}))
         job = orchestrator.submit(str(spec))
 
         def rows() -> list[tuple[int, int, int, float]]:
@@ -300,6 +303,14 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
                 time.monotonic() < deadline:
             time.sleep(0.1)
         shown = orchestrator.status(job)
+        # Then the first save of the next attempt after a step of its own: the pause ends at
+        # its first step, and a save after it can cost what the pause did not show.
+        if len({r for a, r, _, _ in rows() if a == 1}) == 2 * RANKS:
+            first = min(s for a, _, s, _ in rows() if a == 1)
+            later = (first // args.ckpt_every + 1) * args.ckpt_every
+            while len({r for a, r, s, _ in rows() if a == 1 and s >= later}) < 2 * RANKS \
+                    and time.monotonic() < deadline:
+                time.sleep(0.1)
         orchestrator.cancel(job)
         got = rows()
         # When the next attempt's slowest rank started, loaded and joined its world.
@@ -328,10 +339,18 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
     first = min((s for _, s in after.values()), default=0)
     steps_s = saving + (plain if first % args.ckpt_every else saving)
     pause = max(t for t, _ in after.values()) - stopped if len(after) == 2 * RANKS else None
+    # The next attempt's first save after a step it trained (every rank's line of that step
+    # after every rank's line of the step before).
+    resumed = sorted((s, t) for a, _, s, t in got if a == 1)
+    later = (first // args.ckpt_every + 1) * args.ckpt_every
+    ends = [t for s, t in resumed if s == later]
+    begins = [t for s, t in resumed if s == later - 1]
+    first_save = max(ends) - max(begins) if len(ends) == len(begins) == 2 * RANKS else None
     return {"drain_to_stop_s": round(stopped - drained, 2),
             "pause_s": None if pause is None else round(pause, 2),
             "step_s": round(plain, 2), "save_step_s": round(saving, 2),
             "lost_s": None if pause is None else round(pause - steps_s, 2),
+            "first_save_s": None if first_save is None else round(first_save, 2),
             "restart_phases": {k: round(v - stopped, 2) for k, v in starts.items()},
             # The held step's line is never printed (its rank is stopped while it waits
             # there): the last printed is one before it, hence the max with 0.
@@ -380,6 +399,7 @@ def main() -> int:
         result = {**runs[-1], "runs": runs}
         pauses = [r["pause_s"] for r in runs if r["pause_s"] is not None]
         losses = [r["lost_s"] for r in runs if r["lost_s"] is not None]
+        firsts = [r["first_save_s"] for r in runs if r["first_save_s"] is not None] or [0.0]
         text = (f"`orchestrator drain` of a participant, local: 2 nodes x {RANKS} ranks and a "
                 f"hot spare, {args.state_mb:g} MiB of state per rank, steps of "
                 f"{args.step_time:g} s, a save every {args.ckpt_every} step(s) and the one "
@@ -389,10 +409,13 @@ def main() -> int:
                 f"{result['pause_s']} s, of which two steps of training (as training goes: "
                 f"{result['step_s']} s a step, {result['save_step_s']} s one that saves): "
                 f"lost {result['lost_s']} s\n"
+                f"- the next attempt's first save after a step of its own (a step that saves, as "
+                f"training goes: {result['save_step_s']} s): {result['first_save_s']} s\n"
                 f"- the next attempt's slowest rank, seconds after that step: " + ", ".join(
                     f"{k} {v}" for k, v in result["restart_phases"].items()) + "\n"
                 + (f"- {len(runs)} runs: pause {pauses}, median {statistics.median(pauses)} "
-                   f"s; lost {losses}, median {statistics.median(losses)} s\n"
+                   f"s; lost {losses}, median {statistics.median(losses)} s; the first save "
+                   f"after {firsts}, median {statistics.median(firsts)} s\n"
                    if len(runs) > 1 and pauses and losses else "") +
                 f"- steps redone: {result['redone']}; restarts charged: {result['restarts']}\n"
                 f"- {result['cause']}: {result['message']}\n"
