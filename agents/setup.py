@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from agents.containment import own
+from agents.containment import spawn
 from agents.netinfo import machine_id
 from agents.paths import Lock, cache
 from agents.processes import TOKEN_VAR, as_launched
@@ -107,11 +107,11 @@ def run_command(argv: list[str], workdir: str, env: dict[str, str],
     """``argv`` in a process group of its own (contained, stdin /dev/null, output and
     stderr together, its last lines kept); past ``timeout`` the group is stopped."""
     try:
-        proc = own(subprocess.Popen(argv, cwd=os.path.expanduser(workdir or "."),
-                                    env=env,  # the token: a cancel's sweep finds it
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True,
-                                    preexec_fn=as_launched))
+        proc = spawn(argv, cwd=os.path.expanduser(workdir or "."),
+                     env=env,  # the token: a cancel's sweep finds it
+                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, start_new_session=True,
+                     preexec_fn=as_launched)
     except OSError as exc:
         return SetupResult(127, tail=(str(exc),))
     assert proc.stdout is not None

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agents import source
-from agents.containment import own
+from agents.containment import spawn
 from agents.processes import TOKEN_VAR, as_launched, kill_token_processes, standby_token
 
 # Read by torch, torchelastic and the shims when a worker starts, never at import: they may
@@ -246,11 +246,11 @@ class Standbys:
         standby_env = {**import_env(env), TOKEN_VAR: self.token}
         with self.lock:
             try:
-                proc = own(subprocess.Popen(
+                proc = spawn(
                     [command.interpreter, *command.flags, boot, str(child.fileno())],
                     cwd=cwd, env=standby_env, stdin=subprocess.DEVNULL,
                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(child.fileno(),),
-                    start_new_session=True, preexec_fn=as_launched))
+                    start_new_session=True, preexec_fn=as_launched)
             except OSError:
                 parent.close()
                 raise

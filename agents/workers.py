@@ -101,12 +101,12 @@ def spawn(spec: C.WorkerStart, workdir: str, cgroup: str | None = None
         as_launched()
         containment.join(cgroup)
 
-    return containment.own(subprocess.Popen(
+    return containment.spawn(
         list(spec.argv), cwd=workdir, env=spec.env, stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         start_new_session=True,  # own process group: one killpg reaches its children
         preexec_fn=in_child,
-    ))
+    )
 
 
 class Worker:
