@@ -15,7 +15,8 @@ process. One run:
   lost      one node (not node 0) goes silent: time until the controller marks it LOST
             (goal: within node_timeout + 1 s);
   restart   LOST to every worker of attempt 2 started on the other nodes
-            (nnodes N-1:N, restart_backoff 0.1 s);
+            (nnodes N-1:N, restart_backoff 0.1 s), and to the job's state RUNNING again
+            (what `status` shows: the controller writes it once it has seen every start);
   end       2 s later every worker exits 0; the job must end SUCCEEDED.
 
 Then it checks, exactly: every worker of both attempts started, every output line is in
@@ -124,6 +125,10 @@ def simulate(nodes: int, *, nproc: int = 1, lines_per_s: float = 2.0,
         a = controller.current
         return a is not None and a.number == number and a.all_started
 
+    def shown_running(number: int) -> bool:  # what `status` reads: the state written
+        a = controller.current
+        return a is not None and a.number == number and controller.state == JobState.RUNNING
+
     def drive() -> None:
         try:
             until(lambda: running(1), "launch")
@@ -137,6 +142,8 @@ def simulate(nodes: int, *, nproc: int = 1, lines_per_s: float = 2.0,
             mark("lost")
             until(lambda: running(2), "restart")
             mark("restarted")
+            until(lambda: shown_running(2), "restart shown")
+            mark("shown")
             time.sleep(after_restart)
             threads.append(threading.active_count())
             cluster.finish()
@@ -173,6 +180,7 @@ def simulate(nodes: int, *, nproc: int = 1, lines_per_s: float = 2.0,
         "steady_cores": span("launched", "steady")["cores"],
         "detect_s": span("killed", "lost")["s"],
         "restart_s": span("lost", "restarted")["s"],
+        "restart_shown_s": span("lost", "shown")["s"],
         "total_s": span("t0", "end")["s"],
         "total_cores": span("t0", "end")["cores"],
         "fake_cpu_s": cluster.cpu_s,
@@ -222,6 +230,8 @@ KEYS = [("launch_s", "launch: submit to all workers started (s)", "{:.2f}"),
         ("attached_s", "... of which all agents attached (s)", "{:.2f}"),
         ("detect_s", "lost node detected after it went silent (s)", "{:.2f}"),
         ("restart_s", "restart: LOST to all workers of attempt 2 started (s)", "{:.2f}"),
+        ("restart_shown_s", "... to the job's state RUNNING again, as `status` shows (s)",
+         "{:.2f}"),
         ("launch_cores", "controller CPU during launch (cores)", "{:.2f}"),
         ("steady_cores", "controller CPU, steady state (cores)", "{:.2f}"),
         ("total_cores", "controller CPU, whole job (cores)", "{:.2f}"),

@@ -38,7 +38,7 @@ from orchestrator.attempt import Attempt, AttemptResult, Failure, start_command
 from orchestrator.checkpoints import attempt_config
 from orchestrator.dispatch import assign_buddies, dispatch
 from orchestrator.drain import Mover
-from orchestrator.engine import Engine, Phase, Stop, judge
+from orchestrator.engine import Engine, Phase, Stop, judge, linger
 from orchestrator.errors import StoreUnwritable
 from orchestrator.logfiles import LogSink
 from orchestrator.nodebook import Node
@@ -145,7 +145,7 @@ class Controller:
         self._record_end(final, fields)
         self._guarded(lambda: self.notifier.ended(final.value, fields.get("failure")))
         self._guarded(lambda: self.notifier.close(END_WAIT))
-        self._guarded(engine.linger)
+        self._guarded(functools.partial(linger, engine))
         self._guarded(engine.flush)
         engine.close()
         return engine.state

@@ -121,6 +121,7 @@ class Engine:
         self._compacted_wall: float | None = None  # when this controller last thinned them
         self.ticker = Ticker()  # was the process stopped, or only the loop busy?
         self._checkpoint_every = CHECKPOINT_EVERY
+        self._until: Callable[[], bool] | None = None  # what the innermost wait waits for
 
     # --- the one wait ---------------------------------------------------------------------
     def wait(self, done: Callable[[], bool], timeout: float | None = None, *,
@@ -128,22 +129,33 @@ class Engine:
         """Turn the loop until ``done()`` (True), ``timeout`` seconds (False), or, when
         ``interruptible``, a stop reason or a launch failure (False)."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            if done():
-                return True
-            if interruptible and (self.stop is not None or self.launch_failure is not None):
-                return False
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return False
-            self.turn(POLL if left is None else min(POLL, left))
+        outer, self._until = self._until, done  # (a wait inside a turn has its own)
+        try:
+            while True:
+                if done():
+                    return True
+                if interruptible and (self.stop is not None or self.launch_failure is not None):
+                    return False
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.turn(POLL if left is None else min(POLL, left))
+        finally:
+            self._until = outer
 
     def turn(self, timeout: float) -> None:
+        """Wait up to ``timeout`` for events, handle them, record what they changed, then
+        the periodic checks. The checks wait for the next turn when the events made true
+        what the current wait waits for: its waiter acts first (with thousands of nodes a
+        turn's checkpoint takes seconds, and the turn that saw the last worker start kept
+        the job LAUNCHING in `status` that much longer)."""
         self.pool.main_tick = self._awake()
         failpoints.hit("turn")
         for event in self.loop.poll(timeout):
             self._handle(self, event)
         self.flush()
+        if self._until is not None and self._until():
+            return
         self._checks()
 
     def ask_all(self, channels: Mapping[K, Channel], request: C.Request[R],
@@ -455,23 +467,6 @@ class Engine:
                 self.book.set(node, NodeState.DONE)
         self.close_sinks()
 
-    def linger(self) -> None:
-        """After the end: agents we could not reach may still hold workers. Keep trying to
-        reach them (never launching one) and shut them down; they give up by themselves
-        after controller_grace, so trying longer than that is pointless."""
-        grace = self.spec.health.controller_grace
-        # Also nodes whose connector is still out: what it reaches is shut down on arrival.
-        targets = [n for n in self.nodes if n.state in (NodeState.UNREACHABLE, NodeState.LOST)
-                   or n.connecting]
-        for node in targets:
-            self.pool.connect(node, launch=False, retry=node.state != NodeState.PENDING)
-        # With no grace the agents keep the workers forever: then so must we keep trying.
-        self.wait(lambda: not any(n.connecting or n.channel is not None for n in targets),
-                  grace + 5 if grace is not None else None, interruptible=False)
-        for node in targets:
-            self.pool.give_up(node)
-            self.pool.drop_channel(node)
-
     def close_sinks(self) -> None:
         for attempt in (self.previous, self.current):
             if attempt is not None:
@@ -544,3 +539,21 @@ def judge(engine: Engine, result: AttemptResult, margin: float,
                                 for i in attempt.participants),
                 engine.spec.health.node_timeout + 1)
     return attempt.result() or result
+
+
+def linger(engine: Engine) -> None:
+    """After the end: agents we could not reach may still hold workers. Keep trying to
+    reach them (never launching one) and shut them down; they give up by themselves
+    after controller_grace, so trying longer than that is pointless."""
+    grace = engine.spec.health.controller_grace
+    # Also nodes whose connector is still out: what it reaches is shut down on arrival.
+    targets = [n for n in engine.nodes if n.state in (NodeState.UNREACHABLE, NodeState.LOST)
+               or n.connecting]
+    for node in targets:
+        engine.pool.connect(node, launch=False, retry=node.state != NodeState.PENDING)
+    # With no grace the agents keep the workers forever: then so must we keep trying.
+    engine.wait(lambda: not any(n.connecting or n.channel is not None for n in targets),
+                grace + 5 if grace is not None else None, interruptible=False)
+    for node in targets:
+        engine.pool.give_up(node)
+        engine.pool.drop_channel(node)
