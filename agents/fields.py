@@ -223,12 +223,26 @@ def decode(line: bytes) -> dict[str, Any] | None:
         return None
     return message if isinstance(message, dict) else None
 
+_JSON_SCALARS = frozenset({str, int, float, bool, type(None)})
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # a dataclass -> its fields' names
+
+
 def plain(value: Any) -> Any:
     """A message or command as JSON values: dataclasses as objects (their None fields left
     out, which the door reads as absent), tuples as lists, bytes as base64."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
-                if getattr(value, f.name) is not None}
+    kind = type(value)
+    if kind in _JSON_SCALARS:  # most values: answered before any other look (a `start`
+        return value           # for 4,000 nodes is 170,000 of them)
+    names = _FIELD_NAMES.get(kind)
+    if names is None and dataclasses.is_dataclass(value) and not isinstance(value, type):
+        names = _FIELD_NAMES[kind] = tuple(f.name for f in dataclasses.fields(value))
+    if names is not None:
+        out = {}
+        for name in names:
+            field = getattr(value, name)
+            if field is not None:
+                out[name] = plain(field)
+        return out
     if isinstance(value, (tuple, list)):
         return [plain(v) for v in value]
     if isinstance(value, dict):
