@@ -21,7 +21,6 @@ import json
 import os
 import queue
 import secrets
-import shutil
 import signal
 import socket
 import sys
@@ -36,7 +35,13 @@ from agents import protocol as P
 from agents.checkpoints import Store
 from agents.netinfo import gpu_count, torch_version
 from agents.outbox import Outbox
-from agents.paths import alive_path, bind_unix, close_socket, private_base
+from agents.paths import (
+    alive_path,
+    bind_unix,
+    clear_agent_directory,
+    close_socket,
+    private_base,
+)
 from agents.processes import (
     kill_token_processes,
     processes_with_token,
@@ -308,18 +313,14 @@ class Agent:
             except OSError:
                 pass
         self.outbox.close()
-        if self.listener is not None:
-            self.listener.close()
+        if self.listener is not None:  # shut down, not only closed: its accept() would
+            close_socket(self.listener)  # keep it listening (clear_agent_directory probes it)
         leases.release()  # its tree and blobs may go now (another job's pruning)
         try:
             os.unlink(alive_path(self.job_id, self.node_index))
         except OSError:
             pass
-        shutil.rmtree(self.directory, ignore_errors=True)
-        try:
-            os.unlink(self.directory + ".lock")
-        except OSError:
-            pass
+        clear_agent_directory(self.directory)
 
     def _worker_progress(self) -> tuple[bool, dict[str, Any]]:
         """Whether any worker called heartbeat() since the last look, and each rank's news

@@ -105,22 +105,24 @@ def _adopted() -> list[int]:
     return [pid for pid in _children() if pid not in busy]
 
 
-def _adopted_now() -> list[int]:
-    with _spawning:
-        return _adopted()
-
-
-def reap_adopted() -> int:
-    """Reap every adopted child that has exited; how many."""
-    reaped = 0
+def _reap() -> tuple[int, list[int]]:
+    """Reap every adopted child that has exited: how many, and the adopted ones left."""
+    reaped, left = 0, []
     with _spawning:
         for pid in _adopted():
             try:
                 if os.waitpid(pid, os.WNOHANG)[0] == pid:
                     reaped += 1
+                    continue
             except ChildProcessError:
-                pass
-    return reaped
+                continue
+            left.append(pid)
+    return reaped, left
+
+
+def reap_adopted() -> int:
+    """Reap every adopted child that has exited; how many."""
+    return _reap()[0]
 
 
 def kill_adopted() -> None:
@@ -135,8 +137,7 @@ def kill_adopted() -> None:
             except OSError:
                 pass
     deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline and any(p not in _own_pids for p in _adopted_now()):
-        reap_adopted()
+    while any(p not in _own_pids for p in _reap()[1]) and time.monotonic() < deadline:
         time.sleep(0.01)
 
 

@@ -266,6 +266,25 @@ class Lock:
         self.fd = -1
 
 
+def clear_agent_directory(directory: str, memory: str | None = None) -> None:
+    """Remove an agent's directory (and its checkpoint memory) and the lock beside it,
+    under that lock (relays launch agents under it), unless an agent serves there: a relay
+    may have started a new one for the same job and node meanwhile. Removed without the
+    lock, a relay holding it would share the name with the next one to lock a new file."""
+    try:
+        with Lock(directory + ".lock") as lock:
+            probe = connect_unix(os.path.join(directory, "agent.sock"))
+            if probe is not None:  # a new agent's: its directory, its lock
+                probe.close()
+                return
+            shutil.rmtree(directory, ignore_errors=True)
+            if memory:
+                shutil.rmtree(memory, ignore_errors=True)
+            lock.remove()
+    except OSError:
+        pass
+
+
 def entries(path: str) -> list[str]:
     """The names in a directory; none when it is gone (or unreadable)."""
     try:

@@ -13,13 +13,12 @@ from __future__ import annotations
 import ctypes
 import os
 import resource
-import shutil
 import signal
 import time
 from typing import Any
 
 from agents.containment import Cgroups, forked
-from agents.paths import Lock, connect_unix
+from agents.paths import clear_agent_directory
 
 TOKEN_VAR = "ORCHESTRATOR_AGENT_TOKEN"
 PR_SET_PDEATHSIG = 1
@@ -161,16 +160,6 @@ def start_watchdog(token: str, directory: str | None = None, memory: str | None 
         cgroups.kill_all()
     kill_token_processes(token)
     kill_token_processes(standby_token(token))
-    if directory and os.path.isdir(directory):
-        try:
-            with Lock(directory + ".lock"):  # relays launch under this lock
-                probe = connect_unix(os.path.join(directory, "agent.sock"))
-                if probe is None:  # nobody serves there: the dead agent's leftovers
-                    shutil.rmtree(directory, ignore_errors=True)
-                    if memory:
-                        shutil.rmtree(memory, ignore_errors=True)
-                else:
-                    probe.close()
-        except OSError:
-            pass
+    if directory and os.path.isdir(directory):  # the dead agent's leftovers
+        clear_agent_directory(directory, memory)
     os._exit(0)

@@ -1,18 +1,22 @@
 """The node's lock files (agents/paths.py ``Lock``): one name means one lock even when its last
 user removes the file, and a Slurm holder leaves nothing in the runtime directory when it
-goes (it left an empty ``<job>.holder.<node>.sock.lock`` per job and node, forever)."""
+goes (it left an empty ``<job>.holder.<node>.sock.lock`` per job and node, forever), nor does
+an agent's watchdog when the agent was killed (it left ``<job>.<node>.lock``); an agent's
+directory is removed under its lock, and never while an agent serves there."""
 
 from __future__ import annotations
 
 import fcntl
 import os
+import socket
 import subprocess
 import sys
 import threading
+import time
 
 import pytest
 
-from agents.paths import Lock
+from agents.paths import Lock, bind_unix, clear_agent_directory
 from tests.helpers import ROOT
 
 
@@ -61,3 +65,53 @@ def test_a_holder_that_leaves_removes_its_socket_and_its_lock(tmp_path):
     holder.stdin.close()  # its controller is gone, and it started no agent
     assert holder.wait(10) == 0
     assert os.listdir(runtime / "orchestrator") == []
+
+
+def _agent_directory(tmp_path) -> tuple[str, str]:
+    directory = tmp_path / "run" / "job-abc123.0"
+    directory.mkdir(parents=True)
+    (directory / "spool").write_text("x")
+    lock = str(directory) + ".lock"
+    open(lock, "w").close()
+    return str(directory), lock
+
+
+def test_an_agents_directory_is_removed_with_its_lock_once_nobody_holds_it(tmp_path):
+    directory, lock = _agent_directory(tmp_path)
+    done = threading.Event()
+    with Lock(lock):  # a relay launching an agent for the same job and node
+        thread = threading.Thread(target=lambda: (clear_agent_directory(directory),
+                                                  done.set()))
+        thread.start()
+        assert not done.wait(0.3) and os.path.isdir(directory)
+    assert done.wait(5)
+    thread.join(5)
+    assert os.listdir(tmp_path / "run") == []
+
+
+def test_an_agents_directory_is_left_to_the_agent_that_serves_there(tmp_path):
+    directory, lock = _agent_directory(tmp_path)
+    served = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # a new agent listening
+    bind_unix(served, os.path.join(directory, "agent.sock"))
+    served.listen(1)
+    try:
+        clear_agent_directory(directory)
+        assert sorted(os.listdir(directory)) == ["agent.sock", "spool"]
+        assert os.path.exists(lock)
+    finally:
+        served.close()
+
+
+def test_a_killed_agents_watchdog_leaves_nothing_in_the_runtime_directory(tmp_path):
+    """The watchdog outlives the agent (SIGKILLed, here: exited) and removes what it kept
+    there; it left the lock file behind, one per job and node."""
+    directory, _ = _agent_directory(tmp_path)
+    agent = subprocess.run(
+        [sys.executable, "-c", "import sys; from agents.processes import start_watchdog; "
+         f"start_watchdog('test-watchdog-{os.getpid()}', sys.argv[1])", directory],
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=30)
+    assert agent.returncode == 0
+    deadline = time.monotonic() + 10
+    while os.listdir(tmp_path / "run") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert os.listdir(tmp_path / "run") == []
