@@ -41,6 +41,7 @@ from agents.paths import (
     clear_agent_directory,
     close_socket,
     private_base,
+    sweep_outcomes,
 )
 from agents.processes import (
     kill_token_processes,
@@ -109,6 +110,7 @@ class Agent:
         raise_open_files()  # its own: what it starts gets the node's back
         # First: it must inherit no socket.
         start_watchdog(self.token, self.directory, self.checkpoints.root, self.cgroups)
+        sweep_outcomes(os.path.dirname(self.outcome_path))
         self.checkpoints.start()
         # Held for life (the kernel lets go when the agent dies): relays know it lives.
         self.alive = os.open(alive_path(self.job_id, self.node_index),

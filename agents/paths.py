@@ -4,7 +4,8 @@
   (systemd's ``/run/user/<uid>``), else ``~/.cache/orchestrator/run``; never a fixed name
   under /tmp, which any other user could create first. In it, ``<job>.<node>/`` is one
   agent's private directory (its socket, spool, workers' small files), 0700, and
-  ``<job>.<node>.outcome`` beside it says why an agent that gave up did so.
+  ``<job>.<node>.outcome`` beside it says why an agent that gave up did so (read by the
+  next controller to reach the node, or swept after a month).
 - ``~/.cache/orchestrator/``: what outlives jobs (synced trees, blobs, setup markers,
   flight recorder dumps, the agents' liveness locks), 0700.
 """
@@ -140,6 +141,31 @@ def sweep_memory(own_root: str) -> list[str]:
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path)
+    return removed
+
+
+OUTCOME_KEPT = 30 * 86400.0  # seconds an outcome no controller came back to read is kept
+
+
+def sweep_outcomes(base: str) -> int:
+    """Remove the ``<job>.<node>.outcome`` files in ``base`` older than OUTCOME_KEPT: one is
+    read (and removed) when a controller reaches the node again, which for a job whose
+    controller never comes back is never; a node would keep one per such job forever.
+    A month still lets a late ``resume`` learn why its agent gave up. How many went."""
+    removed = 0
+    for name in entries(base):
+        job, _, rest = name.partition(".")
+        index, _, suffix = rest.partition(".")
+        if suffix != "outcome" or not JOB_ID_RE.match(job) or not index.isdigit():
+            continue
+        path = os.path.join(base, name)
+        try:
+            st = os.lstat(path)
+            if stat.S_ISREG(st.st_mode) and time.time() - st.st_mtime > OUTCOME_KEPT:
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            continue
     return removed
 
 

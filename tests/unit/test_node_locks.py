@@ -2,7 +2,8 @@
 user removes the file, and a Slurm holder leaves nothing in the runtime directory when it
 goes (it left an empty ``<job>.holder.<node>.sock.lock`` per job and node, forever), nor does
 an agent's watchdog when the agent was killed (it left ``<job>.<node>.lock``); an agent's
-directory is removed under its lock, and never while an agent serves there."""
+directory is removed under its lock, and never while an agent serves there; an outcome no
+controller came back to read goes after a month (they stayed forever)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import time
 
 import pytest
 
-from agents.paths import Lock, bind_unix, clear_agent_directory
+from agents.paths import OUTCOME_KEPT, Lock, bind_unix, clear_agent_directory, sweep_outcomes
 from tests.helpers import ROOT
 
 
@@ -115,3 +116,15 @@ def test_a_killed_agents_watchdog_leaves_nothing_in_the_runtime_directory(tmp_pa
     while os.listdir(tmp_path / "run") and time.monotonic() < deadline:
         time.sleep(0.05)
     assert os.listdir(tmp_path / "run") == []
+
+
+def test_outcomes_nobody_came_back_for_are_swept_after_a_month(tmp_path):
+    old = time.time() - OUTCOME_KEPT - 60
+    names = {"job-a.0.outcome": old, "job-a.1.outcome": time.time() - 3600,
+             "job-b.0.outcome.tmp": old, "notes.outcome": old, "job-c.0": old}
+    for name, mtime in names.items():
+        path = tmp_path / name
+        path.write_text("{}")
+        os.utime(path, (mtime, mtime))
+    assert sweep_outcomes(str(tmp_path)) == 1
+    assert sorted(os.listdir(tmp_path)) == sorted(set(names) - {"job-a.0.outcome"})
