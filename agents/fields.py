@@ -223,6 +223,7 @@ def decode(line: bytes) -> dict[str, Any] | None:
         return None
     return message if isinstance(message, dict) else None
 
+
 _JSON_SCALARS = frozenset({str, int, float, bool, type(None)})
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}  # a dataclass -> its fields' names
 
