@@ -47,9 +47,13 @@ How: one ``orchestrator.checkpoint.save(step, tree)`` per rank, made by that ran
   several ``dcp.load`` calls), and serves each read from the restored tensors, narrowed to
   the read's offsets and lengths as ``FileSystemReader`` does.
 
-Limits: a rank reads only its own copy, so loading needs the same world size and the same
-sharding as the save (a read of a chunk another rank saved fails, naming it; DCP raises such
-errors, as every other, as ``dcp.CheckpointException``, a BaseException). ``dcp.load`` must be
+- **Another world size** (the save's is in its head): the shards come from every old rank's
+  persisted copy, read where this rank reads ``checkpoint.dir`` (orchestrator/
+  checkpoint_reshard.py).
+
+Limits: with the world size of the save, a rank reads only its own copy, so loading needs the
+same sharding as the save (a read of a chunk another rank saved fails, naming it; DCP raises
+such errors, as every other, as ``dcp.CheckpointException``, a BaseException). ``dcp.load`` must be
 called on every rank of the job (``load()`` agrees on the step across the default process
 group), and ``reader.step`` too where it is used. DCP's plan caching
 (``DefaultSavePlanner(enable_plan_caching=True)``) is not supported. ``dcp.async_save``
@@ -92,6 +96,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from orchestrator.checkpoint import CheckpointError, load, save
+from orchestrator.checkpoint_reshard import Resharded, reshard, saved_world, world
 
 __all__ = ["StorageReader", "StorageWriter"]
 
@@ -201,7 +206,7 @@ class StorageWriter(_storage.StorageWriter):
             position[index] = len(entries)
             entries.append(_entry(item, planner, default))
         tree = {"dcp": {"format": FORMAT, "version": DCP_VERSION, "save_id": self.save_id,
-                        "planner_data": planner_data},
+                        "planner_data": planner_data, "world_size": world()[1]},
                 "items": entries}
         save(self.step, tree)
         results = [WriteResult(index=item.index, storage_data=position[item.index],
@@ -282,6 +287,7 @@ class StorageReader(_storage.StorageReader):
         self._metadata: Metadata | None = None
         self._failed: str | None = None
         self._error: CheckpointError | None = None
+        self._resharded: Resharded | None = None  # a save of another world size
         self.is_coordinator = False
 
     @property
@@ -298,48 +304,21 @@ class StorageReader(_storage.StorageReader):
             return
         found = load()
         self._loaded = True
-        if found is None:
-            return
-        self._step, tree = found
         try:
-            self._index(tree)
+            if found is not None and saved_world(found[1]) in (None, world()[1]):
+                self._step = found[0]
+                self._items, self._fragment = _describe(found[1], found[0])
+                return
+            self._resharded = reshard(found, _describe)  # another world size's save
+            if self._resharded is not None:
+                self._step = self._resharded.step
+                self._fragment = self._resharded.ordered_fragments()[0]
         except (CheckpointError, KeyError, TypeError, ValueError) as exc:
             self._items.clear()
             self._error = exc if isinstance(exc, CheckpointError) else CheckpointError(
-                f"step {self._step}'s copy is not a checkpoint_dcp save "
+                f"step {found[0] if found else None}'s copy is not a checkpoint_dcp save "
                 f"({type(exc).__name__}: {exc})")
             raise self._error from None
-
-    def _index(self, tree: Any) -> None:
-        """This rank's items by (fqn, offsets), and its description of them."""
-        step = self._step
-        head = tree.get("dcp") if isinstance(tree, dict) else None
-        items = tree.get("items") if isinstance(tree, dict) else None
-        if not isinstance(head, dict) or head.get("format") != FORMAT or \
-                not isinstance(items, list):
-            raise CheckpointError(f"step {step}'s copy was not written by checkpoint_dcp."
-                                  "StorageWriter (read it with orchestrator.checkpoint.load())")
-        tensors: dict[str, dict[str, Any]] = {}
-        byte_fqns: list[str] = []
-        for entry in items:
-            fqn = entry["fqn"]
-            if "data" in entry:
-                data = entry["data"]
-                offsets = tuple(_size(entry["offsets"]))
-                self._items[(fqn, offsets)] = _Stored(tensor=data)
-                desc = tensors.setdefault(fqn, {"dtype": entry["dtype"], "size": entry["size"],
-                                                "requires_grad": entry["requires_grad"],
-                                                "chunks": []})
-                desc["chunks"].append([list(offsets), list(data.shape)])
-            elif "value" in entry:
-                self._items[(fqn, None)] = _Stored(value=entry["value"], is_value=True)
-                byte_fqns.append(fqn)
-            else:
-                self._items[(fqn, None)] = _Stored(tensor=entry["bytes"])
-                byte_fqns.append(fqn)
-        self._fragment = {"tensors": tensors, "bytes": byte_fqns,
-                          "planner_data": head.get("planner_data"),
-                          "version": head.get("version"), "save_id": head.get("save_id")}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new ``dcp.load``; the restored copy is kept (the step is ``load()``'s choice)."""
@@ -372,6 +351,8 @@ class StorageReader(_storage.StorageReader):
                 self._failed = mine
             elif failed:
                 self._failed = "another rank cannot load: " + failed[0]
+            elif self._resharded is not None:  # every old rank's, read from its copy
+                self._metadata = _metadata(self._resharded.ordered_fragments())
             else:  # this rank's description first: it wins where ranks differ
                 self._metadata = _metadata([mine] + everyone[:rank] + everyone[rank + 1:])
         if self._failed is not None:
@@ -418,14 +399,20 @@ class StorageReader(_storage.StorageReader):
                                       f"the state's is {list(target.size())}")
             target.copy_(source)
             planner.commit_tensor(req, target)
+        if self._resharded is not None:
+            self._resharded.done()
         done: Future[None] = Future()
         done.set_result(None)
         return done
 
     def _find(self, req: ReadItem, key: _Key) -> _Stored:
-        stored = self._items.get(key)
+        resharded = self._resharded
+        stored = resharded.find(key) if resharded is not None else self._items.get(key)
         if stored is None:
             where = "" if key[1] is None else f" at offsets {list(key[1])}"
+            if resharded is not None:
+                raise CheckpointError(f"no rank's copy of step {self._step} holds "
+                                      f"{req.storage_index.fqn!r}{where}")
             rank = os.environ.get("RANK", "0")
             raise CheckpointError(
                 f"rank {rank}'s copy of step {self._step} does not hold "
@@ -437,6 +424,40 @@ class StorageReader(_storage.StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         return False
+
+
+def _describe(tree: Any, step: int | None) -> tuple[dict[_Key, _Stored],
+                                                   dict[str, Any]]:
+    """A copy's items by (fqn, offsets), and its description of them (what DCP's Metadata
+    is built from)."""
+    head = tree.get("dcp") if isinstance(tree, dict) else None
+    entries = tree.get("items") if isinstance(tree, dict) else None
+    if not isinstance(head, dict) or head.get("format") != FORMAT or \
+            not isinstance(entries, list):
+        raise CheckpointError(f"step {step}'s copy was not written by checkpoint_dcp."
+                              "StorageWriter (read it with orchestrator.checkpoint.load())")
+    items: dict[_Key, _Stored] = {}
+    tensors: dict[str, dict[str, Any]] = {}
+    byte_fqns: list[str] = []
+    for entry in entries:
+        fqn = entry["fqn"]
+        if "data" in entry:
+            data = entry["data"]
+            offsets = tuple(_size(entry["offsets"]))
+            items[(fqn, offsets)] = _Stored(tensor=data)
+            desc = tensors.setdefault(fqn, {"dtype": entry["dtype"], "size": entry["size"],
+                                            "requires_grad": entry["requires_grad"],
+                                            "chunks": []})
+            desc["chunks"].append([list(offsets), list(data.shape)])
+        elif "value" in entry:
+            items[(fqn, None)] = _Stored(value=entry["value"], is_value=True)
+            byte_fqns.append(fqn)
+        else:
+            items[(fqn, None)] = _Stored(tensor=entry["bytes"])
+            byte_fqns.append(fqn)
+    return items, {"tensors": tensors, "bytes": byte_fqns,
+                   "planner_data": head.get("planner_data"), "version": head.get("version"),
+                   "save_id": head.get("save_id")}
 
 
 def _metadata(fragments: list[dict[str, Any]]) -> Metadata:

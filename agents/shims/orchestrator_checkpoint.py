@@ -121,14 +121,6 @@ def _metas(rank_dir, corrupt=False):
     return out
 
 
-def _drop(rank_dir, step):
-    for suffix in (".meta", ".manifest", ".persisted", ".corrupt"):
-        try:
-            os.unlink(os.path.join(rank_dir, F.step_name(step) + suffix))
-        except OSError:
-            pass
-
-
 def _take_slot(rank_dir, size, budget, metas):
     """A slot to write, locked exclusively. Never the newest save's, nor one the agent is
     reading (it holds a shared lock); and, while memory allows, not one holding a save still
@@ -267,7 +259,7 @@ def save(step, state, every=None):
             return 0.0
         for s, m in _metas(rank_dir, corrupt=True).items():
             if m.get("slot") == number or s == step:
-                _drop(rank_dir, s)  # its bytes are about to go: it is no longer a copy
+                F.drop(rank_dir, s)  # its bytes are about to go: it is no longer a copy
         _copy_in(torch, slot, views, entries)
         meta["slot"] = number
         meta["block_s"] = round(time.perf_counter() - started, 6)  # shown in status
@@ -474,8 +466,11 @@ def _memory_copy(torch, step):
         return None
 
 
-def _persisted_copy(torch, root, step):
-    base = os.path.join(F.persisted_dir(root, step), "rank-%d" % _rank())
+def persisted_copy(torch, root, step, rank=None):
+    """``(meta, state)`` of this rank's persisted copy of ``step`` (or ``rank``'s: a DCP load
+    into another world size, orchestrator/checkpoint_dcp.py), None when it is not good."""
+    rank = _rank() if rank is None else rank
+    base = os.path.join(F.persisted_dir(root, step), "rank-%d" % rank)
     meta_bytes = F.read_bytes(base + ".meta")
     man = F.read_json(base + ".manifest")
     if meta_bytes is None or man is None:
@@ -484,7 +479,7 @@ def _persisted_copy(torch, root, step):
         return _restore(torch, meta_bytes, man, base + ".data")
     except (CheckpointError, ValueError, KeyError, TypeError) as exc:
         _say("the persisted copy of step %d (rank %d, %s) is not good: %s; skipped"
-             % (step, _rank(), base, exc))
+             % (step, rank, base, exc))
         _mark_corrupt(base)
         return None
 
@@ -542,7 +537,7 @@ def _copy(torch, root, step):
     found = _memory_copy(torch, step)
     if found is not None:
         return found + ("buddy" if found[0].get("pulled") else "memory",)
-    found = _persisted_copy(torch, root, step) if root else None
+    found = persisted_copy(torch, root, step) if root else None
     return found + ("persisted",) if found is not None else None
 
 

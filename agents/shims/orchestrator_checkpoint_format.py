@@ -321,6 +321,15 @@ def byte_view(torch, tensor):
     return t.reshape(-1).view(torch.uint8)
 
 
+def drop(rank_dir, step):
+    """Forget a save in memory: its description, manifest and marks (its slot is reused)."""
+    for suffix in (".meta", ".manifest", ".persisted", ".corrupt"):
+        try:
+            os.unlink(os.path.join(rank_dir, step_name(step) + suffix))
+        except OSError:
+            pass
+
+
 def persisted_steps(root, rank):
     """Steps of which ``root`` holds a sealed copy of ``rank``, newest first."""
     try:

@@ -6,9 +6,13 @@ with the weights of a run that never failed at the end and no memory left on any
 
 from __future__ import annotations
 
+import glob
+import os
+
 import orchestrator
+from tests.cluster.test_faults import goes_on_without_node_2
 from tests.cluster.test_ssh_jobs import cluster_spec
-from tests.helpers import PYTHON, WORKERS
+from tests.helpers import PYTHON, WORKERS, assert_no_job_processes, wait_for, wait_for_output
 from tests.integration.test_checkpoints import lost_node_resumes_from_its_buddy
 
 TRAIN = [PYTHON, str(WORKERS / "ckpt_train.py")]
@@ -23,3 +27,33 @@ def test_a_lost_nodes_ranks_resume_from_their_buddy_over_ssh(cluster, home, tmp_
         max_restarts=1, restart={"warm": True}, restart_backoff={"initial": 0.1},
         health={"heartbeat_interval": 0.5, "node_timeout": 2}))
     lost_node_resumes_from_its_buddy(job_id, out)
+
+
+def test_a_dcp_job_that_lost_a_node_goes_on_with_fewer_ranks_resharded(cluster, home,
+                                                                      tmp_path):
+    """Three SSH nodes x 2 ranks, nnodes 2:3, a DTensor sharded over the 6 ranks saved with
+    checkpoint_dcp every step and persisted to a checkpoint.dir the nodes share. Node 2's
+    link goes down: the job goes on with 4 ranks, which reshard the newest step all 6 ranks
+    persisted (before: their dcp.load failed, "another rank saved it"), and ends with every
+    element equal to the number of steps."""
+    out = tmp_path / "out"
+    out.mkdir()
+    ck = tmp_path / "ck"
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, str(WORKERS / "dcp_train.py")], nnodes="2:3",
+        max_restarts=1, restart_backoff={"initial": 0.1},
+        health={"heartbeat_interval": 0.5, "node_timeout": 2}, ssh={"connect_timeout": 2},
+        # Enough kept that the nodes saving on until they are stopped do not trim the last
+        # step the lost node's ranks persisted.
+        checkpoint={"dir": str(ck), "persist_every": 1, "keep": 30},
+        env={"OUT": str(out), "STEPS": "60", "STEP_SLEEP": "0.15"}))
+    wait_for_output(job_id, "rank 5 step 10 saved", 1, timeout=120)
+    wait_for(lambda: any(len(glob.glob(os.path.join(d, "rank-*.manifest"))) == 6
+                         for d in glob.glob(str(ck / "step-*"))), 60,
+             what="a step persisted by all 6 ranks")
+    result = goes_on_without_node_2(cluster, job_id)
+    resumed = [ln for ln in orchestrator.logs(job_id, attempt=result["attempt"])
+               if "resumed step" in ln]
+    assert len(resumed) == 4 and all("in world 4" in ln for ln in resumed), resumed
+    assert (out / "final.txt").read_text() == "60.0"
+    assert_no_job_processes(job_id, within=15)

@@ -312,3 +312,36 @@ def test_a_fall_back_happens_once_then_the_same_error_ends_the_job(tmp_path, hom
     assert [a["restored_step"] for a in attempts][:2] == [None, 6], attempts
     assert "not restarted: the same error twice" in attempts[-1]["failure"]["decision"]
     assert result["restarts"] < 5
+
+
+
+def _dcp_job(tmp_path, name: str, nodes: int, nproc: int, steps: int) -> tuple[str, str]:
+    """A job of tests/workers/dcp_train.py on ``nodes`` local nodes x ``nproc`` ranks, its
+    copies persisted to tmp_path/ck: (its id, what its rank 0 found at the end)."""
+    out = tmp_path / f"out-{name}"
+    out.mkdir()
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": name, "nodes": [{"host": "local"}] * nodes, "nproc_per_node": nproc,
+        "command": [PYTHON, str(WORKERS / "dcp_train.py")], "workdir": str(tmp_path),
+        "checkpoint": {"dir": str(tmp_path / "ck"), "persist_every": 1, "keep": 3},
+        "env": {"OUT": str(out), "STEPS": str(steps), "STEP_SLEEP": "0.05"}}))
+    result = orchestrator.wait(job_id, timeout=180)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert_no_job_processes(job_id)
+    return job_id, (out / "final.txt").read_text()
+
+
+def test_a_dcp_checkpoint_goes_on_in_a_job_of_fewer_ranks_and_then_of_more(tmp_path, home):
+    """A DTensor sharded over 4 ranks (2 nodes x 2), saved with checkpoint_dcp every step
+    and persisted to one checkpoint.dir (what a shared filesystem gives every node). The same
+    training submitted again on 2 ranks, then on 3, resumes from the newest step every old
+    rank persisted, resharded (before: "another rank saved it" on 2, and from scratch on 3,
+    whose rank 2 held no copy), and ends with every element equal to its number of steps."""
+    _, final = _dcp_job(tmp_path, "four", 2, 2, 20)
+    assert final == "20.0"
+    for name, ranks, steps in (("two", 2, 30), ("three", 3, 40)):
+        job_id, final = _dcp_job(tmp_path, name, 1, ranks, steps)
+        resumed = [ln for ln in orchestrator.logs(job_id) if "resumed step" in ln]
+        assert len(resumed) == ranks, resumed
+        assert all(f"in world {ranks}" in ln for ln in resumed), resumed
+        assert final == f"{steps}.0", (name, final)
