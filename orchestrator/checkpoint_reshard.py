@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from agents.shims import orchestrator_checkpoint_format as F
-from agents.shims.orchestrator_checkpoint import persisted_copy
+from agents.shims.orchestrator_checkpoint import note_restored, persisted_copy
 from orchestrator.checkpoint import CheckpointError
 
 Describe = Any  # checkpoint_dcp._describe: (tree, step) -> (items, fragment)
@@ -93,8 +94,10 @@ class Resharded:
     """The copies of one step saved by ``saved`` ranks, served to this rank of another
     world size (see the module doc)."""
 
-    def __init__(self, root: str, step: int, saved: int, describe: Describe) -> None:
+    def __init__(self, root: str, step: int, saved: int, describe: Describe,
+                 started: float) -> None:
         self.root, self.step, self.saved, self._describe = root, step, saved, describe
+        self._started: float | None = started  # until the load is told to the agent
         self.rank = world()[0]
         self.fragments: list[dict[str, Any]] = []
         self._holders: dict[Any, list[int]] = {}  # (fqn, offsets) -> old ranks holding it
@@ -131,8 +134,12 @@ class Resharded:
         return self._copies[old].get(key)
 
     def done(self) -> None:
-        """Let go of the copies read for one ``dcp.load``."""
+        """Let go of the copies read for one ``dcp.load``; the first tells the rank's agent
+        which step it loaded (status shows it, where load() told the step it found)."""
         self._copies.clear()
+        if self._started is not None:
+            note_restored(self.step, "persisted", self._started)
+            self._started = None
 
 
 def reshard(found: tuple[int, Any] | None, describe: Describe) -> Resharded | None:
@@ -140,6 +147,7 @@ def reshard(found: tuple[int, Any] | None, describe: Describe) -> Resharded | No
     there is none: the step to load from every old rank's persisted copy, agreed by every
     rank; None when there is nothing to resume. CheckpointError when ``found`` cannot be
     loaded into this world size."""
+    started = time.perf_counter()
     _, size = world()
     root = os.environ.get(F.DIR_VAR) or ""
     mine = _readable(root, size) if root else []
@@ -160,4 +168,4 @@ def reshard(found: tuple[int, Any] | None, describe: Describe) -> Resharded | No
             f"{size} needs every rank's copy of it (or of an older step) persisted in "
             "checkpoint.dir where every rank reads it (a shared filesystem): none is")
     step = max(common)
-    return Resharded(root, step, dict(mine)[step], describe)
+    return Resharded(root, step, dict(mine)[step], describe, started)

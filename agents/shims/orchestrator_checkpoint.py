@@ -542,12 +542,18 @@ def _copy(torch, root, step):
 
 
 def _restored(step, found, started):
-    """``(step, state)``, once the rank's agent is told which copy it was and how long it
-    took (``restored.json`` in the rank's memory directory: status shows it)."""
+    """``(step, state)``, once the rank's agent is told which copy it was (note_restored)."""
+    note_restored(step, found[2], started)
+    return step, found[1]
+
+
+def note_restored(step, source, started):
+    """Tell the rank's agent which copy of ``step`` this rank loaded and how long it took
+    (``restored.json`` in the rank's memory directory: status shows it)."""
     memory = os.environ.get(F.MEMORY_VAR)
     if memory:
         record = {"attempt": _int_env("ORCHESTRATOR_ATTEMPT", 0), "step": step,
-                  "source": found[2], "seconds": round(time.perf_counter() - started, 3),
+                  "source": source, "seconds": round(time.perf_counter() - started, 3),
                   "skipped": _skipped[0]}
         try:
             rank_dir = _rank_dir(memory)
@@ -555,7 +561,6 @@ def _restored(step, found, started):
             _poke(os.path.join(memory, F.WAKE_NAME))  # reported now, not at the next look
         except (OSError, CheckpointError):
             pass  # the agent's report is not worth a training
-    return step, found[1]
 
 
 def _held_steps(root):

@@ -315,16 +315,21 @@ def test_a_fall_back_happens_once_then_the_same_error_ends_the_job(tmp_path, hom
 
 
 
-def _dcp_job(tmp_path, name: str, nodes: int, nproc: int, steps: int) -> tuple[str, str]:
+def _dcp_job(tmp_path, name: str, nodes: int, nproc: int, steps: int,
+             while_running=None) -> tuple[str, str]:
     """A job of tests/workers/dcp_train.py on ``nodes`` local nodes x ``nproc`` ranks, its
-    copies persisted to tmp_path/ck: (its id, what its rank 0 found at the end)."""
+    copies persisted to tmp_path/ck: (its id, what its rank 0 found at the end); with
+    ``while_running``, what status shows meanwhile must come to satisfy it."""
     out = tmp_path / f"out-{name}"
     out.mkdir()
     job_id = orchestrator.submit(write_spec(tmp_path, {
         "name": name, "nodes": [{"host": "local"}] * nodes, "nproc_per_node": nproc,
         "command": [PYTHON, str(WORKERS / "dcp_train.py")], "workdir": str(tmp_path),
         "checkpoint": {"dir": str(tmp_path / "ck"), "persist_every": 1, "keep": 3},
-        "env": {"OUT": str(out), "STEPS": str(steps), "STEP_SLEEP": "0.05"}}))
+        "env": {"OUT": str(out), "STEPS": str(steps), "STEP_SLEEP": "0.1"}}))
+    if while_running is not None:
+        wait_for(lambda: while_running(orchestrator.status(job_id)), 60, interval=0.05,
+                 what=f"{name}: status while it runs")
     result = orchestrator.wait(job_id, timeout=180)
     assert result["state"] == "SUCCEEDED", result["failure"]
     assert_no_job_processes(job_id)
@@ -339,8 +344,12 @@ def test_a_dcp_checkpoint_goes_on_in_a_job_of_fewer_ranks_and_then_of_more(tmp_p
     whose rank 2 held no copy), and ends with every element equal to its number of steps."""
     _, final = _dcp_job(tmp_path, "four", 2, 2, 20)
     assert final == "20.0"
-    for name, ranks, steps in (("two", 2, 30), ("three", 3, 40)):
-        job_id, final = _dcp_job(tmp_path, name, 1, ranks, steps)
+    for name, ranks, steps in (("two", 2, 40), ("three", 3, 60)):
+        # Each rank's load, as status shows it: the step resharded, from the persisted copies.
+        job_id, final = _dcp_job(tmp_path, name, 1, ranks, steps, lambda shown, n=ranks: {
+            (r["step"], r["source"]) for r in ((shown["nodes"][0].get("checkpoint") or {})
+                                              .get("restored") or {}).values()} == {
+            (19 if n == 2 else 39, "persisted")})
         resumed = [ln for ln in orchestrator.logs(job_id) if "resumed step" in ln]
         assert len(resumed) == ranks, resumed
         assert all(f"in world {ranks}" in ln for ln in resumed), resumed
