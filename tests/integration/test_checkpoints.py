@@ -314,7 +314,6 @@ def test_a_fall_back_happens_once_then_the_same_error_ends_the_job(tmp_path, hom
     assert result["restarts"] < 5
 
 
-
 def _dcp_job(tmp_path, name: str, nodes: int, nproc: int, steps: int,
              while_running=None) -> tuple[str, str]:
     """A job of tests/workers/dcp_train.py on ``nodes`` local nodes x ``nproc`` ranks, its
