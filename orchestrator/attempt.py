@@ -99,6 +99,8 @@ class Attempt:
                  pulls: dict[int, tuple[C.Pull, ...]] | None = None):
         self.plan = plan
         self.checkpoint = checkpoint  # its nodes' settings, and the step its ranks resume
+        # The step its ranks resumed: the one they were told, until they say which they loaded.
+        self.restored_step = checkpoint.restore_step
         self.pulls = pulls or {}  # node -> replicas its agent fetches before its workers
         self.nprocs = nprocs or {}  # workers per node, as planned (gpu|auto differ per node)
         self.number = plan.attempt
@@ -154,6 +156,18 @@ class Attempt:
         return start_command(self.number, self.node_plans[node_index], stop_grace,
                              flight_recorder, warm_imports, checkpoint=dataclasses.replace(
                                  self.checkpoint, pulls=self.pulls.get(node_index, ())))
+
+    def loaded(self, step: int) -> None:
+        """Every rank said which step it loaded, the oldest ``step``: the step this attempt
+        resumed (steps redone count from it; a repeated error falls back below it). It
+        differs from the one they were told where a copy did not verify and the ranks agreed
+        on an older one, or a DCP load resharded the newest step every old rank persisted."""
+        if step == self.restored_step:
+            return
+        log.info("attempt %d: its ranks resumed step %d (they were told %s)", self.number,
+                 step, "none" if self.restored_step is None else self.restored_step)
+        self.restored_step = step
+        self.store.set_restored_step(self.job_id, self.number, step)
 
     # --- the agents' messages ---------------------------------------------------------------
     def handle(self, node_index: int, message: P.Message) -> str | None:
@@ -394,8 +408,7 @@ class Attempt:
     def result(self) -> AttemptResult | None:
         """None while the attempt runs."""
         if self.failure is not None:
-            return AttemptResult(AttemptOutcome.FAILED, self.failure,
-                                 self.checkpoint.restore_step)
+            return AttemptResult(AttemptOutcome.FAILED, self.failure, self.restored_step)
         if len(self.exits) >= self.expected:
             return AttemptResult(AttemptOutcome.SUCCEEDED)
         return None

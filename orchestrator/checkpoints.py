@@ -40,9 +40,17 @@ class Holdings:
         self.fell_back = False  # that happened once in this job (policy.decide)
         self._leaving: frozenset[int] = frozenset()  # drained or noticed: never a spare
         self._up: frozenset[int] = frozenset()  # of them, drained only: their memory serves
+        self._loads_of = 0  # the newest attempt whose ranks said which step they loaded
+        self._loads: dict[int, int] = {}  # its rank -> that step
+        self._oldest_load: int | None = None  # the oldest of them (known once asked)
 
     def update(self, node_index: int, held: P.Held) -> None:
         self._nodes[node_index] = held
+        for rank, (attempt, step, *_) in held.restored.items():  # each rank's last load
+            if attempt > self._loads_of:
+                self._loads_of, self._loads, self._oldest_load = attempt, {}, None
+            if attempt == self._loads_of and self._loads.get(rank) != step:
+                self._loads[rank], self._oldest_load = step, None
 
     def forget(self, node_index: int) -> None:
         self._nodes.pop(node_index, None)
@@ -75,6 +83,15 @@ class Holdings:
                                          "skipped": r[4]}
                              for rank, r in sorted(held.restored.items())
                              if r[0] == held.attempt}}
+
+    def loaded_step(self, attempt: int, ranks: int) -> int | None:
+        """The oldest step the ranks of ``attempt`` loaded, once ``ranks`` of them said which
+        (None before, and where some started fresh: they say nothing)."""
+        if attempt != self._loads_of or len(self._loads) < ranks:
+            return None
+        if self._oldest_load is None:
+            self._oldest_load = min(self._loads.values())
+        return self._oldest_load
 
     def _local(self, rank: int, node_index: int) -> set[int]:
         """Steps of ``rank`` that ``node_index`` can read without another node: its memory,

@@ -85,6 +85,10 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
         engine.book.note(node, replace(node.info,
                                        checkpoint=engine.holdings.summary(node.index)))
         assign_buddies(engine)  # its replica port may be news to its neighbour
+        attempt = engine.current
+        if attempt is not None and message.restored and (step := engine.holdings.loaded_step(
+                attempt.number, attempt.plan.world_size)) is not None:
+            attempt.loaded(step)
         return
     if isinstance(message, P.Heartbeat):  # one with a notice (the loop): the node goes away
         given = message.notice

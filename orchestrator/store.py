@@ -307,6 +307,12 @@ class Store:
                                 ranks, time.time(), restored_step)
             storedb.update(db, "jobs", {"attempt": attempt}, job_id=job_id)
 
+    def set_restored_step(self, job_id: str, attempt: int, step: int) -> None:
+        """The step an attempt's ranks did resume, where it is not the one they were told
+        (an older one every rank has, or a DCP load resharded from the persisted copies)."""
+        with self._transaction() as db:
+            storeattempts.set_restored_step(db, job_id, attempt, step)
+
     def update_ranks(self, job_id: str, attempt: int,
                      fields_by_rank: dict[int, dict[str, Any]]) -> None:
         """Several ranks of one attempt in one transaction (``metrics`` as a dict)."""

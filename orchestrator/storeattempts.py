@@ -62,6 +62,10 @@ def set_stragglers(db: sqlite3.Connection, job_id: str, attempt: int,
                    job_id=job_id, attempt=attempt)
 
 
+def set_restored_step(db: sqlite3.Connection, job_id: str, attempt: int, step: int) -> None:
+    storedb.update(db, "attempts", {"restored_step": step}, job_id=job_id, attempt=attempt)
+
+
 def checkpoint(db: sqlite3.Connection, job_id: str, attempt: int, state: dict[str, Any],
                warm_starts: int) -> None:
     """An attempt's bookkeeping (log sizes, exits) and its warm starts so far."""

@@ -10,8 +10,9 @@ For each attempt that failed and was followed by another:
   (training again);
 - ``steps_redone``: the last step reached before the fault, less the step the next attempt
   resumed at (work since the last checkpoint, done twice): the checkpoint step its ranks
-  were told to resume (``restored_step``, orchestrator/checkpoints.py) where there was one,
-  else the first step its ranks reported;
+  loaded (``restored_step``: the one they were told, orchestrator/checkpoints.py, until
+  they all say which they loaded, Attempt.loaded) where there was one, else the first step
+  its ranks reported;
 - ``lost_s``: ``recovered_s`` plus the redone steps at the failed attempt's pace, and
   ``gpu_s``, that times the ranks (one GPU each where there are GPUs).
 

@@ -55,5 +55,9 @@ def test_a_dcp_job_that_lost_a_node_goes_on_with_fewer_ranks_resharded(cluster, 
     resumed = [ln for ln in orchestrator.logs(job_id, attempt=result["attempt"])
                if "resumed step" in ln]
     assert len(resumed) == 4 and all("in world 4" in ln for ln in resumed), resumed
+    # The attempt says the step the ranks resharded (older than the survivors' newest copies,
+    # which the controller agreed on): the steps redone count from it.
+    steps = {int(ln.split("resumed step ")[1].split()[0]) for ln in resumed}
+    assert [result["attempts"][-1]["restored_step"]] == list(steps), (steps, result["attempts"])
     assert (out / "final.txt").read_text() == "60.0"
     assert_no_job_processes(job_id, within=15)

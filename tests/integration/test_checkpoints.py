@@ -353,3 +353,7 @@ def test_a_dcp_checkpoint_goes_on_in_a_job_of_fewer_ranks_and_then_of_more(tmp_p
         assert len(resumed) == ranks, resumed
         assert all(f"in world {ranks}" in ln for ln in resumed), resumed
         assert final == f"{steps}.0", (name, final)
+        # The attempt's own record says the step its ranks loaded (time lost counts from it),
+        # not the step the controller found among the new ranks' copies (none for 3 ranks).
+        restored = [a["restored_step"] for a in orchestrator.status(job_id)["attempts"]]
+        assert restored == [19 if ranks == 2 else 39], (name, restored)

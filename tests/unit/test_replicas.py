@@ -156,6 +156,21 @@ def test_a_fall_back_agrees_on_a_step_older_than_the_one_that_failed_once():
     assert h.agreed_step(where) == 7 and h.fell_back
 
 
+def test_the_step_an_attempt_resumed_is_the_oldest_its_ranks_loaded_once_all_said():
+    def loads(attempt: int, steps: dict[int, int]) -> P.Held:
+        return P.Held(attempt, {}, {}, 0, None, restored={
+            rank: (attempt, step, "persisted", 0.5, 0) for rank, step in steps.items()})
+    h = Holdings()
+    h.update(0, loads(2, {0: 19, 1: 19}))
+    assert h.loaded_step(2, 3) is None  # rank 2 has not said yet
+    h.update(1, loads(2, {2: 17}))  # it resharded an older step
+    assert h.loaded_step(2, 3) == 17 and h.loaded_step(1, 3) is None
+    h.update(1, loads(1, {2: 30}))  # an older attempt's report changes nothing
+    assert h.loaded_step(2, 3) == 17
+    h.update(0, loads(3, {0: 40}))  # the next attempt's loads start afresh
+    assert h.loaded_step(3, 1) == 40 and h.loaded_step(2, 3) is None
+
+
 def test_a_transfer_accepted_before_the_store_closed_never_makes_it_again(tmp_path,
                                                                           monkeypatch):
     """A buddy's push that was accepted just before this node's store closed and removed its
