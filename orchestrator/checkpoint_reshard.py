@@ -38,14 +38,7 @@ def world() -> tuple[int, int]:
     """(this rank, the number of ranks) of the job now."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    return _int_env("RANK", 0), _int_env("WORLD_SIZE", 1)
-
-
-def _int_env(name: str, default: int) -> int:
-    try:
-        return int(os.environ.get(name, "") or default)
-    except ValueError:
-        return default
+    return F.int_env("RANK", 0), F.int_env("WORLD_SIZE", 1)
 
 
 class _Shape:

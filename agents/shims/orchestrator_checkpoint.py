@@ -98,10 +98,7 @@ _loaded = set()  # type: set[tuple[int, int]]  # (device, inode) of slot files a
 
 
 def _rank():
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
+    return F.int_env("RANK", 0)
 
 
 def _metas(rank_dir, corrupt=False):
@@ -237,16 +234,16 @@ def save(step, state, every=None):
     views = [F.byte_view(torch, t) for t in tensors]
     entries, size = F.layout(tensors)
     _saves[0] += 1
-    persist = _int_env(F.PERSIST_VAR, 0)
+    persist = F.int_env(F.PERSIST_VAR, 0)
     meta = {"format": F.FORMAT, "step": step, "rank": _rank(), "tensors": entries,
-            "world_size": _int_env("WORLD_SIZE", 1), "tree": tree, "size": size,
+            "world_size": F.int_env("WORLD_SIZE", 1), "tree": tree, "size": size,
             "saved_at": time.time(), "persist": bool(persist) and _saves[0] % persist == 0}
     memory = os.environ.get(F.MEMORY_VAR)
     if not memory:
         _save_files(step, meta, views, size)
         return time.perf_counter() - started
     rank_dir = _rank_dir(memory)
-    budget = _int_env(F.BUDGET_VAR, 1 << 62)
+    budget = F.int_env(F.BUDGET_VAR, 1 << 62)
     metas = _metas(rank_dir)
     number, slot = _take_slot(rank_dir, size, budget, metas)
     try:
@@ -318,13 +315,6 @@ def _copy_in(torch, slot, views, entries):
         del whole  # the mapping can be resized only once no tensor views it
 
 
-def _int_env(name, default):
-    try:
-        return int(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 def _save_files(step, meta, views, size):
     """No agent: this rank's copy straight to ``$ORCHESTRATOR_CHECKPOINT_DIR``, synced; the
     ``$ORCHESTRATOR_CHECKPOINT_KEEP`` (2) newest steps of this rank kept."""
@@ -348,7 +338,7 @@ def _save_files(step, meta, views, size):
     crcs = F.checksums(memoryview(buf), size)
     F.write_file(base + ".manifest", json.dumps(F.manifest(meta_bytes, crcs, size)).encode(),
                  sync=True)
-    F.trim(root, meta["rank"], max(1, _int_env(F.KEEP_VAR, 2)))  # a bounded directory
+    F.trim(root, meta["rank"], max(1, F.int_env(F.KEEP_VAR, 2)))  # a bounded directory
 
 
 # --- load ------------------------------------------------------------------------------------
@@ -552,7 +542,7 @@ def note_restored(step, source, started):
     (``restored.json`` in the rank's memory directory: status shows it)."""
     memory = os.environ.get(F.MEMORY_VAR)
     if memory:
-        record = {"attempt": _int_env("ORCHESTRATOR_ATTEMPT", 0), "step": step,
+        record = {"attempt": F.int_env("ORCHESTRATOR_ATTEMPT", 0), "step": step,
                   "source": source, "seconds": round(time.perf_counter() - started, 3),
                   "skipped": _skipped[0]}
         try:

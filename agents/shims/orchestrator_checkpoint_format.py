@@ -44,6 +44,15 @@ class CheckpointError(Exception):
     """A save or a load that cannot be done as asked (the message says why)."""
 
 
+def int_env(name, default):
+    """An integer from the environment (a worker's RANK, a setting the agent gave it): the
+    default where it is unset, empty or not a number."""
+    try:
+        return int(os.environ.get(name) or default)
+    except ValueError:
+        return default
+
+
 # --- the format (stdlib; the agent uses these) -------------------------------------------
 
 def step_name(step):
