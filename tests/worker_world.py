@@ -89,8 +89,8 @@ def differences(reference: dict, ours: dict, *, also_differ: frozenset[str] = fr
     path = [p for p in ours["sys_path"] if p != shim]
     if path != reference["sys_path"]:
         problems.append(f"sys.path {ours['sys_path']}, torchrun's {reference['sys_path']}")
-    for key in ("cwd", "umask", "rlimits", "signals", "flags", "executable"):
-        if ours[key] != reference[key]:
+    for key in ("cwd", "umask", "nice", "rlimits", "signals", "flags", "executable"):
+        if ours.get(key) != reference.get(key):
             problems.append(f"{key} {ours[key]!r}, torchrun's {reference[key]!r}")
     return problems
 

@@ -59,6 +59,7 @@ world = {
     "env": dict(os.environ),
     "cwd": os.getcwd(),
     "umask": umask(),
+    "nice": os.getpriority(os.PRIO_PROCESS, 0),
     "rlimits": {n: list(resource.getrlimit(getattr(resource, n)))
                 for n in dir(resource) if n.startswith("RLIMIT_")},
     "signals": proc_status("SigIgn", "SigBlk"),

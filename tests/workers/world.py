@@ -41,6 +41,7 @@ world = {
     "sys_path": sys.path,
     "cwd": os.getcwd(),
     "umask": umask(),
+    "nice": os.getpriority(os.PRIO_PROCESS, 0),  # (this thread's: the one it started with)
     "rlimits": limits,
     "signals": signal_masks(),
     "flags": {name: getattr(sys.flags, name) for name in dir(sys.flags)
