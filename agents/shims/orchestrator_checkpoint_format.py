@@ -16,6 +16,7 @@ import ctypes
 import json
 import math
 import os
+import threading
 import time
 import zlib
 
@@ -186,8 +187,10 @@ def read_bytes(path, limit=MAX_META):
 
 
 def write_file(path, data, sync=False):
-    """``data`` at ``path``, whole or not at all (written aside, then renamed)."""
-    tmp = path + ".tmp"
+    """``data`` at ``path``, whole or not at all (written aside, then renamed). Aside under a
+    name of this thread's own: two writers of one file (a script's heartbeat() and a save on
+    another thread) each truncated what the other was writing, and renamed it in half done."""
+    tmp = "%s.%d-%d.tmp" % (path, os.getpid(), threading.get_ident())
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(data)

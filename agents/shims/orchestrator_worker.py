@@ -12,6 +12,7 @@ the orchestrator.
 
 import json
 import os
+import threading
 
 
 def heartbeat(step=None, total_steps=None, **metrics):
@@ -29,8 +30,11 @@ def heartbeat(step=None, total_steps=None, **metrics):
             open(path, "a").close()
             os.utime(path)
             return
-        with open(path + ".tmp", "w") as f:
+        # Aside under a name of this thread's own (another thread may write the file too:
+        # a save's step report), then renamed: the agent reads the record whole.
+        tmp = "%s.%d-%d.tmp" % (path, os.getpid(), threading.get_ident())
+        with open(tmp, "w") as f:
             f.write(json.dumps(record))
-        os.replace(path + ".tmp", path)
+        os.replace(tmp, path)
     except OSError:
         pass

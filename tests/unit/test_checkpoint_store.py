@@ -528,3 +528,51 @@ def test_each_ranks_copy_is_held_while_the_ranks_before_it_are_sent(store, tmp_p
         assert buddy.holdings()[0] == {0: [5], 1: [5]}
     finally:
         buddy.close()
+
+
+def test_heartbeats_and_saves_from_two_threads_never_leave_a_torn_record(tmp_path,
+                                                                         monkeypatch):
+    """A script's heartbeat() in its training loop and a save() on another thread (DCP's
+    async_save writes from one) both write the heartbeat file: each write whole, never one
+    cut short by the other (both wrote through the same temporary name: the agent then read
+    half a record, or none)."""
+    import json
+    import threading
+
+    from agents.shims.orchestrator_worker import heartbeat
+
+    beat = tmp_path / "heartbeat"
+    monkeypatch.setenv("ORCHESTRATOR_HEARTBEAT_FILE", str(beat))
+    monkeypatch.setattr(F, "REPORT_EVERY", 0.0)
+    heartbeat(step=0, loss=0.5)
+    done = threading.Event()
+    torn = []
+
+    def read() -> None:
+        while not done.is_set():
+            text = beat.read_text()
+            try:
+                json.loads(text)
+            except ValueError:
+                torn.append(text)
+
+    def beats() -> None:
+        for step in range(1000):
+            heartbeat(step=step, total_steps=1000, loss=float(step),
+                      **{f"m{i}": 1.0 for i in range(50)})
+
+    def reports() -> None:
+        for step in range(1000):
+            F.report_step(step)
+    threads = [threading.Thread(target=f) for f in (beats, reports)]
+    reader = threading.Thread(target=read)
+    reader.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    done.set()
+    reader.join()
+    assert not torn, torn[:3]
+    assert json.loads(beat.read_text())["step"] in range(1000)
+    assert not [p.name for p in tmp_path.iterdir() if p.name != "heartbeat"]
