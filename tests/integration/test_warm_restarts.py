@@ -133,7 +133,9 @@ def test_no_standby_or_warm_worker_outlives_its_agent(home, tmp_path):
     root, command = project(tmp_path, "script")
     out = tmp_path / "out"
     out.mkdir()
-    job_id, _ = run_warm_job(tmp_path, command, root, out)
+    # Attempt 2's warm workers keep running (they exited at once, and under load were gone
+    # before the test read their parent: FileNotFoundError, one full run).
+    job_id, _ = run_warm_job(tmp_path, command, root, out, env={"WARM_HOLD": "1"})
     wait_for(lambda: len(list(out.glob("attempt-2/world-*.json"))) == 2, 60, what="attempt 2")
     # attempt 2's workers were standbys; attempt 3's standbys start as those run
     shown = orchestrator.status(job_id)

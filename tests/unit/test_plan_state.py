@@ -7,6 +7,7 @@ import pytest
 from orchestrator.plan import describe, plan_attempt
 from orchestrator.spec import parse_jobspec
 from orchestrator.state import TRANSITIONS, InvalidTransition, JobState, check_transition
+from tests.helpers import wait_for
 
 SPEC = """
 name: demo
@@ -105,6 +106,12 @@ def test_token_sweep_revalidates_each_pid_before_killing(monkeypatch):
     ours = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"],
                             env={**os.environ, agent.TOKEN_VAR: token})
     try:
+        # Popen returns once the child's exec closed its close-on-exec pipe, which the kernel
+        # does before it sets up the new image's environment (/proc/<pid>/environ reads empty
+        # until then): under load the token was not there yet, and the process was rightly
+        # spared (one full run).
+        wait_for(lambda: agent.has_token(ours.pid, token), 10, interval=0.01,
+                 what="the child's environment")
         # The scan "saw" both pids (as if the stranger had taken a dead worker's pid).
         monkeypatch.setattr(agent, "processes_with_token", lambda _t: [stranger.pid, ours.pid])
         agent.kill_token_processes(token)

@@ -5,7 +5,7 @@ script sees of its own start: ``__main__``'s globals at its first line, ``__file
 ``__main__`` through pickle, and which big modules were already imported. Writes
 ``<out>/attempt-<N>/world-<RANK>.json``; on the first attempt rank 0 then waits for
 ``<out>/fail`` and exits 3 (the other ranks wait to be stopped); ``WARM_RAISE=1``: raises
-instead, in every attempt."""
+instead, in every attempt; ``WARM_HOLD=1``: a later attempt's workers run until stopped."""
 START = {k: type(v).__name__ for k, v in globals().items()}  # first, before any import
 PRELOADED = sorted(m for m in ("torch", "torch._dynamo", "numpy")
                    if m in __import__("sys").modules)
@@ -85,4 +85,6 @@ if first:  # rank 0 fails when told; the others are stopped
         time.sleep(0.05)
 if os.environ.get("WARM_RAISE"):  # the same line and message in every attempt
     warm_helper.fail("on purpose")
+if os.environ.get("WARM_HOLD") and not first:  # a warm worker that runs until it is killed
+    time.sleep(600)
 sys.exit(3 if first else 0)
