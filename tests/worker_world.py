@@ -91,7 +91,7 @@ def differences(reference: dict, ours: dict, *, also_differ: frozenset[str] = fr
         problems.append(f"sys.path {ours['sys_path']}, torchrun's {reference['sys_path']}")
     for key in ("cwd", "umask", "nice", "rlimits", "signals", "flags", "executable"):
         if ours.get(key) != reference.get(key):
-            problems.append(f"{key} {ours[key]!r}, torchrun's {reference[key]!r}")
+            problems.append(f"{key} {ours.get(key)!r}, torchrun's {reference.get(key)!r}")
     return problems
 
 
