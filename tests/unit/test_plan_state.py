@@ -124,6 +124,40 @@ def test_token_sweep_revalidates_each_pid_before_killing(monkeypatch):
         ours.wait()
 
 
+def test_a_process_in_the_middle_of_its_exec_is_found_by_its_token():
+    """Popen returns once the child's exec closed its close-on-exec pipe, before the kernel
+    lays out the new image's environment: a sweep reading ``/proc/<pid>/environ`` then read
+    nothing and spared the process (on the old code 22-75 of 200 children right after Popen,
+    more under load). A process started with no environment at all is decided at once."""
+    import os
+    import subprocess
+    import time
+
+    import agents.processes as agent
+
+    token = "t0ken-mid-exec"
+    missed = []
+    for _ in range(200):
+        child = subprocess.Popen(["sleep", "30"], env={**os.environ, agent.TOKEN_VAR: token})
+        try:
+            if not agent.has_token(child.pid, token):
+                missed.append(child.pid)
+        finally:
+            child.kill()
+            child.wait()
+    assert missed == [], f"{len(missed)} of 200 children not found by their token"
+    bare = subprocess.Popen(["sleep", "30"], env={})
+    try:
+        wait_for(lambda: agent._read(f"/proc/{bare.pid}/stat") and not agent._in_exec(bare.pid),
+                 10, interval=0.01, what="the bare child's image")
+        started = time.monotonic()
+        assert not agent.has_token(bare.pid, token)
+        assert time.monotonic() - started < agent.EXEC_WAIT / 2, "an empty environment waited for"
+    finally:
+        bare.kill()
+        bare.wait()
+
+
 def test_gpu_counts_differ_per_node_and_ranks_follow_them():
     spec = parse_jobspec("nodes: [{host: local}, {host: local}, {host: local}]\n"
                          "nproc_per_node: gpu\ncommand: [train]\n")
