@@ -268,6 +268,7 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
 
 
 ATTEMPT_RE = re.compile(r"STEP (\d+) (\d+) (\d+) ([\d.]+)")
+SAVED_RE = re.compile(r"SAVED (\d+) (\d+) (\d+) ([\d.]+)")
 PHASE_RE = re.compile(r"PHASE 1 (\d+) (\w+) ([\d.]+)")
 
 
@@ -313,6 +314,9 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
                 time.sleep(0.1)
         orchestrator.cancel(job)
         got = rows()
+        # What each rank's saves held its training (attempt, rank, step -> seconds).
+        holds = {(int(m[1]), int(m[2]), int(m[3])): float(m[4])
+                 for m in map(SAVED_RE.search, orchestrator.logs(job)) if m}
         # When the next attempt's slowest rank started, loaded and joined its world.
         starts: dict[str, float] = {}
         for m in filter(None, map(PHASE_RE.search, orchestrator.logs(job))):
@@ -351,6 +355,13 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
             "step_s": round(plain, 2), "save_step_s": round(saving, 2),
             "lost_s": None if pause is None else round(pause - steps_s, 2),
             "first_save_s": None if first_save is None else round(first_save, 2),
+            # That save, what it held each rank (ranks 2 and 3 now on the spare).
+            "first_save_held_s": {r: h for (a, r, s), h in sorted(holds.items())
+                                  if a == 1 and s == later},
+            # Every save's longest hold over the ranks: "attempt/step" -> seconds.
+            "save_held_s": {f"{a}/{s}": max(h for (a2, _, s2), h in holds.items()
+                                              if (a2, s2) == (a, s))
+                            for a, s in sorted({(a, s) for a, _, s in holds})},
             "restart_phases": {k: round(v - stopped, 2) for k, v in starts.items()},
             # The held step's line is never printed (its rank is stopped while it waits
             # there): the last printed is one before it, hence the max with 0.
@@ -410,7 +421,8 @@ def main() -> int:
                 f"{result['step_s']} s a step, {result['save_step_s']} s one that saves): "
                 f"lost {result['lost_s']} s\n"
                 f"- the next attempt's first save after a step of its own (a step that saves, as "
-                f"training goes: {result['save_step_s']} s): {result['first_save_s']} s\n"
+                f"training goes: {result['save_step_s']} s): {result['first_save_s']} s (each "
+                f"rank held, s: {result['first_save_held_s']})\n"
                 f"- the next attempt's slowest rank, seconds after that step: " + ", ".join(
                     f"{k} {v}" for k, v in result["restart_phases"].items()) + "\n"
                 + (f"- {len(runs)} runs: pause {pauses}, median {statistics.median(pauses)} "

@@ -45,7 +45,9 @@ def main() -> None:
         time.sleep(step_time)
         dist.all_reduce(t)
         state["weights"][step % state["weights"].numel()] = step
-        checkpoint.save(step, state, every=every)  # and the step a planned move asks for
+        held = checkpoint.save(step, state, every=every)  # and the step a planned move asks for
+        if held:
+            os.write(1, f"SAVED {restarts} {rank} {step} {held:.3f}\n".encode())
         os.write(1, f"STEP {restarts} {rank} {step} {time.time():.4f}\n".encode())
     dist.destroy_process_group()
 
