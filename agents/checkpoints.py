@@ -13,6 +13,10 @@ thread of its own, woken so, the store then, for every save it finds:
   last; and keeps the ``keep`` newest persisted steps of each of its ranks;
 - **replicates** each rank's newest sealed save to the buddy the controller named
   (``replicate_to``; agents/replicas.py), and keeps its buddy's replicas in turn;
+- **keeps pages**: a replica it lets go leaves its data as a *blank* that the next copy the
+  node writes whole takes by a rename (orchestrator_checkpoint_format.py: new pages are most
+  of a copy's cost); blanks count as memory in use, and go while that is over
+  ``checkpoint.memory``;
 - **reports** what the node holds (``held``: the steps of each rank in memory, persisted and
   as replicas, the replica server's port, the bytes of memory in use) whenever that changes,
   on every new controller connection, and before ``stopped``, so that the controller's
@@ -60,6 +64,11 @@ def default_memory() -> int:
         return st.f_blocks * st.f_frsize // 2
     except OSError:
         return 1 << 30
+
+
+def _budget(config: C.CheckpointConfig) -> int:
+    """checkpoint.memory, in bytes."""
+    return config.memory or default_memory()
 
 
 class Store:
@@ -164,7 +173,7 @@ class Store:
                     if config.restore_step is not None else None
                 self._discard_after(config.restore_step)
                 remove(os.path.join(self.root, F.SAVE_AT_NAME))  # an attempt before's
-        budget = config.memory or default_memory()
+        budget = _budget(config)
         return {F.MEMORY_VAR: self.root,
                 F.BUDGET_VAR: str(budget // max(1, local_ranks)),
                 F.PERSIST_VAR: str(config.persist_every if self.persist_dir else 0),
@@ -240,6 +249,8 @@ class Store:
                 self._seal(rank, rank_dir, step, meta_bytes)
         if final:  # the job ends: its buddy's copy is of no use any more
             return
+        # Blanks go while the memory held is over its bound (the ranks' slots grew into it).
+        F.drop_blanks(self.root, self.holdings()["bytes"] - _budget(self.config))
         # What memory holds is news at once: a planned move waits for every rank's save
         # there, and replicating a big state takes seconds (measured: 5 s of a drain's 11 s
         # at 512 MiB per rank went to waiting for this report).
@@ -329,9 +340,9 @@ class Store:
             return False
 
     def _room(self) -> int:
-        """Bytes of checkpoint.memory not in use (for a buddy's replica)."""
-        budget = self.config.memory or default_memory()
-        return budget - self.holdings()["bytes"]
+        """Bytes of checkpoint.memory not in use (for a buddy's replica): blanks are, as
+        the replica takes one."""
+        return _budget(self.config) - self.holdings()["bytes"] + F.blank_bytes(self.root)
 
     def _rank_dirs(self) -> list[tuple[int, str]]:
         try:
@@ -430,6 +441,7 @@ class Store:
         if self.persist_dir:
             for rank, steps in _persisted(self.persist_dir).items():
                 persisted[str(rank)] = sorted(steps)[-MAX_REPORTED:]
+        used += F.blank_bytes(self.root)  # kept for the next copies
         replicas: dict[str, list[int]] = {}
         if self.replicas is not None:
             kept, replica_bytes = self.replicas.holdings()

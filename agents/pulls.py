@@ -87,7 +87,7 @@ def _install(root: str, secret: str, replicas: Server | None, pull: C.Pull,
     if own is None and not fetch:
         return False
     meta_bytes, manifest = own or pull_replica(
-        pull.address, pull.port, secret, pull.rank, pull.step, path)
+        pull.address, pull.port, secret, pull.rank, pull.step, path, root)
     meta = json.loads(meta_bytes)
     meta.update(slot=slot, persist=False, pulled=True)
     meta_bytes = json.dumps(meta).encode()

@@ -11,10 +11,12 @@ request, a JSON line:
   the server answers ``{"ok": true, "have": true}`` if it holds that very data already (the
   client sends nothing more), else, once it said ``{"ok": true}`` (it has room), that many
   bytes of meta, manifest and data. The server writes them aside (a file of the transfer's
-  own), verifies the data against the manifest as it comes, and only then keeps them
+  own: a blank, where the node's memory has one), verifies the data against the manifest as
+  it comes, and only then keeps them
   (``<memory>/replicas/rank-<r>/step-<s>.{data,meta,manifest}``: every step from the one
-  the controller retains, and the newest; the ``KEEP`` newest until it retains one); it
-  answers ``{"ok": true}`` or ``{"ok": false, "error"}``.
+  the controller retains, and the newest; the ``KEEP`` newest until it retains one: the data
+  of one that goes is kept as a blank for the next); it answers ``{"ok": true}`` or
+  ``{"ok": false, "error"}``.
 - ``get`` (a replacement node's agent pulls a copy): ``{"op": "get", "rank", "step"}``,
   answered by ``{"ok": true, "meta", "manifest", "size"}`` and the bytes, which the puller
   verifies before it trusts them: a replica this node keeps, else a sealed save of its own
@@ -136,8 +138,10 @@ def _manifest(meta: bytes, manifest: bytes, size: int) -> dict[str, Any]:
     return man
 
 
-def _receive_to(conn: socket.socket, path: str, meta: bytes, man: dict[str, Any]) -> None:
-    """``man["size"]`` bytes from the peer into a new file at ``path``, verified against the
+def _receive_to(conn: socket.socket, path: str, meta: bytes, man: dict[str, Any],
+                memory: str | None = None) -> None:
+    """``man["size"]`` bytes from the peer into a new file at ``path`` (a blank of
+    ``memory``'s, where it has one: its pages exist), verified against the
     manifest as they come: each chunk is received into one of two buffers while the other
     chunk's CRC is taken and it is written (pwrite) on a thread. Not received into a mapping
     of the new file: each of its pages was a page fault in the agent (131,072 for 512 MiB),
@@ -145,7 +149,9 @@ def _receive_to(conn: socket.socket, path: str, meta: bytes, man: dict[str, Any]
     idle machine, 512 MiB over loopback: a push 0.50-0.60 s that way, 0.39-0.51 s this way;
     a pull 0.54-0.60 s, 0.39-0.59 s). Removed if it fails."""
     size, chunk = man["size"], man["chunk"]
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    fresh = 0 if memory is not None and F.take_blank(memory, path, size) else \
+        os.O_CREAT | os.O_EXCL
+    fd = os.open(path, os.O_RDWR | fresh | os.O_CLOEXEC, 0o600)
     try:
         if size:  # the pages now: a full /dev/shm is an error here, not a short write later
             os.posix_fallocate(fd, 0, size)
@@ -304,12 +310,13 @@ class Server:
                 os.mkdir(directory, 0o700)  # not makedirs: a removed store stays removed
             except FileExistsError:
                 pass
-            for suffix in (".manifest", ".meta", ".data"):  # an older copy of this step goes
+            for suffix in (".manifest", ".meta"):  # an older copy of this step goes
                 remove(base + suffix)
+            F.give_blank(self.memory, base + ".data")
         # A name of this transfer's own: two nodes may send the same copy at once (a spare's
         # and the leaving node's), and a file cut short under a mapping is a SIGBUS.
         tmp = f"{base}.data.{secrets.token_hex(8)}.tmp"
-        _receive_to(conn, tmp, meta, man)
+        _receive_to(conn, tmp, meta, man, self.memory)
         os.replace(tmp, base + ".data")
         F.write_file(base + ".meta", meta)
         F.write_file(base + ".manifest", manifest)
@@ -338,8 +345,7 @@ class Server:
             with self._lock:
                 for entry in entries(rank_dir):
                     if which(F.parse_step(entry, suffix=".manifest")):
-                        for suffix in (".manifest", ".meta", ".data"):
-                            remove(os.path.join(rank_dir, entry[:-9] + suffix))
+                        self._let_go(os.path.join(rank_dir, entry[:-9]))
 
     def prune(self, directory: str | None = None) -> None:
         """Replicas older than the retained step go (the newest of a rank always stays)."""
@@ -351,8 +357,13 @@ class Server:
                 retain = self.retain
                 old = steps[:-KEEP] if retain is None else [s for s in steps[:-1] if s < retain]
                 for step in old:
-                    for suffix in (".manifest", ".meta", ".data"):
-                        remove(os.path.join(rank_dir, f"step-{step}{suffix}"))
+                    self._let_go(os.path.join(rank_dir, f"step-{step}"))
+
+    def _let_go(self, base: str) -> None:
+        """A replica goes; its data's pages stay for the next copy (a blank)."""
+        for suffix in (".manifest", ".meta"):
+            remove(base + suffix)
+        F.give_blank(self.memory, base + ".data")
 
     def take(self, rank: int, step: int, data_path: str) -> tuple[bytes, bytes] | None:
         """This node's replica of ``rank`` at ``step`` moved to ``data_path``, and its (meta,
@@ -384,8 +395,7 @@ class Server:
 
     def _replica(self, rank: int, step: int) -> tuple[bytes, bytes, int, int] | None:
         """(meta, manifest, an open fd, size) of this node's replica of ``rank`` at ``step``."""
-        found = self._held(rank, step,
-                           lambda base: os.open(base + ".data", os.O_RDONLY | os.O_CLOEXEC))
+        found = self._held(rank, step, _open_shared)
         if found is None:
             return None
         meta, manifest, fd = found
@@ -419,6 +429,14 @@ class Server:
                 return None
             time.sleep(0.02)
         return None if os.path.exists(base + ".corrupt") else hold_save(rank_dir, step)
+
+
+def _open_shared(base: str) -> int:
+    """The replica's data, open and under a shared lock while it is sent: never made a blank
+    and written over meanwhile (F.give_blank)."""
+    fd = os.open(base + ".data", os.O_RDONLY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
 
 
 def hold_save(rank_dir: str, step: int) -> tuple[bytes, bytes, int, int] | None:
@@ -475,8 +493,9 @@ def push(address: str, port: int, secret: str, rank: int, step: int, meta: bytes
 
 
 def pull(address: str, port: int, secret: str, rank: int, step: int,
-         data_path: str) -> tuple[bytes, bytes]:
-    """Fetch a replica into ``data_path``, verified; its (meta, manifest)."""
+         data_path: str, memory: str | None = None) -> tuple[bytes, bytes]:
+    """Fetch a replica into ``data_path`` (into a blank of ``memory``'s where it has one),
+    verified; its (meta, manifest)."""
     with _connect(address, port, secret) as conn:
         _send_line(conn, {"op": "get", "rank": rank, "step": step})
         header = _read_line(conn)
@@ -486,7 +505,7 @@ def pull(address: str, port: int, secret: str, rank: int, step: int,
         manifest = _read_exact(conn, _number(header, "manifest", MAX_MANIFEST))
         size = _number(header, "size", MAX_COUNT)
         try:
-            _receive_to(conn, data_path, meta, _manifest(meta, manifest, size))
+            _receive_to(conn, data_path, meta, _manifest(meta, manifest, size), memory)
         except ReplicaError as exc:
             raise ReplicaError(f"the replica of step {step} of rank {rank} at {address}:"
                                f"{port}: {exc}") from None

@@ -12,7 +12,8 @@ Where a copy lives (docs/guides/checkpoints.md):
 
 - **Memory**: ``$ORCHESTRATOR_CHECKPOINT_MEMORY/rank-<RANK>/``, a directory on the node's
   ``/dev/shm`` that the agent made and removes. A save takes a *slot* (a file this rank
-  reuses, so its pages are already there), copies the tensors' bytes into it and writes the
+  reuses, so its pages are already there; a new one takes a blank of the node's where there
+  is one), copies the tensors' bytes into it and writes the
   save's description (``step-<S>.meta``, renamed into place last): all the training waits
   for. The newest save's slot is never written (one whole copy always exists); slots are
   bounded by ``$ORCHESTRATOR_CHECKPOINT_MEMORY_BYTES``; with no room left, a save is skipped.
@@ -145,7 +146,10 @@ def _take_slot(rank_dir, size, budget, metas):
     total = sum(os.stat(os.path.join(rank_dir, n)).st_size for n in names)
     if not candidates or total + size <= budget:
         number = max([int(n[5:]) for n in names], default=-1) + 1
-        slot = _open_slot(os.path.join(rank_dir, "slot-%d" % number))
+        path = os.path.join(rank_dir, "slot-%d" % number)
+        if path not in _slots:  # pages that exist, if any (a file of its own otherwise)
+            F.take_blank(os.path.dirname(rank_dir), path, size)
+        slot = _open_slot(path)
         fcntl.flock(slot.fd, fcntl.LOCK_EX)
         return number, slot
     # Memory is full: a retained copy goes first (a node's loss may then cost more steps),

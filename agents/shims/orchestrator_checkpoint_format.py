@@ -1,5 +1,5 @@
-"""The checkpoint format (stdlib only): names, manifests, verification and reading, and a
-state as data (torch only where a caller hands it in).
+"""The checkpoint format (stdlib only): names, manifests, verification and reading, a state
+as data (torch only where a caller hands it in), and the node's blanks (pages kept).
 
 Shared by a worker's ``orchestrator_checkpoint`` (which writes and reads copies) and the
 node's agent (agents/checkpoints.py: it seals, persists and reports them, and never imports
@@ -13,6 +13,7 @@ the data and one of the meta's bytes). A copy is good only when the manifest mat
 
 import concurrent.futures
 import ctypes
+import fcntl
 import json
 import math
 import os
@@ -27,6 +28,7 @@ SAVE_AT_NAME = "save-at"  # in the memory root: the step the controller asks eve
 # In a rank's directory: its copy is being pulled from another node (the content: until when,
 # by the node's clock, its load waits), and why the pull failed (JSON: step, error).
 PULLING_NAME = "pulling"
+BLANK_DIR = "blank"  # in the memory root: the pages of copies let go, for the next copies
 PULL_FAILED_NAME = "pull-failed"
 OWN_BELOW = 1 << 16  # bytes: a loaded tensor this small is a copy, not a view of the whole
 ALIGN = 64
@@ -367,3 +369,89 @@ def trim(root, rank, keep):
             os.rmdir(directory)
         except OSError:
             pass  # other ranks' files are still there
+
+
+# --- blanks: pages kept for the next copy --------------------------------------------------
+# What a copy into memory costs most is new pages: four ranks copying 512 MiB each into new
+# files of /dev/shm took 2.5-2.8 s each here, into files whose pages existed 0.26-0.38 s
+# (docs/benchmarks.md). So a replica the store lets go keeps its pages, as a *blank* in
+# the memory root, and the next file the node writes whole (a buddy's replica arriving, a
+# copy pulled in, a rank's new slot) takes one by a rename. Blanks count as memory held;
+# the agent's store lets them go where checkpoint.memory is short.
+
+def give_blank(memory, path):
+    """The file at ``path`` (a copy let go) into ``memory``'s blanks, unless a reader holds
+    it (a shared lock: a copy being sent) or that fails: then it is removed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        blanks = os.path.join(memory, BLANK_DIR)
+        try:
+            os.mkdir(blanks, 0o700)
+        except FileExistsError:
+            pass
+        os.rename(path, os.path.join(blanks, os.urandom(8).hex()))
+    except OSError:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+    finally:
+        os.close(fd)
+
+
+def blanks(memory):
+    """``[(bytes, path)]`` of ``memory``'s blanks."""
+    directory = os.path.join(memory, BLANK_DIR)
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            out.append((os.stat(path).st_size, path))
+        except OSError:
+            pass  # taken meanwhile
+    return out
+
+
+def blank_bytes(memory):
+    return sum(length for length, _ in blanks(memory))
+
+
+def drop_blanks(memory, excess):
+    """Blanks go, the largest first, until ``excess`` bytes went (or none is left)."""
+    for length, path in sorted(blanks(memory), reverse=True):
+        if excess <= 0:
+            return
+        try:
+            os.unlink(path)
+        except OSError:
+            continue  # taken meanwhile
+        excess -= length
+
+
+def take_blank(memory, path, size):
+    """A blank of ``memory`` moved to ``path`` (a name nothing else has) and cut to ``size``
+    bytes: the smallest that holds them, else the largest. False: none."""
+    found = blanks(memory)
+    fits = sorted(b for b in found if b[0] >= size)
+    for length, blank in fits + sorted((b for b in found if b[0] < size), reverse=True):
+        try:
+            os.rename(blank, path)  # of two takers of one blank, the second takes the next
+        except FileNotFoundError:
+            continue
+        except OSError:
+            return False
+        if length > size:
+            try:
+                os.truncate(path, size)
+            except OSError:
+                pass
+        return True
+    return False

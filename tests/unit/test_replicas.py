@@ -299,3 +299,37 @@ def test_a_copy_the_node_holds_already_is_not_sent_again(server, monkeypatch):
     push("127.0.0.1", server.port, "s3cret", 3, 5, *copy_of(5))
     assert sum(sent) > len(data), sent
     assert sorted(server.holdings()[0][3]) == [4, 5]
+
+
+def test_a_replica_let_go_keeps_its_pages_for_the_next_copy_unless_it_is_being_sent(
+        server, tmp_path):
+    """New pages are what a copy into memory pays for most (docs/benchmarks.md): a pruned
+    replica's data becomes a blank of the node's memory, and the next replica that arrives
+    is written into it (the same file: its pages exist); a pull into the node takes one
+    too. One being sent when it is let go is removed instead: written over, the copy on
+    its way would be torn."""
+    push("127.0.0.1", server.port, "s3cret", 3, 1, *copy_of(1))
+    first = os.stat(tmp_path / "replicas" / "rank-3" / "step-1.data").st_ino
+    server.retain = 2
+    push("127.0.0.1", server.port, "s3cret", 3, 2, *copy_of(2))  # step 1 goes: a blank
+    assert [os.stat(p).st_ino for _, p in F.blanks(str(tmp_path))] == [first]
+    assert server.holdings() == ({3: [2]}, 100_000)  # a blank is no replica
+    server.retain = 3
+    push("127.0.0.1", server.port, "s3cret", 3, 3, *copy_of(3))
+    assert os.stat(tmp_path / "replicas" / "rank-3" / "step-3.data").st_ino == first
+    assert (tmp_path / "replicas" / "rank-3" / "step-3.data").read_bytes() == \
+        bytes(copy_of(3)[2])  # verified as it came, and all of it there
+    blank = [os.stat(p).st_ino for _, p in F.blanks(str(tmp_path))]  # step 2's
+    assert len(blank) == 1
+    pull("127.0.0.1", server.port, "s3cret", 3, 3, str(tmp_path / "pulled"), str(tmp_path))
+    assert os.stat(tmp_path / "pulled").st_ino == blank[0] and F.blanks(str(tmp_path)) == []
+    assert (tmp_path / "pulled").read_bytes() == bytes(copy_of(3)[2])
+    # Let go while a pull reads it (the sender's shared lock): removed, not a blank.
+    found = server._replica(3, 3)
+    assert found is not None
+    try:
+        server.retain = 4
+        push("127.0.0.1", server.port, "s3cret", 3, 4, *copy_of(4))
+        assert F.blanks(str(tmp_path)) == [] and server.holdings()[0] == {3: [4]}
+    finally:
+        os.close(found[2])
