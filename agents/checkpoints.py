@@ -249,8 +249,8 @@ class Store:
                 self._seal(rank, rank_dir, step, meta_bytes)
         if final:  # the job ends: its buddy's copy is of no use any more
             return
-        # Blanks go while the memory held is over its bound (the ranks' slots grew into it).
-        F.drop_blanks(self.root, self.holdings()["bytes"] - _budget(self.config))
+        if F.blanks(self.root):  # they go while the memory held is over its bound
+            F.drop_blanks(self.root, self.holdings()["bytes"] - _budget(self.config))
         # What memory holds is news at once: a planned move waits for every rank's save
         # there, and replicating a big state takes seconds (measured: 5 s of a drain's 11 s
         # at 512 MiB per rank went to waiting for this report).
