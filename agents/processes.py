@@ -113,17 +113,19 @@ def _in_exec(pid: int) -> bool:
 def has_token(pid: int, token: str) -> bool:
     """Does process ``pid`` carry this agent's token in its environment? One in the middle
     of an exec is read again until its new environment is there (EXEC_WAIT at most)."""
+    path = f"/proc/{pid}/environ"
+    environ = _read(path)  # a scan reads every process's: its stat only where this is empty
     deadline = time.monotonic() + EXEC_WAIT
-    while True:
+    while environ == b"" and time.monotonic() <= deadline:
         before = _in_exec(pid)
-        environ = _read(f"/proc/{pid}/environ")
-        if environ:
-            return f"{TOKEN_VAR}={token}".encode() in environ.split(b"\0")
-        # Empty: no environment only if no exec was under way before the read, nor after
-        # it (the image laid out in between, or an exec begun).
-        if environ is None or not (before or _in_exec(pid)) or time.monotonic() > deadline:
+        environ = _read(path)
+        # Still empty: no environment only if no exec was under way before the read, nor
+        # after it (the image laid out in between, or an exec begun).
+        if environ == b"" and not (before or _in_exec(pid)):
             return False
-        time.sleep(0.002)
+        if environ == b"":
+            time.sleep(0.002)
+    return environ is not None and f"{TOKEN_VAR}={token}".encode() in environ.split(b"\0")
 
 
 def processes_with_token(token: str) -> list[int]:
