@@ -46,7 +46,7 @@ from agents import rankfiles
 from agents.outbox import Outbox
 from agents.paths import entries, memory_root, own_memory, remove, sweep_memory
 from agents.pulls import install
-from agents.replicas import ReplicaError, Server, hold_save
+from agents.replicas import ReplicaError, Server, Transfers, hold_save
 from agents.replicas import push as push_replica
 from agents.shims import orchestrator_checkpoint_format as F
 from agents.storewake import Wake
@@ -80,6 +80,7 @@ class Store:
         # Where this node's copies go: a hot spare's replica server, then its buddy's.
         self.targets: list[tuple[str, int]] = []
         self._pushed: dict[tuple[tuple[str, int], int], int] = {}  # (target, rank) -> step
+        self._sending = Transfers()  # ended by close: no cut-off buddy holds the agent's end
         self._saves: dict[int, list[int | float]] = {}  # rank -> [step, bytes, block_s]
         self.config = C.CheckpointConfig()
         self.persist_dir: str | None = None
@@ -190,7 +191,7 @@ class Store:
 
         def later(s: int | None) -> bool:
             return s is not None and (step is None or s > step)
-        for rank, rank_dir in self._rank_dirs():
+        for rank, rank_dir in _rank_dirs(self.root):
             for name in entries(rank_dir):
                 if later(F.parse_step(name, suffix=".meta")):
                     for suffix in (".meta", ".manifest", ".persisted", ".corrupt"):
@@ -210,9 +211,10 @@ class Store:
         self._report(force=True)
 
     def close(self) -> None:
-        """The workers are gone: what they saved and marked is persisted (a last pass), then
-        the memory goes."""
+        """The workers are gone: a copy going to a buddy stops (of no use now), what they
+        saved and marked is persisted (a last pass), then the memory goes."""
         self._closed = True
+        self._sending.end()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=60.0)
@@ -240,7 +242,7 @@ class Store:
             self._wake.wait()
 
     def _pass(self, final: bool = False) -> None:
-        ranks = self._rank_dirs()
+        ranks = _rank_dirs(self.root)
         tried: dict[str, set[int]] = {}
         for rank, rank_dir in ranks:
             unsealed = _unsealed(rank_dir)
@@ -332,7 +334,8 @@ class Store:
         meta, manifest, fd, size = copy
         try:
             with _mapped(fd, size) as view:
-                push_replica(buddy[0], buddy[1], self.secret, rank, step, meta, manifest, view)
+                push_replica(buddy[0], buddy[1], self.secret, rank, step, meta, manifest, view,
+                             self._sending)
             self._pushed[(buddy, rank)] = step
             return True
         except (OSError, ReplicaError) as exc:
@@ -343,18 +346,6 @@ class Store:
         """Bytes of checkpoint.memory not in use (for a buddy's replica): blanks are, as
         the replica takes one."""
         return _budget(self.config) - self.holdings()["bytes"] + F.blank_bytes(self.root)
-
-    def _rank_dirs(self) -> list[tuple[int, str]]:
-        try:
-            names = os.listdir(self.root)
-        except OSError:
-            return []
-        out = []
-        for name in names:
-            rank = F.parse_step(name, prefix="rank-")
-            if rank is not None:
-                out.append((rank, os.path.join(self.root, name)))
-        return sorted(out)
 
     def _seal(self, rank: int, rank_dir: str, step: int, meta_bytes: bytes) -> None:
         base = os.path.join(rank_dir, F.step_name(step))
@@ -418,7 +409,7 @@ class Store:
         persisted: dict[str, list[int]] = {}
         restored: dict[str, list[Any]] = {}
         used = 0
-        ranks = self._rank_dirs()
+        ranks = _rank_dirs(self.root)
         for rank, rank_dir in ranks:
             steps = []
             names = entries(rank_dir)
@@ -486,6 +477,20 @@ class _mapped:
         self.view.release()  # a mapping with a view on it cannot be closed
         if self.map is not None:
             self.map.close()
+
+
+def _rank_dirs(root: str) -> list[tuple[int, str]]:
+    """``(rank, directory)`` of each rank that saved in this node's memory."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        rank = F.parse_step(name, prefix="rank-")
+        if rank is not None:
+            out.append((rank, os.path.join(root, name)))
+    return sorted(out)
 
 
 def _restored(path: str) -> list[Any] | None:

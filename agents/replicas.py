@@ -29,6 +29,7 @@ anything malformed is dropped with nothing kept.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import fcntl
 import hashlib
 import hmac
@@ -39,7 +40,7 @@ import socket
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from agents.fields import MAX_COUNT, MAX_RANK, Fields, ProtocolError
@@ -465,22 +466,58 @@ def hold_save(rank_dir: str, step: int) -> tuple[bytes, bytes, int, int] | None:
     return None
 
 
-def _connect(address: str, port: int, secret: str) -> socket.socket:
+class Transfers:
+    """The copies a node's store is sending: ended at once when it closes (a buddy cut off
+    mid-transfer, its link down, answers nothing and resets nothing: the store's thread
+    waited TIMEOUT for it, and the agent's end with it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._ended = False
+
+    def add(self, conn: socket.socket) -> None:
+        with self._lock:
+            if self._ended:
+                raise ReplicaError("the store is closing")
+            self._conns.add(conn)
+
+    def discard(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+
+    def end(self) -> None:
+        """Wake every transfer under way (a shut down socket fails its send or receive)."""
+        with self._lock:
+            self._ended = True
+            for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+@contextlib.contextmanager
+def _connection(address: str, port: int, secret: str,
+                transfers: Transfers | None = None) -> Iterator[socket.socket]:
     conn = socket.create_connection((address, port), timeout=CONNECT_TIMEOUT)
-    conn.settimeout(TIMEOUT)
     try:
+        conn.settimeout(TIMEOUT)
+        if transfers is not None:
+            transfers.add(conn)
         _handshake_client(conn, secret)
-    except (OSError, ReplicaError):
+        yield conn
+    finally:
+        if transfers is not None:
+            transfers.discard(conn)
         conn.close()
-        raise
-    return conn
 
 
 def push(address: str, port: int, secret: str, rank: int, step: int, meta: bytes,
-         manifest: bytes, view: memoryview) -> None:
+         manifest: bytes, view: memoryview, transfers: Transfers | None = None) -> None:
     """Replicate one sealed save to the buddy at ``address:port``; ReplicaError or OSError
     when it did not take it."""
-    with _connect(address, port, secret) as conn:
+    with _connection(address, port, secret, transfers) as conn:
         _send_line(conn, {"op": "put", "rank": rank, "step": step, "meta": len(meta),
                           "manifest": len(manifest), "size": len(view),
                           "data": data_digest(json.loads(manifest))})
@@ -496,7 +533,7 @@ def pull(address: str, port: int, secret: str, rank: int, step: int,
          data_path: str, memory: str | None = None) -> tuple[bytes, bytes]:
     """Fetch a replica into ``data_path`` (into a blank of ``memory``'s where it has one),
     verified; its (meta, manifest)."""
-    with _connect(address, port, secret) as conn:
+    with _connection(address, port, secret) as conn:
         _send_line(conn, {"op": "get", "rank": rank, "step": step})
         header = _read_line(conn)
         if not _ok(header):

@@ -333,3 +333,55 @@ def test_a_replica_let_go_keeps_its_pages_for_the_next_copy_unless_it_is_being_s
         assert F.blanks(str(tmp_path)) == [] and server.holdings()[0] == {3: [4]}
     finally:
         os.close(found[2])
+
+
+def test_a_closing_store_ends_the_copy_it_is_sending_at_once(tmp_path, monkeypatch):
+    """A buddy cut off while a copy goes to it (its link down: nothing answers, nothing
+    resets) held the store's thread for the transfer's whole timeout, and the agent's end,
+    which joins that thread, with it: a cut node's agent outlived its job by more than 15 s
+    (one full run of the suite). Closing ends the store's own transfers at once."""
+    import secrets
+    import socket
+    import threading
+    import time
+
+    import torch
+
+    from agents import replicas
+    from agents.checkpoints import Store
+    from agents.shims import orchestrator_checkpoint as ckpt
+
+    class Outbox:
+        def current(self) -> object:
+            return self
+
+        def put(self, message: dict) -> None:
+            pass
+
+    monkeypatch.setattr(replicas, "TIMEOUT", 20.0)  # the old code then takes 20 s, not 60
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, and never says a word
+    accepted: list[object] = []
+    threading.Thread(target=lambda: accepted.append(silent.accept()), daemon=True).start()
+    store = Store(f"unit-{secrets.token_hex(4)}", 0, Outbox(), "s3cret")  # type: ignore[arg-type]
+    env = store.configure(C.CheckpointConfig(memory=64 << 20), str(tmp_path), 1, 1)
+    for key, value in {**env, "RANK": "0"}.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    store.start()
+    try:
+        ckpt.save(1, {"w": torch.ones(1000)})
+        store.replicate_to(C.ReplicateTo("127.0.0.1", silent.getsockname()[1]))
+        deadline = time.monotonic() + 10
+        while not accepted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert accepted, "the store never began sending the save"
+        time.sleep(0.2)  # in the handshake: waiting for the buddy's word
+    finally:
+        started = time.monotonic()
+        store.close()
+        took = time.monotonic() - started
+        silent.close()
+    assert took < 3, f"closing the store took {took:.1f}s"
+    assert not os.path.exists(store.root)
