@@ -199,7 +199,7 @@ def ceiling(step_time: float, fault_every: float, copy: float) -> float:
 
 
 NODE_TIMEOUT = 2.0  # the cut run's health.node_timeout (heartbeat_interval 0.5)
-CUT_MEMORY = "5GiB"  # the cut run's checkpoint.memory per node
+CUT_MEMORY = "5GiB"  # the cut and drain runs' checkpoint.memory per node (--memory)
 
 
 def run_cut(args: argparse.Namespace) -> dict[str, Any]:
@@ -224,7 +224,7 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
             # The three "nodes" share this machine's memory: each gets a share of it, not
             # the default half of /dev/shm (three halves are more than there is: a run whose
             # buddies held copies too ran it out of memory, and the kernel killed ranks).
-            "checkpoint": {"memory": CUT_MEMORY},
+            "checkpoint": {"memory": args.memory},
             "ssh": {"identity_file": str(cluster.client_key),
                     "known_hosts": str(cluster.known_hosts), "connect_timeout": 2},
             "health": {"heartbeat_interval": 0.5, "node_timeout": NODE_TIMEOUT}}))
@@ -286,7 +286,7 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
             "stop_grace_period": 2, "restart": {"warm": True},
             # The three nodes share this machine: half of /dev/shm each (the default) is
             # more memory than it has.
-            "checkpoint": {"memory": CUT_MEMORY}}))
+            "checkpoint": {"memory": args.memory}}))
         job = orchestrator.submit(str(spec))
 
         def rows() -> list[tuple[int, int, int, float]]:
@@ -404,6 +404,8 @@ def main() -> int:
     p.add_argument("--drain", action="store_true",
                    help="instead: a participant drained once, with a hot spare (local)")
     p.add_argument("--ckpt-every", type=int, default=1)
+    p.add_argument("--memory", default=CUT_MEMORY,
+                   help="checkpoint.memory per node of --cut and --drain (they share the machine)")
     args = p.parse_args()
     if args.drain:
         runs = [run_drain(args) for _ in range(args.reps)]
@@ -414,7 +416,8 @@ def main() -> int:
         text = (f"`orchestrator drain` of a participant, local: 2 nodes x {RANKS} ranks and a "
                 f"hot spare, {args.state_mb:g} MiB of state per rank, steps of "
                 f"{args.step_time:g} s, a save every {args.ckpt_every} step(s) and the one "
-                f"the move asks for (`python benchmarks/bench_ckpt_goodput.py --drain`).\n\n"
+                f"the move asks for, `checkpoint.memory` {args.memory} per node (`python "
+                f"benchmarks/bench_ckpt_goodput.py --drain`).\n\n"
                 f"- drain -> the ranks' last step before the move: {result['drain_to_stop_s']} s\n"
                 f"- pause (that step -> every rank training again on the spare): "
                 f"{result['pause_s']} s, of which two steps of training (as training goes: "
@@ -443,7 +446,7 @@ def main() -> int:
                 f"{RANKS} ranks and a spare, {args.state_mb:g} MiB of state per rank saved "
                 f"every step of {args.step_time:g} s; node rank 1's cable cut after step "
                 f"{args.cut_after} (`python benchmarks/bench_ckpt_goodput.py --cut --step-time "
-                f"{args.step_time:g}`; `checkpoint.memory` {CUT_MEMORY} per node).\n\n"
+                f"{args.step_time:g}`; `checkpoint.memory` {args.memory} per node).\n\n"
                 f"- cut -> every rank training again: {result['recover_s']} s "
                 f"(node_timeout {NODE_TIMEOUT:g} s)\n"
                 f"- steps redone: {result['redone']}\n"
