@@ -551,6 +551,7 @@ def linger(engine: Engine) -> None:
                or n.connecting]
     for node in targets:
         engine.pool.connect(node, launch=False, retry=node.state != NodeState.PENDING)
+        engine.pool.hurry(node)  # one already out may be waiting seconds to try again
     # With no grace the agents keep the workers forever: then so must we keep trying.
     engine.wait(lambda: not any(n.connecting or n.channel is not None for n in targets),
                 grace + 5 if grace is not None else None, interruptible=False)

@@ -55,6 +55,8 @@ class Link:
     retry: bool = False  # the connector keeps trying until it succeeds
     launch: bool = False  # the connector may start an agent where none answers
     reconnect_delay: float = RECONNECT_FIRST
+    waiting: bool = False  # a retry is due after reconnect_delay (see NodePool.hurry)
+    retries: int = 0  # the due retry's number: one brought forward leaves it stale
 
 
 class Node(Protocol):
@@ -106,6 +108,17 @@ class NodePool:
         link.connecting = True
         link.reconnect_delay = RECONNECT_FIRST
         self._connectors.submit(self._connect_once, node)
+
+    def hurry(self, node: Node) -> None:
+        """Try ``node`` again now if its connector waits out a retry's delay, and from the
+        first delay on: the job ended, and an agent that comes back is to be shut down at
+        once (a cut node's agent outlived its job by the last delay, up to RECONNECT_MAX)."""
+        link = node.link
+        link.reconnect_delay = RECONNECT_FIRST  # a connect out now retries soon, if it fails
+        if link.waiting and not self.closing:
+            link.waiting = False
+            link.retries += 1  # the due retry, when its time comes, finds itself stale
+            self._connectors.submit(self._connect_once, node)
 
     @staticmethod
     def settled(node: Node) -> None:
@@ -159,10 +172,15 @@ class NodePool:
         log.info("%s: not reachable yet: %s", node.host, error)
         delay, link.reconnect_delay = link.reconnect_delay, min(RECONNECT_MAX,
                                                                 link.reconnect_delay * 2)
-        self.loop.call_later(delay, lambda: self._resubmit(node))
+        link.retries += 1
+        number = link.retries
+        link.waiting = True
+        self.loop.call_later(delay, lambda: self._resubmit(node, number))
 
-    def _resubmit(self, node: Node) -> None:
-        if not self.closing:
+    def _resubmit(self, node: Node, number: int) -> None:
+        link = node.link
+        if not self.closing and link.waiting and link.retries == number:
+            link.waiting = False
             self._connectors.submit(self._connect_once, node)
 
     def _open(self, node: Node, launch: bool) -> Channel:

@@ -307,3 +307,61 @@ def test_a_node_is_connecting_until_the_controller_handled_the_outcome(tmp_path)
     assert [type(e).__name__ for e in events] == ["Unavailable"]
     assert node.connecting  # its outcome is not handled yet
     pool.close()
+
+
+def test_a_node_tried_again_is_tried_at_once_when_the_job_ends(tmp_path, monkeypatch):
+    """A node that stays away is tried again after ever longer delays (up to RECONNECT_MAX):
+    when the job ends, the controller tries it at once and from the first delay on, so that
+    its agent, back, is shut down then (a cut node's agent outlived its job by the last
+    delay, and the cleanup of a test cutting a node by more than 15 s under load). One
+    connect at a time still: the retry that was due never comes."""
+    import threading
+
+    from orchestrator import nodepool
+    from orchestrator.errors import OrchestratorError
+    from orchestrator.loop import EventLoop
+    from orchestrator.nodebook import Node
+
+    monkeypatch.setattr(nodepool, "RECONNECT_MAX", 20.0)
+    spec = parse_jobspec(SPEC)
+    tries: list[float] = []
+    ends: list[float] = []
+    slow = threading.Event()  # set: the next connect takes 4 s (then fails)
+    out = [0, 0]  # connects out now, the most at once
+
+    class Unreachable:
+        def __init__(self, node, _spec):
+            pass
+
+        def open(self):
+            tries.append(time.monotonic())
+            out[0] += 1
+            out[1] = max(out)
+            try:
+                if slow.is_set():
+                    slow.clear()
+                    time.sleep(4.0)
+                raise OrchestratorError("a: no route to host")
+            finally:
+                out[0] -= 1
+                ends.append(time.monotonic())
+
+    loop = EventLoop()
+    pool = nodepool.NodePool("fake-000001", spec, "s" * 32, Unreachable, loop)
+    node = Node(0, spec.nodes[0])
+    pool.connect(node, launch=False, retry=True)
+    deadline = time.monotonic() + 10
+    while len(tries) < 5 and time.monotonic() < deadline:  # delays 0.2, 0.4, 0.8, 1.6: 3.2 next
+        loop.poll(0.05)
+    while not node.link.waiting and time.monotonic() < deadline:
+        loop.poll(0.01)
+    assert len(tries) == 5
+    slow.set()
+    hurried = time.monotonic()
+    pool.hurry(node)
+    while len(tries) < 7 and time.monotonic() < hurried + 6:  # past the due retry's time
+        loop.poll(0.02)
+    pool.close()
+    assert len(tries) == 7 and tries[5] - hurried < 0.5, [t - hurried for t in tries[5:]]
+    assert tries[6] - ends[5] < 0.6  # from the first delay on
+    assert out[1] == 1  # the retry due 3.2 s after the fifth did not come meanwhile
