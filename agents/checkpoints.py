@@ -339,7 +339,8 @@ class Store:
             self._pushed[(buddy, rank)] = step
             return True
         except (OSError, ReplicaError) as exc:
-            self._problem(f"checkpoint: replicating to {buddy[0]}:{buddy[1]} failed: {exc}")
+            if not self._closed:  # ended by close() (Transfers): no news
+                self._problem(f"checkpoint: replicating to {buddy[0]}:{buddy[1]} failed: {exc}")
             return False
 
     def _room(self) -> int:

@@ -351,12 +351,14 @@ def test_a_closing_store_ends_the_copy_it_is_sending_at_once(tmp_path, monkeypat
     from agents.checkpoints import Store
     from agents.shims import orchestrator_checkpoint as ckpt
 
+    said: list[dict] = []
+
     class Outbox:
         def current(self) -> object:
             return self
 
         def put(self, message: dict) -> None:
-            pass
+            said.append(message)
 
     monkeypatch.setattr(replicas, "TIMEOUT", 20.0)  # the old code then takes 20 s, not 60
     silent = socket.create_server(("127.0.0.1", 0))  # accepts, and never says a word
@@ -385,3 +387,4 @@ def test_a_closing_store_ends_the_copy_it_is_sending_at_once(tmp_path, monkeypat
         silent.close()
     assert took < 3, f"closing the store took {took:.1f}s"
     assert not os.path.exists(store.root)
+    assert not [m for m in said if m["type"] == P.ERROR], said  # a copy ended so is no news
