@@ -482,12 +482,8 @@ class _mapped:
 
 def _rank_dirs(root: str) -> list[tuple[int, str]]:
     """``(rank, directory)`` of each rank that saved in this node's memory."""
-    try:
-        names = os.listdir(root)
-    except OSError:
-        return []
     out = []
-    for name in names:
+    for name in entries(root):
         rank = F.parse_step(name, prefix="rank-")
         if rank is not None:
             out.append((rank, os.path.join(root, name)))
