@@ -44,7 +44,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from agents.fields import MAX_COUNT, MAX_RANK, Fields, ProtocolError
-from agents.paths import entries, remove
+from agents.paths import close_socket, entries, remove
 from agents.shims import orchestrator_checkpoint_format as F
 
 KEEP = 4  # replicas kept per rank until the controller says which step to retain
@@ -221,18 +221,23 @@ class Server:
         self.listener.listen(16)
         self.port = self.listener.getsockname()[1]
         self._slots = threading.BoundedSemaphore(8)  # transfers at once
+        self._serving = Transfers()  # ended when the store closes
         self._lock = threading.Lock()
         self._closed = False
         self.retain: int | None = None  # replicas of older steps may go
         threading.Thread(target=self._accept, daemon=True, name="replicas").start()
 
-    def close(self) -> None:
+    def close(self, wait: float = 10.0) -> None:
+        """Take nothing more, end the transfers under way, and return once they are over
+        (bounded): the store removes its memory next, and a copy that went on writing
+        made files again that outlived the agent (CI: a job's memory on /dev/shm)."""
         with self._lock:  # a transfer under way makes nothing from now on (see _put)
+            if self._closed:
+                return
             self._closed = True
-        try:
-            self.listener.close()
-        except OSError:
-            pass
+        self._serving.end()
+        close_socket(self.listener)  # shut down: a close alone leaves accept() listening
+        self._serving.wait(wait)  # one not yet writing finds the store closed (see _put)
 
     def holdings(self) -> tuple[dict[int, list[int]], int]:
         """``({rank: [steps]}, bytes)`` of the replicas kept here."""
@@ -282,6 +287,7 @@ class Server:
             except OSError:
                 pass
         finally:
+            self._serving.discard(conn)
             conn.close()
             self._slots.release()
 
@@ -307,6 +313,7 @@ class Server:
         with self._lock:
             if self._closed:  # the node's memory is being removed: never made again here
                 raise ReplicaError("this node's checkpoint store is closing")
+            self._serving.add(conn)  # from here it writes: a close ends it, and waits
             try:
                 os.mkdir(directory, 0o700)  # not makedirs: a removed store stays removed
             except FileExistsError:
@@ -381,6 +388,7 @@ class Server:
 
     def _get(self, conn: socket.socket, header: Fields) -> None:
         rank, step = _number(header, "rank", MAX_RANK), _number(header, "step", F.MAX_STEP)
+        self._serving.add(conn)  # a close ends it: the puller is told nothing more
         found = self._replica(rank, step) or self._own(rank, step)
         if found is None:
             raise ReplicaError(f"no replica of step {step} of rank {rank} here")
@@ -467,34 +475,40 @@ def hold_save(rank_dir: str, step: int) -> tuple[bytes, bytes, int, int] | None:
 
 
 class Transfers:
-    """The copies a node's store is sending: ended at once when it closes (a buddy cut off
-    mid-transfer, its link down, answers nothing and resets nothing: the store's thread
-    waited TIMEOUT for it, and the agent's end with it)."""
+    """The copies a node's store is sending, or its server taking: ended at once when it
+    closes (a buddy cut off mid-transfer, its link down, answers nothing and resets
+    nothing: the store's thread waited TIMEOUT for it, and the agent's end with it)."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._changed = threading.Condition()
         self._conns: set[socket.socket] = set()
         self._ended = False
 
     def add(self, conn: socket.socket) -> None:
-        with self._lock:
+        with self._changed:
             if self._ended:
                 raise ReplicaError("the store is closing")
             self._conns.add(conn)
 
     def discard(self, conn: socket.socket) -> None:
-        with self._lock:
+        with self._changed:
             self._conns.discard(conn)
+            self._changed.notify_all()
 
     def end(self) -> None:
         """Wake every transfer under way (a shut down socket fails its send or receive)."""
-        with self._lock:
+        with self._changed:
             self._ended = True
             for conn in self._conns:
                 try:
                     conn.shutdown(socket.SHUT_RDWR)
                 except OSError:
                     pass
+
+    def wait(self, timeout: float) -> None:
+        """Until every transfer is over (each is discarded once it did all it does)."""
+        with self._changed:
+            self._changed.wait_for(lambda: not self._conns, timeout)
 
 
 @contextlib.contextmanager

@@ -388,3 +388,40 @@ def test_a_closing_store_ends_the_copy_it_is_sending_at_once(tmp_path, monkeypat
     assert took < 3, f"closing the store took {took:.1f}s"
     assert not os.path.exists(store.root)
     assert not [m for m in said if m["type"] == P.ERROR], said  # a copy ended so is no news
+
+
+def test_a_closing_store_ends_the_copies_it_is_taking_and_makes_nothing_after(tmp_path):
+    """A buddy's copy under way when this node's store closes (both agents of a job end
+    together): the store removes its memory once close returns, and a transfer still
+    writing then made files again that outlived the agent on /dev/shm (CI: a job's memory
+    was still there 15 s after its agents were gone). Close ends the copies it is taking
+    and returns once they are over: nothing is made after it."""
+    import socket
+    import time
+
+    from agents import replicas
+
+    root = tmp_path / "memory"
+    root.mkdir()
+    s = Server(str(root), "s3cret", lambda: 1 << 30, lambda _: None)
+    meta, manifest, view = copy_of(1, size=4 << 20)
+    conn = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+    replicas._handshake_client(conn, "s3cret")
+    replicas._send_line(conn, {"op": "put", "rank": 3, "step": 1, "meta": len(meta),
+                               "manifest": len(manifest), "size": len(view)})
+    assert replicas._answer(conn) is False  # go on
+    conn.sendall(meta + manifest + view[:1 << 20])  # a quarter: the copy is under way
+    time.sleep(0.3)
+    started = time.monotonic()
+    s.close()
+    assert time.monotonic() - started < 3
+    before = sorted(p.relative_to(root) for p in root.rglob("*"))
+    try:
+        conn.sendall(view[1 << 20:])
+        conn.recv(1)
+    except OSError:
+        pass  # ended: what the sender should see
+    conn.close()
+    time.sleep(0.5)
+    after = sorted(p.relative_to(root) for p in root.rglob("*"))
+    assert after == before and not (root / "replicas" / "rank-3" / "step-1.data").exists()
