@@ -293,10 +293,11 @@ class Lock:
 
 
 def clear_agent_directory(directory: str, memory: str | None = None) -> None:
-    """Remove an agent's directory (and its checkpoint memory) and the lock beside it,
-    under that lock (relays launch agents under it), unless an agent serves there: a relay
-    may have started a new one for the same job and node meanwhile. Removed without the
-    lock, a relay holding it would share the name with the next one to lock a new file."""
+    """Remove an agent's directory (and its checkpoint memory, unless an agent owns it:
+    ``own_memory``) and the lock beside it, under that lock (relays launch agents under it),
+    unless an agent serves there: a relay may have started a new one for the same job and
+    node meanwhile. Removed without the lock, a relay holding it would share the name with
+    the next one to lock a new file."""
     try:
         with Lock(directory + ".lock") as lock:
             probe = connect_unix(os.path.join(directory, "agent.sock"))
@@ -304,7 +305,7 @@ def clear_agent_directory(directory: str, memory: str | None = None) -> None:
                 probe.close()
                 return
             shutil.rmtree(directory, ignore_errors=True)
-            if memory:
+            if memory and not is_locked(os.path.join(memory, OWNER_NAME)):  # else a new agent's
                 shutil.rmtree(memory, ignore_errors=True)
             lock.remove()
     except OSError:

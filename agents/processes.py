@@ -196,6 +196,8 @@ def start_watchdog(token: str, directory: str | None = None, memory: str | None 
         cgroups.kill_all()
     kill_token_processes(token)
     kill_token_processes(standby_token(token))
-    if directory and os.path.isdir(directory):  # the dead agent's leftovers
+    # The dead agent's leftovers; its memory also where its end cleared the directory: a
+    # copy from a buddy may have written there after its store removed it.
+    if directory and (os.path.isdir(directory) or memory and os.path.isdir(memory)):
         clear_agent_directory(directory, memory)
     os._exit(0)

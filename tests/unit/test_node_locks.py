@@ -128,3 +128,39 @@ def test_outcomes_nobody_came_back_for_are_swept_after_a_month(tmp_path):
         os.utime(path, (mtime, mtime))
     assert sweep_outcomes(str(tmp_path)) == 1
     assert sorted(os.listdir(tmp_path)) == sorted(set(names) - {"job-a.0.outcome"})
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_the_watchdog_removes_what_its_agent_left_in_its_memory_unless_an_agent_owns_it(
+        tmp_path, owned):
+    """An agent that ended normally cleared its directory, but something of it wrote into its
+    checkpoint memory after the store removed it (a buddy's copy finishing: CI found a job's
+    memory on /dev/shm 15 s after its agents were gone). Its watchdog, which outlives it,
+    removes the memory too, unless an agent owns it (a new agent of the same job and node
+    holds its owner file locked)."""
+    from agents.paths import OWNER_NAME, own_memory
+
+    (tmp_path / "run").mkdir()
+    directory = str(tmp_path / "run" / "job-abc123.0")  # gone: cleared by the agent's end
+    memory = tmp_path / "memory" / "job-abc123.0"
+    (memory / "replicas" / "rank-0").mkdir(parents=True)
+    (memory / "replicas" / "rank-0" / "step-11.manifest").write_text("{}")
+    owner = own_memory(str(memory)) if owned else None
+    try:
+        agent = subprocess.run(
+            [sys.executable, "-c", "import sys; from agents.processes import start_watchdog; "
+             f"start_watchdog('test-watchdog-{os.getpid()}', sys.argv[1], sys.argv[2])",
+             directory, str(memory)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=30)
+        assert agent.returncode == 0
+        deadline = time.monotonic() + (3 if owned else 10)
+        while memory.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert memory.exists() == owned
+        if owned:
+            assert (memory / OWNER_NAME).exists()
+            assert (memory / "replicas" / "rank-0" / "step-11.manifest").exists()
+    finally:
+        if owner is not None:
+            os.close(owner)
+    assert not os.path.exists(directory + ".lock")
