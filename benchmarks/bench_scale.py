@@ -279,6 +279,7 @@ def main() -> int:
            for n, rs in results.items()}
     cmd = "python benchmarks/bench_scale.py " + " ".join(sys.argv[1:])
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.name}.json").write_text(json.dumps(results, indent=1))
     rows = ["| measurement | " + " | ".join(f"{n} nodes" for n in med) + " |",
             "| --- |" + " --- |" * len(med)]

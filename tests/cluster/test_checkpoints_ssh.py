@@ -29,6 +29,12 @@ def test_a_lost_nodes_ranks_resume_from_their_buddy_over_ssh(cluster, home, tmp_
     lost_node_resumes_from_its_buddy(job_id, out)
 
 
+DCP_ENV = {"STEPS": "60", "STEP_SLEEP": "0.15"}
+# Enough kept that the nodes saving on until they are stopped do not trim the last step the
+# lost node's ranks persisted.
+DCP_CHECKPOINT = {"persist_every": 1, "keep": 30}
+
+
 def test_a_dcp_job_that_lost_a_node_goes_on_with_fewer_ranks_resharded(cluster, home,
                                                                       tmp_path):
     """Three SSH nodes x 2 ranks, nnodes 2:3, a DTensor sharded over the 6 ranks saved with
@@ -43,10 +49,14 @@ def test_a_dcp_job_that_lost_a_node_goes_on_with_fewer_ranks_resharded(cluster, 
         cluster, tmp_path, [PYTHON, str(WORKERS / "dcp_train.py")], nnodes="2:3",
         max_restarts=1, restart_backoff={"initial": 0.1},
         health={"heartbeat_interval": 0.5, "node_timeout": 2}, ssh={"connect_timeout": 2},
-        # Enough kept that the nodes saving on until they are stopped do not trim the last
-        # step the lost node's ranks persisted.
-        checkpoint={"dir": str(ck), "persist_every": 1, "keep": 30},
-        env={"OUT": str(out), "STEPS": "60", "STEP_SLEEP": "0.15"}))
+        checkpoint={"dir": str(ck), **DCP_CHECKPOINT}, env={"OUT": str(out), **DCP_ENV}))
+    lost_node_2_reshards(cluster, job_id, out, ck)
+
+
+def lost_node_2_reshards(cluster, job_id: str, out, ck) -> dict:
+    """The job of three nodes x 2 ranks (dcp_train.py) goes on with 4 ranks once node 2's
+    link is down, resharding the newest step all 6 ranks persisted in ``ck``; the SSH and
+    Slurm tests run the same."""
     wait_for_output(job_id, "rank 5 step 10 saved", 1, timeout=120)
     wait_for(lambda: any(len(glob.glob(os.path.join(d, "rank-*.manifest"))) == 6
                          for d in glob.glob(str(ck / "step-*"))), 60,
@@ -61,3 +71,4 @@ def test_a_dcp_job_that_lost_a_node_goes_on_with_fewer_ranks_resharded(cluster, 
     assert [result["attempts"][-1]["restored_step"]] == list(steps), (steps, result["attempts"])
     assert (out / "final.txt").read_text() == "60.0"
     assert_no_job_processes(job_id, within=15)
+    return result
