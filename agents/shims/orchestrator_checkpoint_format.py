@@ -132,13 +132,17 @@ def pull_failed(rank_dir, step):
 def report_step(step):
     """Tell the node's agent the step this rank is at, as ``heartbeat(step=)`` does (into the
     same file, keeping what the script's own heartbeat put there), at most five times a
-    second: ``save(step, state, every=N)`` is called at every step."""
+    second: ``save(step, state, every=N)`` is called at every step. Never an older step than
+    the file says (the heartbeat file is the attempt's): a ``dcp.async_save``'s thread
+    reports a step the training has passed, which the script's heartbeat may have said."""
     path = os.environ.get("ORCHESTRATOR_HEARTBEAT_FILE")
     now = time.monotonic()
     if not path or now - _reported[0] < REPORT_EVERY:
         return
     _reported[0] = now
     record = read_json(path, 1 << 16) or {"metrics": {}}
+    if type(record.get("step")) is int and record["step"] >= step:
+        return
     record["step"] = step
     try:  # the orchestrator's bookkeeping never stops a training
         write_file(path, json.dumps(record).encode())

@@ -576,3 +576,22 @@ def test_heartbeats_and_saves_from_two_threads_never_leave_a_torn_record(tmp_pat
     assert not torn, torn[:3]
     assert json.loads(beat.read_text())["step"] in range(1000)
     assert not [p.name for p in tmp_path.iterdir() if p.name != "heartbeat"]
+
+
+def test_a_save_reports_no_step_older_than_the_one_the_file_says(tmp_path, monkeypatch):
+    """A save's step report (``save`` at each step, or a ``dcp.async_save``'s thread writing
+    a step the training has passed) puts no older step back over a newer one the script's
+    heartbeat wrote: the agreed step of a planned move starts from the highest step reported.
+    Its metrics and total stay."""
+    from agents.shims.orchestrator_worker import heartbeat
+
+    beat = tmp_path / "heartbeat"
+    monkeypatch.setenv("ORCHESTRATOR_HEARTBEAT_FILE", str(beat))
+    monkeypatch.setattr(F, "REPORT_EVERY", 0.0)
+    heartbeat(step=12, total_steps=100, loss=0.5)
+    F.report_step(10)
+    assert json.loads(beat.read_text()) == {"step": 12, "total_steps": 100,
+                                            "metrics": {"loss": 0.5}}
+    F.report_step(13)
+    assert json.loads(beat.read_text()) == {"step": 13, "total_steps": 100,
+                                            "metrics": {"loss": 0.5}}
