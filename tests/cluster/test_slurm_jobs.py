@@ -8,7 +8,6 @@ Outside CI a machine without slurm-wlm and munge skips these tests; in CI they f
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import re
@@ -259,6 +258,7 @@ def test_a_dcp_job_that_lost_a_node_goes_on_with_fewer_ranks_resharded_on_slurm(
     nodes, nnodes 2:3: node 2's link goes down, the 4 ranks left reshard the newest step all
     6 persisted in a checkpoint.dir the nodes share, and the allocation is given back."""
     from tests.cluster.test_checkpoints_ssh import DCP_CHECKPOINT, DCP_ENV, lost_node_2_reshards
+    from tests.integration.test_checkpoints import memory_dirs
     out = tmp_path / "out"
     out.mkdir()
     ck = tmp_path / "ck"
@@ -269,8 +269,7 @@ def test_a_dcp_job_that_lost_a_node_goes_on_with_fewer_ranks_resharded_on_slurm(
         checkpoint={"dir": str(ck), **DCP_CHECKPOINT}, env={"OUT": str(out), **DCP_ENV}))
     result = lost_node_2_reshards(sl, job_id, out, ck)
     assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
-    wait_for(lambda: glob.glob(f"/dev/shm/orchestrator-{os.getuid()}/{job_id}.*") == [], 15,
-             what="every node's checkpoint memory removed")
+    wait_for(lambda: memory_dirs(job_id) == [], 15, what="every node's checkpoint memory removed")
 
 
 def test_a_drained_node_of_the_allocation_leaves_at_a_step_every_rank_saved(sl, tmp_path):
