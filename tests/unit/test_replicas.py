@@ -390,6 +390,62 @@ def test_a_closing_store_ends_the_copy_it_is_sending_at_once(tmp_path, monkeypat
     assert not [m for m in said if m["type"] == P.ERROR], said  # a copy ended so is no news
 
 
+def test_a_closing_store_ends_a_connect_to_a_buddy_that_never_answers(tmp_path, monkeypatch):
+    """A buddy whose link is down drops the store's SYN: its connect waited CONNECT_TIMEOUT
+    (5 s) whatever the store's close said, and the agent's end with it. Here a listener whose
+    accept queue is full drops the SYN the same way; close ends the connect at once."""
+    import secrets
+    import socket
+    import time
+
+    import torch
+
+    from agents import replicas
+    from agents.checkpoints import Store
+    from agents.shims import orchestrator_checkpoint as ckpt
+
+    said: list[dict] = []
+
+    class Outbox:
+        def current(self) -> object:
+            return self
+
+        def put(self, message: dict) -> None:
+            said.append(message)
+
+    monkeypatch.setattr(replicas, "CONNECT_TIMEOUT", 20.0)  # the old code then takes 20 s
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    queued = socket.create_connection(full.getsockname(), timeout=5)  # never accepted
+    probe = socket.socket()
+    probe.settimeout(0.3)
+    with pytest.raises(TimeoutError):  # the queue is full: a connect now hangs
+        probe.connect(full.getsockname())
+    probe.close()
+    store = Store(f"unit-{secrets.token_hex(4)}", 0, Outbox(), "s3cret")  # type: ignore[arg-type]
+    env = store.configure(C.CheckpointConfig(memory=64 << 20), str(tmp_path), 1, 1)
+    for key, value in {**env, "RANK": "0"}.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    store.start()
+    try:
+        ckpt.save(1, {"w": torch.ones(1000)})
+        store.replicate_to(C.ReplicateTo("127.0.0.1", full.getsockname()[1]))
+        time.sleep(1.0)  # the store's thread is in its connect
+    finally:
+        started = time.monotonic()
+        store.close()
+        took = time.monotonic() - started
+        queued.close()
+        full.close()
+    assert took < 3, f"closing the store took {took:.1f}s"
+    assert not os.path.exists(store.root)
+    assert not [m for m in said if m["type"] == P.ERROR], said  # a copy ended so is no news
+
+
 def test_a_closing_store_ends_the_copies_it_is_taking_and_makes_nothing_after(tmp_path):
     """A buddy's copy under way when this node's store closes (both agents of a job end
     together): the store removes its memory once close returns, and a transfer still
