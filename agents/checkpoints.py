@@ -17,6 +17,8 @@ thread of its own, woken so, the store then, for every save it finds:
   node writes whole takes by a rename (orchestrator_checkpoint_format.py: new pages are most
   of a copy's cost); blanks count as memory in use, and go while that is over
   ``checkpoint.memory``;
+- **shares** ``checkpoint.memory`` between its ranks' own copies and its buddy's replicas:
+  the copies each rank may keep (``share``; a file in the memory root its saves obey);
 - **reports** what the node holds (``held``: the steps of each rank in memory, persisted and
   as replicas, the replica server's port, the bytes of memory in use) whenever that changes,
   on every new controller connection, and before ``stopped``, so that the controller's
@@ -43,32 +45,20 @@ from typing import Any
 from agents import commands as C
 from agents import protocol as P
 from agents import rankfiles
+from agents.memshare import budget, copies_for
 from agents.outbox import Outbox
 from agents.paths import entries, memory_root, own_memory, remove, sweep_memory
 from agents.pulls import install
-from agents.replicas import ReplicaError, Server, Transfers, hold_save
+from agents.replicas import Server, hold_save
 from agents.replicas import push as push_replica
 from agents.shims import orchestrator_checkpoint_format as F
 from agents.storewake import Wake
+from agents.transfers import ReplicaError, Transfers
 
 MAX_REPORTED = 64  # steps per rank in one report (the newest)
 MAX_PROBLEMS = 256  # problems said in the agent's log over its life
 STORE_ID = ".orchestrator-store"  # names a checkpoint.dir: nodes that read the same one share it
 LOAD_FIRST = 10.0  # seconds a resuming attempt's copies wait for its ranks' loads at most
-
-
-def default_memory() -> int:
-    """Half of the node's shared memory, when the spec sets no bound."""
-    try:
-        st = os.statvfs("/dev/shm")
-        return st.f_blocks * st.f_frsize // 2
-    except OSError:
-        return 1 << 30
-
-
-def _budget(config: C.CheckpointConfig) -> int:
-    """checkpoint.memory, in bytes."""
-    return config.memory or default_memory()
 
 
 class Store:
@@ -82,6 +72,7 @@ class Store:
         self._pushed: dict[tuple[tuple[str, int], int], int] = {}  # (target, rank) -> step
         self._sending = Transfers()  # ended by close: no cut-off buddy holds the agent's end
         self._saves: dict[int, list[int | float]] = {}  # rank -> [step, bytes, block_s]
+        self._copies: int | None = None  # each rank's share of the memory, as last told
         self.config = C.CheckpointConfig()
         self.persist_dir: str | None = None
         self.persist_step: int | None = None  # a planned stop's step: persisted when sealed
@@ -174,9 +165,9 @@ class Store:
                     if config.restore_step is not None else None
                 self._discard_after(config.restore_step)
                 remove(os.path.join(self.root, F.SAVE_AT_NAME))  # an attempt before's
-        budget = _budget(config)
+        node = budget(config)
         return {F.MEMORY_VAR: self.root,
-                F.BUDGET_VAR: str(budget // max(1, local_ranks)),
+                F.BUDGET_VAR: str(node // max(1, local_ranks)),
                 F.PERSIST_VAR: str(config.persist_every if self.persist_dir else 0),
                 F.DIR_VAR: self.persist_dir,
                 F.STEP_VAR: None if config.restore_step is None else str(config.restore_step)}
@@ -251,8 +242,9 @@ class Store:
                 self._seal(rank, rank_dir, step, meta_bytes)
         if final:  # the job ends: its buddy's copy is of no use any more
             return
+        self._share(ranks)
         if F.blanks(self.root):  # they go while the memory held is over its bound
-            F.drop_blanks(self.root, self.holdings()["bytes"] - _budget(self.config))
+            F.drop_blanks(self.root, self.holdings()["bytes"] - budget(self.config))
         # What memory holds is news at once: a planned move waits for every rank's save
         # there, and replicating a big state takes seconds (measured: 5 s of a drain's 11 s
         # at 512 MiB per rank went to waiting for this report).
@@ -343,10 +335,17 @@ class Store:
                 self._problem(f"checkpoint: replicating to {buddy[0]}:{buddy[1]} failed: {exc}")
             return False
 
+    def _share(self, ranks: list[tuple[int, str]]) -> None:
+        """Tell the node's ranks how many copies each may keep (agents/memshare.py)."""
+        copies = copies_for(self.root, self._saves, dict(ranks), budget(self.config))
+        if copies is not None and copies != self._copies:
+            F.write_file(os.path.join(self.root, F.COPIES_NAME), str(copies).encode())
+            self._copies = copies
+
     def _room(self) -> int:
         """Bytes of checkpoint.memory not in use (for a buddy's replica): blanks are, as
         the replica takes one."""
-        return _budget(self.config) - self.holdings()["bytes"] + F.blank_bytes(self.root)
+        return budget(self.config) - self.holdings()["bytes"] + F.blank_bytes(self.root)
 
     def _seal(self, rank: int, rank_dir: str, step: int, meta_bytes: bytes) -> None:
         base = os.path.join(rank_dir, F.step_name(step))

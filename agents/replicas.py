@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 from agents.fields import MAX_COUNT, MAX_RANK, Fields, ProtocolError
 from agents.paths import close_socket, entries, remove
 from agents.shims import orchestrator_checkpoint_format as F
+from agents.transfers import ReplicaError, Transfers
 
 KEEP = 4  # replicas kept per rank until the controller says which step to retain
 MAX_MANIFEST = 1 << 20
@@ -56,10 +57,6 @@ CONTEXT = b"orchestrator-replica-1"
 SEAL_WAIT = 10.0  # seconds a pull of a node's own save waits for the agent to seal it
 _BLOCK = 1 << 20
 _T = TypeVar("_T")
-
-
-class ReplicaError(Exception):
-    """A transfer that did not happen (the message says why)."""
 
 
 def _digest(secret: str, nonce: bytes) -> bytes:
@@ -296,7 +293,7 @@ class Server:
         meta_len = _number(header, "meta", F.MAX_META)
         manifest_len = _number(header, "manifest", MAX_MANIFEST)
         size = _number(header, "size", MAX_COUNT)
-        if size > self.room():
+        if size > self.room() and not self._make_room(size):
             raise ReplicaError(f"no room for a {size}-byte replica in checkpoint.memory")
         if self._closed:  # said before the bytes come: a refusal with bytes unread is a reset
             raise ReplicaError("this node's checkpoint store is closing")
@@ -366,6 +363,23 @@ class Server:
                 old = steps[:-KEEP] if retain is None else [s for s in steps[:-1] if s < retain]
                 for step in old:
                     self._let_go(os.path.join(rank_dir, f"step-{step}"))
+
+    def _make_room(self, size: int) -> bool:
+        """Replicas older than their rank's newest go, the oldest first, until ``size`` bytes
+        fit (whether they do). Kept from the retained step on, they filled the room while
+        the nodes' pushes met on no common step, and from then on no copy came (measured:
+        a job at step 200 whose buddies held step 8)."""
+        with self._lock:
+            older = sorted((step, os.path.join(self.root, name, f"step-{step}"))
+                           for name in entries(self.root)
+                           for step in sorted(s for s in (F.parse_step(n, suffix=".manifest")
+                                              for n in entries(os.path.join(self.root, name)))
+                                              if s is not None)[:-1])
+            for _, base in older:
+                if size <= self.room():
+                    break
+                self._let_go(base)
+        return size <= self.room()
 
     def _let_go(self, base: str) -> None:
         """A replica goes; its data's pages stay for the next copy (a blank)."""
@@ -472,43 +486,6 @@ def hold_save(rank_dir: str, step: int) -> tuple[bytes, bytes, int, int] | None:
         pass
     os.close(fd)  # its slot written again meanwhile
     return None
-
-
-class Transfers:
-    """The copies a node's store is sending, or its server taking: ended at once when it
-    closes (a buddy cut off mid-transfer, its link down, answers nothing and resets
-    nothing: the store's thread waited TIMEOUT for it, and the agent's end with it)."""
-
-    def __init__(self) -> None:
-        self._changed = threading.Condition()
-        self._conns: set[socket.socket] = set()
-        self._ended = False
-
-    def add(self, conn: socket.socket) -> None:
-        with self._changed:
-            if self._ended:
-                raise ReplicaError("the store is closing")
-            self._conns.add(conn)
-
-    def discard(self, conn: socket.socket) -> None:
-        with self._changed:
-            self._conns.discard(conn)
-            self._changed.notify_all()
-
-    def end(self) -> None:
-        """Wake every transfer under way (a shut down socket fails its send or receive)."""
-        with self._changed:
-            self._ended = True
-            for conn in self._conns:
-                try:
-                    conn.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def wait(self, timeout: float) -> None:
-        """Until every transfer is over (each is discarded once it did all it does)."""
-        with self._changed:
-            self._changed.wait_for(lambda: not self._conns, timeout)
 
 
 def _connect(address: str, port: int, transfers: Transfers | None) -> socket.socket:

@@ -124,11 +124,15 @@ def _take_slot(rank_dir, size, budget, metas):
     reading (it holds a shared lock); and, while memory allows, not one holding a save still
     to persist, nor one of the steps the agent retains (``retain``: from the newest step that
     every rank's buddy holds, what the ranks would resume if a node were lost). Free slots
-    first, then the oldest save's."""
+    first, then the oldest save's. No more copies than the agent's share gives each rank
+    (``F.COPIES_NAME``): past it, the oldest no reader holds become blanks (for the replicas
+    of other nodes' ranks, which the node's own copies once crowded out for good)."""
     if 2 * size > budget:
         raise CheckpointError(
             "checkpoint memory for this rank is %d bytes: fewer than two copies of a %d-byte "
             "state (raise checkpoint.memory)" % (budget, size))
+    copies = _int_file(os.path.join(os.path.dirname(rank_dir), F.COPIES_NAME))
+    cap = budget if copies is None else min(budget, copies * size)
     newest = max(metas) if metas else None
     step_of = {m.get("slot"): s for s, m in metas.items()}
     names = sorted(n for n in os.listdir(rank_dir) if n.startswith("slot-")
@@ -140,11 +144,18 @@ def _take_slot(rank_dir, size, budget, metas):
     retained = {m.get("slot") for s, m in metas.items() if retain is not None and s >= retain}
     candidates = sorted((int(n[5:]) for n in names if int(n[5:]) not in keep),
                         key=lambda k: step_of.get(k, -1))
+    sizes = {int(n[5:]): os.stat(os.path.join(rank_dir, n)).st_size for n in names}
+    total = sum(sizes.values())
+    reusable = [n for n in candidates if n not in pending]
+    while total > cap and len(reusable) > 1:  # one left to write into
+        number = reusable.pop(0)
+        if _let_go(rank_dir, number, step_of.get(number)):
+            total -= sizes[number]
+            candidates.remove(number)
     taken = _lock_first(rank_dir, [n for n in candidates if n not in pending | retained])
     if taken:
         return taken
-    total = sum(os.stat(os.path.join(rank_dir, n)).st_size for n in names)
-    if not candidates or total + size <= budget:
+    if not candidates or total + size <= cap:
         number = max([int(n[5:]) for n in names], default=-1) + 1
         path = os.path.join(rank_dir, "slot-%d" % number)
         if path not in _slots:  # pages that exist, if any (a file of its own otherwise)
@@ -163,6 +174,26 @@ def _take_slot(rank_dir, size, budget, metas):
     slot = _open_slot(os.path.join(rank_dir, "slot-%d" % candidates[0]))
     fcntl.flock(slot.fd, fcntl.LOCK_EX)
     return candidates[0], slot
+
+
+def _let_go(rank_dir, number, step):
+    """Slot ``number`` (holding ``step``, if any) into the memory's blanks, unless a reader
+    holds it (the agent sending it): whether it went."""
+    path = os.path.join(rank_dir, "slot-%d" % number)
+    slot = _open_slot(path)
+    try:
+        fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    if step is not None:
+        F.drop(rank_dir, step)  # no copy any more: nothing reads it from here on
+    del _slots[path]
+    if slot.map is not None:
+        slot._unregister()
+        slot.map.close()
+    os.close(slot.fd)  # its lock with it: the blank is taken under a lock of its own
+    F.give_blank(os.path.dirname(rank_dir), path)
+    return True
 
 
 def _lock_first(rank_dir, numbers):
@@ -244,7 +275,7 @@ def save(step, state, every=None):
             "saved_at": time.time(), "persist": bool(persist) and _saves[0] % persist == 0}
     memory = os.environ.get(F.MEMORY_VAR)
     if not memory:
-        _save_files(step, meta, views, size)
+        F.save_files(step, meta, views, size)
         return time.perf_counter() - started
     rank_dir = _rank_dir(memory)
     budget = F.int_env(F.BUDGET_VAR, 1 << 62)
@@ -317,32 +348,6 @@ def _copy_in(torch, slot, views, entries):
             torch.cuda.synchronize()
     finally:
         del whole  # the mapping can be resized only once no tensor views it
-
-
-def _save_files(step, meta, views, size):
-    """No agent: this rank's copy straight to ``$ORCHESTRATOR_CHECKPOINT_DIR``, synced; the
-    ``$ORCHESTRATOR_CHECKPOINT_KEEP`` (2) newest steps of this rank kept."""
-    root = os.environ.get(F.DIR_VAR)
-    if not root:
-        raise CheckpointError("no checkpoint store: run under the orchestrator, or set "
-                              "%s to a directory" % F.DIR_VAR)
-    import torch
-    directory = F.persisted_dir(root, step)
-    os.makedirs(directory, exist_ok=True)
-    base = os.path.join(directory, "rank-%d" % meta["rank"])
-    buf = bytearray(size)
-    whole = torch.frombuffer(buf, dtype=torch.uint8) if size else None
-    for view, (_, _, offset, nbytes) in zip(views, meta["tensors"]):
-        if nbytes:
-            whole[offset:offset + nbytes].copy_(view)
-    del whole
-    meta_bytes = json.dumps(meta).encode("utf-8")
-    F.write_file(base + ".data", buf, sync=True)
-    F.write_file(base + ".meta", meta_bytes, sync=True)
-    crcs = F.checksums(memoryview(buf), size)
-    F.write_file(base + ".manifest", json.dumps(F.manifest(meta_bytes, crcs, size)).encode(),
-                 sync=True)
-    F.trim(root, meta["rank"], max(1, F.int_env(F.KEEP_VAR, 2)))  # a bounded directory
 
 
 # --- load ------------------------------------------------------------------------------------
@@ -505,9 +510,9 @@ def load():
     if os.environ.get(F.MEMORY_VAR) and text:
         step = int(text)
         found = _copy(torch, root, step)
-        if _everyone(torch, found is not None):
+        if F.everyone(torch, found is not None):
             return _restored(step, found, started)
-        if not _distributed(torch):
+        if not F.distributed(torch):
             raise CheckpointError("rank %d has no good copy of step %d, the step every rank "
                                   "was to resume" % (_rank(), step))
         candidates = [s for s in _held_steps(root) if s < step]
@@ -516,11 +521,11 @@ def load():
             return None
         candidates = F.persisted_steps(root, _rank())
     while True:
-        step = _agree(torch, candidates)
+        step = F.agree(torch, candidates)
         if step is None:
             return None
         found = _copy(torch, root, step)
-        if _everyone(torch, found is not None):
+        if F.everyone(torch, found is not None):
             return _restored(step, found, started)
         candidates = [s for s in candidates if s < step]
 
@@ -564,31 +569,6 @@ def _held_steps(root):
     if memory:
         steps.update(_metas(os.path.join(memory, "rank-%d" % _rank())))
     return sorted(steps, reverse=True)
-
-
-def _distributed(torch):
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _agree(torch, candidates):
-    """The newest of ``candidates`` that every rank has (all ranks when torch.distributed is
-    initialized; else this rank's own newest)."""
-    dist = torch.distributed
-    if _distributed(torch):
-        everyone = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, list(candidates))
-        common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
-        return max(common) if common else None
-    return candidates[0] if candidates else None
-
-
-def _everyone(torch, good):
-    """Whether every rank's copy verified (only this rank's without torch.distributed)."""
-    if _distributed(torch):
-        everyone = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, bool(good))
-        return all(everyone)
-    return bool(good)
 
 
 __all__ = ["CheckpointError", "due", "load", "save"]

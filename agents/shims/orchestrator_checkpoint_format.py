@@ -29,6 +29,9 @@ SAVE_AT_NAME = "save-at"  # in the memory root: the step the controller asks eve
 # by the node's clock, its load waits), and why the pull failed (JSON: step, error).
 PULLING_NAME = "pulling"
 BLANK_DIR = "blank"  # in the memory root: the pages of copies let go, for the next copies
+# In the memory root: how many copies each of the node's ranks may keep (the agent's share
+# of checkpoint.memory between the node's own copies and the replicas it keeps for others).
+COPIES_NAME = "copies"
 PULL_FAILED_NAME = "pull-failed"
 OWN_BELOW = 1 << 16  # bytes: a loaded tensor this small is a copy, not a view of the whole
 ALIGN = 64
@@ -459,3 +462,55 @@ def take_blank(memory, path, size):
                 pass
         return True
     return False
+
+
+def save_files(step, meta, views, size):
+    """No agent: this rank's copy straight to ``$ORCHESTRATOR_CHECKPOINT_DIR``, synced; the
+    ``$ORCHESTRATOR_CHECKPOINT_KEEP`` (2) newest steps of this rank kept."""
+    root = os.environ.get(DIR_VAR)
+    if not root:
+        raise CheckpointError("no checkpoint store: run under the orchestrator, or set "
+                              "%s to a directory" % DIR_VAR)
+    import torch
+    directory = persisted_dir(root, step)
+    os.makedirs(directory, exist_ok=True)
+    base = os.path.join(directory, "rank-%d" % meta["rank"])
+    buf = bytearray(size)
+    whole = torch.frombuffer(buf, dtype=torch.uint8) if size else None
+    for view, (_, _, offset, nbytes) in zip(views, meta["tensors"]):
+        if nbytes:
+            whole[offset:offset + nbytes].copy_(view)
+    del whole
+    meta_bytes = json.dumps(meta).encode("utf-8")
+    write_file(base + ".data", buf, sync=True)
+    write_file(base + ".meta", meta_bytes, sync=True)
+    crcs = checksums(memoryview(buf), size)
+    write_file(base + ".manifest", json.dumps(manifest(meta_bytes, crcs, size)).encode(),
+               sync=True)
+    trim(root, meta["rank"], max(1, int_env(KEEP_VAR, 2)))  # a bounded directory
+
+
+def distributed(torch):
+    """Whether this process is one rank of a torch.distributed group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def agree(torch, candidates):
+    """The newest of ``candidates`` that every rank has (all ranks when torch.distributed is
+    initialized; else this rank's own newest)."""
+    dist = torch.distributed
+    if distributed(torch):
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, list(candidates))
+        common = set(everyone[0]).intersection(*everyone[1:]) if everyone else set()
+        return max(common) if common else None
+    return candidates[0] if candidates else None
+
+
+def everyone(torch, good):
+    """Whether every rank's copy verified (only this rank's without torch.distributed)."""
+    if distributed(torch):
+        said = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(said, bool(good))
+        return all(said)
+    return bool(good)

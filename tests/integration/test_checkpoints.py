@@ -238,6 +238,40 @@ def test_a_lost_nodes_ranks_resume_from_their_replicas_on_its_buddy(tmp_path, ho
         [ln for ln in log.splitlines() if "resumes checkpoint" in ln]
 
 
+def test_a_long_job_keeps_replicating_within_its_memory(tmp_path, home):
+    """A job of two nodes saving every step, long enough for the saves to fill
+    checkpoint.memory many times over: each node's buddy still holds a recent step of its
+    ranks at the end, and no node ever holds more than its bound. (The saves kept every step
+    from the retained one on while memory allowed: after a few seconds no replica had room,
+    the replicas stayed at the step where that happened, and a node's loss would have cost
+    every step since; memory went past the bound by the replicas it held.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    bound = 256 << 20  # room for 4 copies of each rank's 16 MiB and 4 of its buddy's
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "long", "nodes": [{"host": "local"}] * 2, "nproc_per_node": 2,
+        "command": [PYTHON, str(WORKERS / "ckpt_train.py")], "workdir": str(tmp_path),
+        "checkpoint": {"memory": bound},
+        "env": {"OUT": str(out), "STEPS": "300", "STEP_SLEEP": "0.05", "STATE_MB": "16"}}))
+    peak = [0, 0]
+
+    def far_on() -> dict | None:
+        shown = orchestrator.status(job_id)
+        held = [n["checkpoint"] or {} for n in shown["nodes"]]
+        for i, h in enumerate(held):
+            peak[i] = max(peak[i], h.get("memory_bytes") or 0)
+        return shown if all((h.get("newest_in_memory") or 0) >= 200 for h in held) else None
+    shown = wait_for(far_on, 150, interval=0.2, what="both nodes past step 200")
+    for node in shown["nodes"]:
+        held = node["checkpoint"]
+        # The buddy's copies lag by the pushes under way only.
+        assert held["replicas"]["ranks"] == 2 and \
+            held["replicas"]["newest"] >= held["newest_in_memory"] - 60, held
+    assert max(peak) <= bound, peak
+    result = orchestrator.wait(job_id, timeout=180)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+
+
 def test_status_says_what_each_save_held_and_where_each_rank_restored_from(tmp_path, home):
     """While the resumed attempt runs: per node the newest save's bytes and the seconds it
     held the training, and per rank which copy it restored and how long that took; the

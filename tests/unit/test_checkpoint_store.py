@@ -193,6 +193,66 @@ def test_a_retained_step_is_kept_while_memory_allows(store, monkeypatch):
     assert not os.path.exists(os.path.join(rank_dir, "step-0.meta"))
 
 
+def test_a_rank_keeps_no_more_copies_than_the_agent_shares_it_and_gives_the_rest_back(
+        store, monkeypatch):
+    """Every step from the retained one on is kept while memory allows; the copies the agent
+    gives each rank bound that (what is left is the replicas'), and copies past a share that
+    shrank become blanks, but never the newest, one being read, or the one written next."""
+    s, _ = store
+    monkeypatch.setenv(F.PERSIST_VAR, "0")
+    F.write_file(os.path.join(s.root, "retain"), b"0")  # every step from 0 on is retained
+    rank_dir = os.path.join(s.root, "rank-1")
+
+    def slots() -> list[str]:
+        return sorted(n for n in os.listdir(rank_dir) if n.startswith("slot-"))
+
+    for step in range(6):
+        ckpt.save(step, {"w": torch.zeros(1 << 16)})  # 256 KiB
+    assert len(slots()) == 6  # 64 MiB of memory: all kept
+    F.write_file(os.path.join(s.root, F.COPIES_NAME), b"3")
+    first = F.read_json(os.path.join(rank_dir, "step-0.meta"))["slot"]
+    reader = os.open(os.path.join(rank_dir, f"slot-{first}"), os.O_RDONLY)
+    fcntl.flock(reader, fcntl.LOCK_SH)  # the agent sending step 0 to a buddy
+    try:
+        ckpt.save(6, {"w": torch.zeros(1 << 16)})
+    finally:
+        os.close(reader)
+    steps = sorted(F.parse_step(n, suffix=".meta") for n in os.listdir(rank_dir)
+                   if n.endswith(".meta"))
+    assert steps == [0, 5, 6], steps  # step 0 was being read; 5 is the newest before 6
+    assert len(slots()) == 3 and len(F.blanks(s.root)) == 3
+    for step in range(7, 12):  # from now on the share holds: no slot more
+        ckpt.save(step, {"w": torch.zeros(1 << 16)})
+        assert len(slots()) <= 3
+    assert ckpt._memory_copy(torch, 11) is not None
+
+
+def test_the_agent_shares_memory_between_its_ranks_copies_and_its_buddys(store, monkeypatch):
+    """Each rank's copies: three at least, two of each replica, the rest alike; a buddy's
+    replicas as large as the node's own until they come."""
+    from agents.memshare import share
+    assert share(5 << 30, 1 << 30, 1 << 30) == 3  # 2 ranks of 512 MiB: 3 GiB own, 2 replicas
+    assert share(1 << 30, 64 << 20, 64 << 20) == 8  # 3 + 704 MiB over 128 MiB a step
+    assert share(4 << 30, 1 << 30, 1 << 30) == 2  # short: the replicas keep their two
+    assert share(2 << 30, 1 << 30, 1 << 30) == 2  # shorter: the shim's minimum
+    s, _ = store
+    monkeypatch.setenv(F.PERSIST_VAR, "0")
+    ckpt.save(0, {"w": torch.zeros(1 << 20)})  # 4 MiB
+    s._pass()
+    copies = os.path.join(s.root, F.COPIES_NAME)
+    size = F.read_json(os.path.join(s.root, "rank-1", "step-0.meta"))["size"]
+    assert F.read_bytes(copies) == str(share(64 << 20, size, size)).encode()
+    buddy = os.path.join(s.root, "replicas", "rank-5")  # a buddy's rank of 12 MiB
+    os.makedirs(buddy)
+    with open(os.path.join(buddy, "step-3.data"), "wb") as f:
+        f.truncate(12 << 20)
+    for suffix in (".meta", ".manifest"):
+        F.write_file(os.path.join(buddy, "step-3" + suffix), b"{}")
+    s._pass()
+    assert F.read_bytes(copies) == str(share(64 << 20, size, 12 << 20)).encode()
+    assert share(64 << 20, size, 12 << 20) == 4 < share(64 << 20, size, size) == 8
+
+
 def test_a_new_attempt_drops_the_copies_of_steps_after_the_one_it_resumes(store, tmp_path):
     s, _ = store
     for step in (3, 4):
