@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from agents import commands as C
+from orchestrator import checkpoints
 from orchestrator.attempt import Attempt, Failure
 from orchestrator.reputation import host_key
 from orchestrator.state import FailureCause, JobState
@@ -202,7 +203,7 @@ class Mover:
         drains = [self.drained[i] for i in leaving]
         reason = "; ".join(sorted({d["reason"] for d in drains if d["reason"]})) or "drained"
         within = min(float(d["within"]) for d in drains)
-        placement = self._placement(attempt)
+        placement = self._placement(engine, attempt)
         step = self._agreed_step(engine, attempt, placement)
         if step is None:
             # No save reported yet: the agents report after sealing and replicating, which
@@ -228,7 +229,7 @@ class Mover:
         move = self.move
         assert move is not None
         self._tell_step(engine, attempt, move)  # those that attached again since
-        placement = self._placement(attempt)
+        placement = self._placement(engine, attempt)
         where = engine.spec.checkpoint.dir if move.whole else None
         began = move.deadline - move.within
         if move.in_memory is None and engine.holdings.saved(move.step, placement, ()):
@@ -269,16 +270,19 @@ class Mover:
 
     def _highest(self, engine: Engine, attempt: Attempt) -> int | None:
         """The highest step any rank reported (a heartbeat, or a save its agent holds)."""
-        saved = engine.holdings.newest_saved(self._placement(attempt))
+        saved = engine.holdings.newest_saved(self._placement(engine, attempt))
         return max([*attempt.last_steps.values(), *([] if saved is None else [saved])],
                    default=None)
 
-    def _placement(self, attempt: Attempt) -> dict[int, int]:
+    def _placement(self, engine: Engine, attempt: Attempt) -> dict[int, int]:
         """Rank -> the node index it runs on (once per attempt: looked at four times a
-        second, for thousands of ranks)."""
+        second, for thousands of ranks). Counted as the checkpoint store counts them: a
+        torchrun-style or per-node launch names no worker's rank, and a move of such a job
+        found no rank, agreed on no step, and stopped a whole job without a save."""
         if self._placed is None or self._placed[0] != attempt.number:
-            self._placed = (attempt.number, {w.rank: n.node_index for n in attempt.plan.nodes
-                                             for w in n.workers if w.rank is not None})
+            per_node = engine.spec.nproc_per_node
+            self._placed = (attempt.number, checkpoints.placement(
+                attempt.plan, attempt.nprocs, per_node if isinstance(per_node, int) else 1))
         return self._placed[1]
 
     def _agreed_step(self, engine: Engine, attempt: Attempt,

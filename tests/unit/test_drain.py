@@ -3,6 +3,7 @@ drain holds, when every rank has saved the agreed step, and what the policy does
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -159,10 +160,11 @@ def test_an_undrain_reaches_a_node_whose_channel_was_down_when_it_came():
                               stopping=False, last_steps={}, node_plans={0: None, 1: None},
                               plan=SimpleNamespace(nodes=[SimpleNamespace(
                                   node_index=n, workers=[SimpleNamespace(rank=n)])
-                                  for n in (0, 1)]))
+                                  for n in (0, 1)]), nprocs={0: 1, 1: 1})
     engine = SimpleNamespace(nodes=nodes, holdings=holdings, current=attempt,
                              state=JobState.RUNNING, spec=SimpleNamespace(
-                                 checkpoint=SimpleNamespace(dir=None), min_nodes=1),
+                                 checkpoint=SimpleNamespace(dir=None), min_nodes=1,
+                                 nproc_per_node=1),
                              pool=SimpleNamespace(send=lambda node, command:
                                                   sent.append((node.index, command)) or True))
     drains = [drain("1", "j")]
@@ -190,3 +192,54 @@ def test_an_undrain_reaches_a_node_whose_channel_was_down_when_it_came():
     nodes[0].channel = object()
     mover.look(engine)  # type: ignore[arg-type]
     assert [(i, c.step) for i, c in sent] == [(0, 11)]
+
+
+def test_a_noticed_node_whose_agent_attaches_again_keeps_its_notice():
+    """A notice's SIGTERM can take a node's relay with it: the same agent attaching again
+    dropped its notice until its next heartbeat, and a look in between called the move off
+    (every rank told to save nothing) and began another at a later step."""
+    from orchestrator.nodebook import NodeBook
+
+    spec = parse_jobspec("nodes: [{host: a}, {host: b}]\ncommand: [x]\n")
+    book = NodeBook("j", spec, None, SimpleNamespace(adopt=lambda node, channel: None))  # type: ignore[arg-type]
+    node = book.nodes[1]
+
+    def attach(instance: str) -> None:
+        hello = P.Hello(P.VERSION, 7, 0, instance=instance)
+        book.attach(node, SimpleNamespace(hello=hello, launched=False), None,  # type: ignore[arg-type]
+                    resuming=False, needs_prep=False)
+    attach("agent-1")
+    notice = {"source": "SIGTERM to the agent", "deadline": time.time() + 60}
+    node.info = dataclasses.replace(node.info, notice=notice)  # its heartbeat said so
+    attach("agent-1")  # its channel went, and came back
+    assert node.info.notice == notice
+    attach("agent-2")  # another agent: it says its own
+    assert node.info.notice is None
+
+
+def test_a_move_of_a_job_whose_launch_names_no_rank_agrees_on_a_step():
+    """torchrun-style and per-node launches name no worker's rank: a move found no rank of
+    the job in memory, agreed on no step, and a whole-job stop stopped it without a save."""
+    sent: list[tuple[int, C.Command]] = []
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    h = Holdings()
+    h.update(0, held({0: [9], 1: [9]}, port=4000))
+    h.update(1, held({2: [9], 3: [9]}, port=4001))
+    plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n, env={"LOCAL_WORLD_SIZE": "2"},
+                                                  workers=[SimpleNamespace(rank=None)])
+                                  for n in (0, 1)])
+    attempt = SimpleNamespace(number=1, participants=[0, 1], ended=False, failure=None,
+                              stopping=False, last_steps={}, node_plans={0: None, 1: None},
+                              plan=plan, nprocs={0: 2, 1: 2})
+    engine = SimpleNamespace(
+        nodes=nodes, holdings=h, current=attempt, state=JobState.RUNNING,
+        spec=SimpleNamespace(checkpoint=SimpleNamespace(dir=None), min_nodes=1,
+                             nproc_per_node=2),
+        pool=SimpleNamespace(send=lambda node, command: sent.append((node.index, command))))
+    store = SimpleNamespace(drains=lambda: [drain("1", "j")])
+    mover = Mover("j", store, {0: "n0", 1: "n1", 2: "n2"})  # type: ignore[arg-type]
+    mover.look(engine)  # type: ignore[arg-type]
+    assert mover.move is not None and mover.move.nodes == (1,) and mover.move.step > 9
+    assert {i for i, c in sent if isinstance(c, C.SaveAt) and c.step == mover.move.step} \
+        == {0, 1}

@@ -67,12 +67,13 @@ def test_a_drain_ends_at_every_rank_in_memory_and_a_notice_waits_for_replicas():
     holdings = Holdings()
     sent: list = []
     engine = SimpleNamespace(nodes=nodes, holdings=holdings, spec=SimpleNamespace(
-        checkpoint=SimpleNamespace(dir=None), min_nodes=2), pool=SimpleNamespace(
+        checkpoint=SimpleNamespace(dir=None), min_nodes=2, nproc_per_node=2), pool=SimpleNamespace(
         send=lambda node, command: sent.append((node.index, command)) or True))
     plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n, workers=[
         SimpleNamespace(rank=2 * n + i) for i in range(2)]) for n in (0, 1)])
     attempt = SimpleNamespace(number=1, participants=[0, 1], plan=plan, node_ranks={1: 1},
-                              node_plans={0: None, 1: None}, last_steps={}, fail=failed.append)
+                              node_plans={0: None, 1: None}, last_steps={}, fail=failed.append,
+                              nprocs={0: 2, 1: 2})
     mover = Mover("j", None, {0: "n0", 1: "n1", 2: "n2"})  # type: ignore[arg-type]
     for notice in (False, True):
         failed.clear()
