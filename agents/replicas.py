@@ -53,6 +53,8 @@ MAX_MANIFEST = 1 << 20
 MAX_HEADER = 4096
 TIMEOUT = 60.0  # seconds a peer may stall a transfer
 CONNECT_TIMEOUT = 5.0  # a buddy that does not answer: the next save tries again
+HELLO_TIMEOUT = 5.0  # seconds a connection has to prove it knows the secret and ask
+GREETING = 32  # connections at once not yet known (beside the transfers)
 CONTEXT = b"orchestrator-replica-1"
 SEAL_WAIT = 10.0  # seconds a pull of a node's own save waits for the agent to seal it
 _BLOCK = 1 << 20
@@ -63,10 +65,20 @@ def _digest(secret: str, nonce: bytes) -> bytes:
     return hmac.new(secret.encode(), CONTEXT + nonce, hashlib.sha256).digest()
 
 
-def _read_exact(conn: socket.socket, n: int) -> bytes:
+def _recv(conn: socket.socket, n: int, deadline: float | None) -> bytes:
+    """Up to ``n`` bytes; by ``deadline`` (monotonic) at the latest, however slowly they come."""
+    if deadline is not None:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise ReplicaError("the peer said too little in time")
+        conn.settimeout(left)
+    return conn.recv(n)
+
+
+def _read_exact(conn: socket.socket, n: int, deadline: float | None = None) -> bytes:
     chunks, got = [], 0
     while got < n:
-        chunk = conn.recv(min(n - got, _BLOCK))
+        chunk = _recv(conn, min(n - got, _BLOCK), deadline)
         if not chunk:
             raise ReplicaError("the peer closed the connection")
         chunks.append(chunk)
@@ -74,11 +86,11 @@ def _read_exact(conn: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def _read_line(conn: socket.socket) -> Fields:
+def _read_line(conn: socket.socket, deadline: float | None = None) -> Fields:
     """The peer's next line, its fields read only through the checked readers."""
     data = b""
     while not data.endswith(b"\n"):
-        byte = conn.recv(1)
+        byte = _recv(conn, 1, deadline)
         if not byte or len(data) > MAX_HEADER:
             raise ReplicaError("no request line")
         data += byte
@@ -189,10 +201,11 @@ def _keep(fd: int, view: memoryview, at: int) -> int:
     return crc
 
 
-def _handshake_server(conn: socket.socket, secret: str) -> None:
+def _handshake_server(conn: socket.socket, secret: str, deadline: float) -> None:
+    conn.settimeout(max(0.001, deadline - time.monotonic()))
     nonce = secrets.token_bytes(16)
     conn.sendall(nonce)
-    if not hmac.compare_digest(_read_exact(conn, 32), _digest(secret, nonce)):
+    if not hmac.compare_digest(_read_exact(conn, 32, deadline), _digest(secret, nonce)):
         raise ReplicaError("the peer does not know the job's secret")
 
 
@@ -218,6 +231,7 @@ class Server:
         self.listener.listen(16)
         self.port = self.listener.getsockname()[1]
         self._slots = threading.BoundedSemaphore(8)  # transfers at once
+        self._greeting = threading.BoundedSemaphore(GREETING)  # connections not yet known
         self._serving = Transfers()  # ended when the store closes
         self._lock = threading.Lock()
         self._closed = False
@@ -261,16 +275,25 @@ class Server:
                 conn, _ = self.listener.accept()
             except OSError:
                 return
-            if not self._slots.acquire(blocking=False):
+            if not self._greeting.acquire(blocking=False):
                 conn.close()  # too many at once: the peer tries again with its next save
                 continue
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        held: threading.BoundedSemaphore | None = self._greeting  # the place it takes
         try:
+            # Who it is and what it wants, within HELLO_TIMEOUT: anything on the network
+            # can connect, and a connection that said nothing held a transfer's place for
+            # TIMEOUT (eight of them: no buddy's copy came).
+            deadline = time.monotonic() + HELLO_TIMEOUT
+            _handshake_server(conn, self.secret, deadline)
+            header = _read_line(conn, deadline)
+            self._greeting.release()
+            held = self._slots if self._slots.acquire(blocking=False) else None
+            if held is None:
+                raise ReplicaError("too many transfers at once here")
             conn.settimeout(TIMEOUT)
-            _handshake_server(conn, self.secret)
-            header = _read_line(conn)
             op = header.text("op", 16)
             if op == "put":
                 self._put(conn, header)
@@ -286,7 +309,8 @@ class Server:
         finally:
             self._serving.discard(conn)
             conn.close()
-            self._slots.release()
+            if held is not None:
+                held.release()
 
     def _put(self, conn: socket.socket, header: Fields) -> None:
         rank, step = _number(header, "rank", MAX_RANK), _number(header, "step", F.MAX_STEP)

@@ -335,6 +335,42 @@ def test_a_replica_let_go_keeps_its_pages_for_the_next_copy_unless_it_is_being_s
         os.close(found[2])
 
 
+def test_connections_that_say_nothing_hold_no_transfer_and_go_in_time(server, monkeypatch):
+    """Anything on the network can connect to a node's replica port: eight connections that
+    said nothing held every transfer's place for TIMEOUT (60 s), and no buddy's copy came
+    meanwhile. A transfer's place is taken once a peer proved it knows the job's secret,
+    and one that says too little within HELLO_TIMEOUT is dropped, however slowly it talks."""
+    import socket
+    import time
+
+    from agents import replicas
+
+    monkeypatch.setattr(replicas, "HELLO_TIMEOUT", 1.0, raising=False)
+    silent = [socket.create_connection(("127.0.0.1", server.port), timeout=10)
+              for _ in range(8)]
+    time.sleep(0.2)  # all accepted
+    meta, manifest, view = copy_of(1)
+    push("127.0.0.1", server.port, "s3cret", 3, 1, meta, manifest, view)  # not refused
+    assert server.holdings()[0] == {3: [1]}
+    trickle = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    assert len(trickle.recv(16)) == 16  # the nonce
+    started, said = time.monotonic(), b"?"
+    while time.monotonic() - started < 10:  # a byte now and then: never enough in time
+        try:
+            trickle.sendall(b"x")
+            said = trickle.recv(4096, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            time.sleep(0.2)
+            continue
+        except OSError:
+            said = b""
+        break
+    assert said.startswith(b'{"ok": false') or said == b"", said  # refused, or reset
+    assert time.monotonic() - started < 3  # 32 bytes at 5 a second would take 6.4 s
+    for conn in [*silent, trickle]:
+        conn.close()
+
+
 def test_a_closing_store_ends_the_copy_it_is_sending_at_once(tmp_path, monkeypatch):
     """A buddy cut off while a copy goes to it (its link down: nothing answers, nothing
     resets) held the store's thread for the transfer's whole timeout, and the agent's end,
