@@ -45,11 +45,12 @@ from typing import Any
 from agents import commands as C
 from agents import protocol as P
 from agents import rankfiles
+from agents.holds import hold_save
 from agents.memshare import budget, copies_for
 from agents.outbox import Outbox
 from agents.paths import entries, memory_root, own_memory, remove, sweep_memory
 from agents.pulls import install
-from agents.replicas import Server, hold_save
+from agents.replicas import Server
 from agents.replicas import push as push_replica
 from agents.shims import orchestrator_checkpoint_format as F
 from agents.storewake import Wake
@@ -71,6 +72,7 @@ class Store:
         self.targets: list[tuple[str, int]] = []
         self._pushed: dict[tuple[tuple[str, int], int], int] = {}  # (target, rank) -> step
         self._sending = Transfers()  # ended by close: no cut-off buddy holds the agent's end
+        self._timeline = 0  # one more at each attempt that resumes: a push under way is of the last
         self._saves: dict[int, list[int | float]] = {}  # rank -> [step, bytes, block_s]
         self._copies: int | None = None  # each rank's share of the memory, as last told
         self.config = C.CheckpointConfig()
@@ -178,6 +180,11 @@ class Store:
         them), and must never be mixed with the new one's. Persisted copies go only when a
         step is resumed (a first attempt may resume from them)."""
         self._pushed.clear()
+        self._timeline += 1
+        self._sending.end()  # a copy of the timeline left behind goes no further
+        self._sending = Transfers()
+        if self.replicas is not None:
+            self.replicas.attempt = max(self.replicas.attempt, self.attempt)
         remove(os.path.join(self.root, "retain"))
 
         def later(s: int | None) -> bool:
@@ -324,14 +331,18 @@ class Store:
               buddy: tuple[str, int]) -> bool:
         """``copy`` (as ``hold_save`` gives it) to ``buddy``; False if it did not go."""
         meta, manifest, fd, size = copy
+        with self._lock:
+            timeline, attempt, sending = self._timeline, self.attempt, self._sending
         try:
             with _mapped(fd, size) as view:
                 push_replica(buddy[0], buddy[1], self.secret, rank, step, meta, manifest, view,
-                             self._sending)
-            self._pushed[(buddy, rank)] = step
+                             sending, attempt)
+            with self._lock:  # not if a new attempt began meanwhile: its own step goes too
+                if timeline == self._timeline:
+                    self._pushed[(buddy, rank)] = step
             return True
         except (OSError, ReplicaError) as exc:
-            if not self._closed:  # ended by close() (Transfers): no news
+            if not self._closed and timeline == self._timeline:  # ended by close (Transfers)
                 self._problem(f"checkpoint: replicating to {buddy[0]}:{buddy[1]} failed: {exc}")
             return False
 
@@ -367,41 +378,11 @@ class Store:
                 manifest = F.manifest(meta_bytes, F.checksums(view, size), size)
                 F.write_file(base + ".manifest", json.dumps(manifest).encode())
                 if (meta.get("persist") or step == self.persist_step) and self.persist_dir:
-                    self._persist(rank, step, meta_bytes, manifest, view)
+                    _persist(self.persist_dir, rank, step, meta_bytes, manifest, view)
                     open(base + ".persisted", "w").close()
                     F.trim(self.persist_dir, rank, self.config.keep)
         finally:
             os.close(fd)
-
-    def _persist(self, rank: int, step: int, meta_bytes: bytes, manifest: dict[str, Any],
-                 view: memoryview) -> None:
-        assert self.persist_dir is not None
-        directory = F.persisted_dir(self.persist_dir, step)
-        os.makedirs(directory, exist_ok=True)
-        base = os.path.join(directory, f"rank-{rank}")
-        for suffix in (".manifest", ".corrupt"):  # an older copy of this step is no copy now
-            try:
-                os.unlink(base + suffix)
-            except OSError:
-                pass
-        size, chunk = manifest["size"], manifest["chunk"]
-        tmp = base + ".data.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            for i, at in enumerate(range(0, size, chunk)):
-                piece = view[at:min(at + chunk, size)]
-                if zlib.crc32(piece) != manifest["crc"][i]:
-                    raise OSError(f"step {step} of rank {rank} changed in memory while "
-                                  "being persisted")
-                while piece:
-                    piece = piece[os.write(fd, piece):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, base + ".data")
-        F.write_file(base + ".meta", meta_bytes, sync=True)
-        F.write_file(base + ".manifest", json.dumps(manifest).encode(), sync=True)
-        _sync_dir(directory)
 
     # --- what the node holds -----------------------------------------------------------------
     def holdings(self) -> dict[str, Any]:
@@ -477,6 +458,45 @@ class _mapped:
         self.view.release()  # a mapping with a view on it cannot be closed
         if self.map is not None:
             self.map.close()
+
+
+def _persist(root: str, rank: int, step: int, meta_bytes: bytes, manifest: dict[str, Any],
+             view: memoryview) -> None:
+    """One sealed copy into ``root`` (checkpoint.dir), its bytes checked against ``manifest``
+    as they are written, synced, the manifest last."""
+    directory = F.persisted_dir(root, step)
+    os.makedirs(directory, exist_ok=True)
+    base = os.path.join(directory, f"rank-{rank}")
+    for suffix in (".manifest", ".corrupt"):  # an older copy of this step is no copy now
+        try:
+            os.unlink(base + suffix)
+        except OSError:
+            pass
+    size, chunk = manifest["size"], manifest["chunk"]
+    tmp = base + ".data.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            for i, at in enumerate(range(0, size, chunk)):
+                # Released however this ends: a view left in a failure's traceback kept the
+                # slot's mapping from closing (BufferError, in place of the disk's error).
+                with view[at:min(at + chunk, size)] as piece:
+                    if zlib.crc32(piece) != manifest["crc"][i]:
+                        raise OSError(f"step {step} of rank {rank} changed in memory while "
+                                      "being persisted")
+                    done = 0
+                    while done < len(piece):
+                        done += os.write(fd, piece[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, base + ".data")
+    except BaseException:
+        remove(tmp)  # a full disk: no part of a copy stays in checkpoint.dir for good
+        raise
+    F.write_file(base + ".meta", meta_bytes, sync=True)
+    F.write_file(base + ".manifest", json.dumps(manifest).encode(), sync=True)
+    _sync_dir(directory)
 
 
 def _rank_dirs(root: str) -> list[tuple[int, str]]:

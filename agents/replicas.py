@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import fcntl
 import hashlib
 import hmac
 import json
@@ -44,6 +43,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from agents.fields import MAX_COUNT, MAX_RANK, Fields, ProtocolError
+from agents.holds import hold_save, open_shared
 from agents.paths import close_socket, entries, remove
 from agents.shims import orchestrator_checkpoint_format as F
 from agents.transfers import ReplicaError, Transfers
@@ -236,6 +236,7 @@ class Server:
         self._lock = threading.Lock()
         self._closed = False
         self.retain: int | None = None  # replicas of older steps may go
+        self.attempt = 0  # the newest attempt seen: copies of older ones are of another timeline
         threading.Thread(target=self._accept, daemon=True, name="replicas").start()
 
     def close(self, wait: float = 10.0) -> None:
@@ -317,6 +318,10 @@ class Server:
         meta_len = _number(header, "meta", F.MAX_META)
         manifest_len = _number(header, "manifest", MAX_MANIFEST)
         size = _number(header, "size", MAX_COUNT)
+        attempt = int(header.integer("attempt", 0, MAX_COUNT, optional=True) or 0)
+        if attempt < self.attempt:
+            raise ReplicaError(f"a copy of attempt {attempt}, before this node's {self.attempt}")
+        self.attempt = attempt
         if size > self.room() and not self._make_room(size):
             raise ReplicaError(f"no room for a {size}-byte replica in checkpoint.memory")
         if self._closed:  # said before the bytes come: a refusal with bytes unread is a reset
@@ -346,9 +351,14 @@ class Server:
         # and the leaving node's), and a file cut short under a mapping is a SIGBUS.
         tmp = f"{base}.data.{secrets.token_hex(8)}.tmp"
         _receive_to(conn, tmp, meta, man, self.memory)
-        os.replace(tmp, base + ".data")
-        F.write_file(base + ".meta", meta)
-        F.write_file(base + ".manifest", manifest)
+        with self._lock:  # a new attempt's discard of later steps came meanwhile: not kept
+            if attempt < self.attempt or self._closed:
+                remove(tmp)
+                raise ReplicaError(f"a copy of attempt {attempt}, before this node's "
+                                   f"{self.attempt}")
+            os.replace(tmp, base + ".data")
+            F.write_file(base + ".meta", meta)
+            F.write_file(base + ".manifest", manifest)
         self.prune(directory)
         _send_line(conn, {"ok": True})
         self.kept()
@@ -442,7 +452,7 @@ class Server:
 
     def _replica(self, rank: int, step: int) -> tuple[bytes, bytes, int, int] | None:
         """(meta, manifest, an open fd, size) of this node's replica of ``rank`` at ``step``."""
-        found = self._held(rank, step, _open_shared)
+        found = self._held(rank, step, open_shared)
         if found is None:
             return None
         meta, manifest, fd = found
@@ -476,40 +486,6 @@ class Server:
                 return None
             time.sleep(0.02)
         return None if os.path.exists(base + ".corrupt") else hold_save(rank_dir, step)
-
-
-def _open_shared(base: str) -> int:
-    """The replica's data, open and under a shared lock while it is sent: never made a blank
-    and written over meanwhile (F.give_blank)."""
-    fd = os.open(base + ".data", os.O_RDONLY | os.O_CLOEXEC)
-    fcntl.flock(fd, fcntl.LOCK_SH)
-    return fd
-
-
-def hold_save(rank_dir: str, step: int) -> tuple[bytes, bytes, int, int] | None:
-    """(meta, manifest, an fd of its slot, size) of a node's own sealed save of ``step`` in
-    ``rank_dir``, its slot under a shared lock until the fd is closed: no save writes over
-    it meanwhile (a save takes an exclusive one, or another slot). None: not sealed, or its
-    slot written again before it was held."""
-    base = os.path.join(rank_dir, F.step_name(step))
-    meta, manifest = F.read_bytes(base + ".meta"), F.read_bytes(base + ".manifest")
-    if meta is None or manifest is None:
-        return None
-    try:
-        described = json.loads(meta)
-        size, slot = described["size"], int(described["slot"])
-        fd = os.open(os.path.join(rank_dir, f"slot-{slot}"), os.O_RDONLY | os.O_CLOEXEC)
-    except (ValueError, KeyError, TypeError, OSError):
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-        if F.read_bytes(base + ".meta") == meta and type(size) is int \
-                and 0 <= size <= os.fstat(fd).st_size:
-            return meta, manifest, fd, size
-    except OSError:
-        pass
-    os.close(fd)  # its slot written again meanwhile
-    return None
 
 
 def _connect(address: str, port: int, transfers: Transfers | None) -> socket.socket:
@@ -552,12 +528,13 @@ def _connection(address: str, port: int, secret: str,
 
 
 def push(address: str, port: int, secret: str, rank: int, step: int, meta: bytes,
-         manifest: bytes, view: memoryview, transfers: Transfers | None = None) -> None:
-    """Replicate one sealed save to the buddy at ``address:port``; ReplicaError or OSError
-    when it did not take it."""
+         manifest: bytes, view: memoryview, transfers: Transfers | None = None,
+         attempt: int = 0) -> None:
+    """Replicate one sealed save of ``attempt`` to the buddy at ``address:port``;
+    ReplicaError or OSError when it did not take it."""
     with _connection(address, port, secret, transfers) as conn:
         _send_line(conn, {"op": "put", "rank": rank, "step": step, "meta": len(meta),
-                          "manifest": len(manifest), "size": len(view),
+                          "manifest": len(manifest), "size": len(view), "attempt": attempt,
                           "data": data_digest(json.loads(manifest))})
         if _answer(conn):
             return  # it holds these very bytes already

@@ -557,6 +557,64 @@ def test_saves_faster_than_the_network_send_the_newest_not_a_queue(store, tmp_pa
         buddy.close()
 
 
+def test_a_persist_the_disk_refuses_leaves_no_part_of_a_copy(store, tmp_path, monkeypatch):
+    """A full disk (or a copy changed while written) failed the persist and left its
+    ``.data.tmp`` in checkpoint.dir for good: no later trim looks at it."""
+    import errno
+
+    from agents import checkpoints
+
+    s, _ = store
+    ckpt.save(1, {"w": torch.ones(1000)})
+
+    def full(fd: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoints.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):  # the disk's error, said by the
+        s._pass()  # store's thread (it was a BufferError: the slot's mapping still in use)
+    assert [p.name for p in (tmp_path / "ck").rglob("*.tmp")] == []
+
+
+def test_a_copy_under_way_when_an_attempt_resumes_an_older_step_is_of_no_timeline(
+        store, tmp_path):
+    """A push of step 3 under way while a restart resumes step 1 (the ranks that saved 2
+    and 3 never reached them in the new timeline): it ended, and the buddy kept nothing of
+    it. It went on before, the buddy kept the old timeline's step 3, the node took it as
+    sent, and the new attempt's own step 3 never went: a node's loss could resume a rank
+    from a state the other ranks never followed."""
+    import threading
+    import time
+
+    from agents.replicas import Server
+
+    s, _ = store
+    for step in (1, 2, 3):
+        ckpt.save(step, {"w": torch.full((1 << 18,), float(step))})
+    s._pass()
+    arrived, go = threading.Event(), threading.Event()
+
+    def room() -> int:  # the buddy takes its time before it answers
+        arrived.set()
+        go.wait(10)
+        return 1 << 30
+    buddy = Server(str(tmp_path / "buddy"), "s3cret", room, lambda _: None)
+    try:
+        s.replicate_to(C.ReplicateTo("127.0.0.1", buddy.port))
+        pushing = threading.Thread(target=s._pass)
+        pushing.start()
+        assert arrived.wait(10)
+        s.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20, 1), str(tmp_path), 2, 1)
+        buddy.attempt = 2  # the buddy's agent is told the new attempt too
+        go.set()
+        pushing.join(10)
+        time.sleep(0.2)
+        # Nothing taken as sent: the new timeline's step 3 goes when it is saved.
+        assert s._pushed == {} and buddy.holdings()[0] == {}
+    finally:
+        go.set()
+        buddy.close()
+
+
 def test_each_ranks_copy_is_held_while_the_ranks_before_it_are_sent(store, tmp_path,
                                                                      monkeypatch):
     """Two ranks on the node; while rank 0's copy goes (seconds at 512 MiB), rank 1 saves

@@ -195,6 +195,34 @@ def test_a_transfer_accepted_before_the_store_closed_never_makes_it_again(tmp_pa
     assert not root.exists()
 
 
+def test_a_copy_of_an_attempt_before_the_nodes_is_not_kept(server):
+    """Copies of a timeline a new attempt left behind: refused when they come, and not kept
+    when the node's attempt moved on while one arrived."""
+    import socket
+    import time
+
+    from agents import replicas
+
+    meta, manifest, view = copy_of(5)
+    push("127.0.0.1", server.port, "s3cret", 3, 5, meta, manifest, view, attempt=2)
+    with pytest.raises(ReplicaError, match="attempt 1, before this node's 2"):
+        push("127.0.0.1", server.port, "s3cret", 3, 5, meta, manifest, view, attempt=1)
+    meta, manifest, view = copy_of(6, size=4 << 20)
+    conn = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    replicas._handshake_client(conn, "s3cret")
+    replicas._send_line(conn, {"op": "put", "rank": 3, "step": 6, "meta": len(meta),
+                               "manifest": len(manifest), "size": len(view), "attempt": 2})
+    assert replicas._answer(conn) is False  # go on
+    conn.sendall(meta + manifest + view[:1 << 20])
+    time.sleep(0.2)
+    server.attempt = 3  # this node's agent began attempt 3 meanwhile
+    conn.sendall(view[1 << 20:])
+    with pytest.raises(ReplicaError, match="attempt 2, before this node's 3"):
+        replicas._answer(conn)
+    conn.close()
+    assert server.holdings()[0] == {3: [5]}
+
+
 def test_a_copy_of_many_chunks_is_verified_chunk_by_chunk_as_it_comes(server, tmp_path):
     """The receiver takes each chunk's checksum as the chunk arrives (no second pass): every
     chunk is checked, the last short one included, and a bad byte in a middle one is named."""
