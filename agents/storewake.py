@@ -20,6 +20,10 @@ class Wake:
 
     def __init__(self) -> None:
         self._event = threading.Event()
+        # set() comes from other threads (a pull's end, a replica kept) at any time, close()
+        # too: a write to a closed pipe's number went into whatever file had it next.
+        self._lock = threading.Lock()
+        self._closed = False
         self._sock: socket.socket | None = None
         self._pipe = os.pipe()  # set() wakes a wait on the socket through it
         for fd in self._pipe:
@@ -37,19 +41,27 @@ class Wake:
 
     def set(self) -> None:
         self._event.set()
-        try:
-            os.write(self._pipe[1], b"w")
-        except OSError:
-            pass
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._pipe[1], b"w")
+            except OSError:
+                pass
 
     def wait(self) -> None:
-        if self._sock is None:
+        if self._sock is None or self._closed:  # closed: a store thread that outlived it
             self._event.wait(SCAN_EVERY)
         elif not self._event.is_set():
-            select.select([self._sock.fileno(), self._pipe[0]], [], [], LOOK_EVERY)
+            try:
+                select.select([self._sock.fileno(), self._pipe[0]], [], [], LOOK_EVERY)
+            except (OSError, ValueError):  # closed meanwhile
+                pass
         self._event.clear()
-        for drain in (self._drain_socket, self._drain_pipe):
-            drain()
+        with self._lock:
+            if not self._closed:
+                self._drain_socket()
+                self._drain_pipe()
 
     def _drain_socket(self) -> None:
         try:
@@ -66,10 +78,12 @@ class Wake:
             pass
 
     def close(self) -> None:
-        if self._sock is not None:
-            self._sock.close()
-        for fd in self._pipe:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with self._lock:
+            self._closed = True
+            if self._sock is not None:
+                self._sock.close()
+            for fd in self._pipe:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass

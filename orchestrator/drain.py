@@ -145,8 +145,10 @@ class Mover:
         self._lift: Lift | None = None
 
     def look(self, engine: Engine) -> None:
-        self.drained = {**noticed(engine.nodes, self.job_id),
-                        **drained(self.store.drains(), self.job_id, self.hosts)}
+        # A notice over a drain of the same node: it goes away by its deadline whatever we
+        # do (a drain's longer wait, and its memory taken to stay up, failed the next attempt).
+        self.drained = {**drained(self.store.drains(), self.job_id, self.hosts),
+                        **noticed(engine.nodes, self.job_id)}
         engine.holdings.set_leaving(self.drained, [i for i, d in self.drained.items()
                                                    if not d.get("notice")])
         attempt = engine.current

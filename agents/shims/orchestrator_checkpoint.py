@@ -68,6 +68,7 @@ class _Slot:
         if self.map is not None:
             self._unregister()
             self.map.close()
+            self.map, self.size = None, 0  # not one closed, should the growth fail
         if os.fstat(self.fd).st_size < size:  # its pages now: a full /dev/shm is an OSError
             os.posix_fallocate(self.fd, 0, size)  # here, not a SIGBUS in the copy
         self.size = os.fstat(self.fd).st_size

@@ -557,6 +557,45 @@ def test_saves_faster_than_the_network_send_the_newest_not_a_queue(store, tmp_pa
         buddy.close()
 
 
+def test_a_slot_that_could_not_grow_still_takes_a_smaller_save(tmp_path, monkeypatch):
+    """A full /dev/shm refused a slot's growth after its mapping was closed; the next,
+    smaller save found the closed mapping and failed in the user's training."""
+    import errno
+
+    path = str(tmp_path / "slot-0")
+    slot = ckpt._Slot(path, os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    slot.ensure(4096)
+    real = os.posix_fallocate
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(ckpt.os, "posix_fallocate", full)
+    with pytest.raises(OSError):
+        slot.ensure(1 << 20)
+    monkeypatch.setattr(ckpt.os, "posix_fallocate", real)
+    slot.ensure(4096)
+    slot.map[:4] = b"abcd"  # a mapping, open
+    slot.map.close()
+    os.close(slot.fd)
+
+
+def test_a_wake_after_the_store_closed_writes_into_no_file(tmp_path):
+    """A pull's thread ends (and wakes the store) after the store closed: the wake wrote a
+    byte to the closed pipe's descriptor number, into whatever file had it next."""
+    from agents.storewake import Wake
+
+    wake = Wake()
+    wake.close()
+    files = [open(tmp_path / f"f{i}", "wb") for i in range(4)]  # noqa: SIM115
+    try:
+        wake.set()
+        wake.wait()  # a store thread that outlived the close: no error, no read
+    finally:
+        for f in files:
+            f.close()
+    assert all((tmp_path / f"f{i}").read_bytes() == b"" for i in range(4))
+
+
 def test_a_persist_the_disk_refuses_leaves_no_part_of_a_copy(store, tmp_path, monkeypatch):
     """A full disk (or a copy changed while written) failed the persist and left its
     ``.data.tmp`` in checkpoint.dir for good: no later trim looks at it."""

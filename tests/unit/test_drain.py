@@ -243,3 +243,31 @@ def test_a_move_of_a_job_whose_launch_names_no_rank_agrees_on_a_step():
     assert mover.move is not None and mover.move.nodes == (1,) and mover.move.step > 9
     assert {i for i, c in sent if isinstance(c, C.SaveAt) and c.step == mover.move.step} \
         == {0, 1}
+
+
+def test_a_notice_on_a_drained_node_moves_by_the_notices_deadline():
+    """An operator drained a node that then got a notice: the drain's 120 s and its stay-up
+    (the next attempt pulls from its memory) won, though the node goes away at its deadline."""
+    sent: list[tuple[int, C.Command]] = []
+    notice = {"source": "SIGTERM to the agent", "deadline": time.time() + 20}
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                             info=SimpleNamespace(notice=notice if i == 1 else None))
+             for i in range(3)]
+    h = Holdings()
+    for i in range(3):
+        h.update(i, held({i: [9]}, port=4000 + i))
+    plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n, workers=[SimpleNamespace(rank=n)])
+                                  for n in (0, 1)])
+    attempt = SimpleNamespace(number=1, participants=[0, 1], ended=False, failure=None,
+                              stopping=False, last_steps={}, node_plans={0: None, 1: None},
+                              plan=plan, nprocs={0: 1, 1: 1})
+    engine = SimpleNamespace(
+        nodes=nodes, holdings=h, current=attempt, state=JobState.RUNNING,
+        spec=SimpleNamespace(checkpoint=SimpleNamespace(dir=None), min_nodes=2,
+                             nproc_per_node=1),
+        pool=SimpleNamespace(send=lambda node, command: sent.append((node.index, command))))
+    drains = [{**drain("1", "j"), "within": 120.0, "reason": "maintenance"}]
+    mover = Mover("j", SimpleNamespace(drains=lambda: drains), {0: "n0", 1: "n1", 2: "n2"})  # type: ignore[arg-type]
+    mover.look(engine)  # type: ignore[arg-type]
+    assert mover.move is not None and mover.move.within <= 20 and not mover.move.pull
+    assert 1 not in h._up  # its memory serves no pull: it goes away
