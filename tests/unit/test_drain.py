@@ -217,6 +217,19 @@ def test_a_noticed_node_whose_agent_attaches_again_keeps_its_notice():
     assert node.info.notice is None
 
 
+def engine_of(nodes, holdings, plan, nprocs, min_nodes, sent):
+    """A running attempt of two participants (node 0 and 1) as the mover sees it; what it
+    sends goes to ``sent``."""
+    attempt = SimpleNamespace(number=1, participants=[0, 1], ended=False, failure=None,
+                              stopping=False, last_steps={}, node_plans={0: None, 1: None},
+                              plan=plan, nprocs=nprocs)
+    return SimpleNamespace(
+        nodes=nodes, holdings=holdings, current=attempt, state=JobState.RUNNING,
+        spec=SimpleNamespace(checkpoint=SimpleNamespace(dir=None), min_nodes=min_nodes,
+                             nproc_per_node=max(nprocs.values())),
+        pool=SimpleNamespace(send=lambda node, command: sent.append((node.index, command))))
+
+
 def test_a_move_of_a_job_whose_launch_names_no_rank_agrees_on_a_step():
     """torchrun-style and per-node launches name no worker's rank: a move found no rank of
     the job in memory, agreed on no step, and a whole-job stop stopped it without a save."""
@@ -229,14 +242,7 @@ def test_a_move_of_a_job_whose_launch_names_no_rank_agrees_on_a_step():
     plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n, env={"LOCAL_WORLD_SIZE": "2"},
                                                   workers=[SimpleNamespace(rank=None)])
                                   for n in (0, 1)])
-    attempt = SimpleNamespace(number=1, participants=[0, 1], ended=False, failure=None,
-                              stopping=False, last_steps={}, node_plans={0: None, 1: None},
-                              plan=plan, nprocs={0: 2, 1: 2})
-    engine = SimpleNamespace(
-        nodes=nodes, holdings=h, current=attempt, state=JobState.RUNNING,
-        spec=SimpleNamespace(checkpoint=SimpleNamespace(dir=None), min_nodes=1,
-                             nproc_per_node=2),
-        pool=SimpleNamespace(send=lambda node, command: sent.append((node.index, command))))
+    engine = engine_of(nodes, h, plan, {0: 2, 1: 2}, 1, sent)
     store = SimpleNamespace(drains=lambda: [drain("1", "j")])
     mover = Mover("j", store, {0: "n0", 1: "n1", 2: "n2"})  # type: ignore[arg-type]
     mover.look(engine)  # type: ignore[arg-type]
@@ -256,18 +262,13 @@ def test_a_notice_on_a_drained_node_moves_by_the_notices_deadline():
     h = Holdings()
     for i in range(3):
         h.update(i, held({i: [9]}, port=4000 + i))
-    plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n, workers=[SimpleNamespace(rank=n)])
+    plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n,
+                                                  workers=[SimpleNamespace(rank=n)])
                                   for n in (0, 1)])
-    attempt = SimpleNamespace(number=1, participants=[0, 1], ended=False, failure=None,
-                              stopping=False, last_steps={}, node_plans={0: None, 1: None},
-                              plan=plan, nprocs={0: 1, 1: 1})
-    engine = SimpleNamespace(
-        nodes=nodes, holdings=h, current=attempt, state=JobState.RUNNING,
-        spec=SimpleNamespace(checkpoint=SimpleNamespace(dir=None), min_nodes=2,
-                             nproc_per_node=1),
-        pool=SimpleNamespace(send=lambda node, command: sent.append((node.index, command))))
+    engine = engine_of(nodes, h, plan, {0: 1, 1: 1}, 2, sent)
     drains = [{**drain("1", "j"), "within": 120.0, "reason": "maintenance"}]
-    mover = Mover("j", SimpleNamespace(drains=lambda: drains), {0: "n0", 1: "n1", 2: "n2"})  # type: ignore[arg-type]
+    mover = Mover("j", SimpleNamespace(drains=lambda: drains),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"})
     mover.look(engine)  # type: ignore[arg-type]
     assert mover.move is not None and mover.move.within <= 20 and not mover.move.pull
     assert 1 not in h._up  # its memory serves no pull: it goes away

@@ -363,6 +363,33 @@ def test_a_replica_let_go_keeps_its_pages_for_the_next_copy_unless_it_is_being_s
         os.close(found[2])
 
 
+def started_store(tmp_path, monkeypatch):
+    """An agent's checkpoint store, started (its replica server), a worker's env set for its
+    rank 0; and what it says to the controller."""
+    import secrets
+
+    from agents.checkpoints import Store
+
+    said: list[dict] = []
+
+    class Outbox:
+        def current(self) -> object:
+            return self
+
+        def put(self, message: dict) -> None:
+            said.append(message)
+
+    store = Store(f"unit-{secrets.token_hex(4)}", 0, Outbox(), "s3cret")  # type: ignore[arg-type]
+    env = store.configure(C.CheckpointConfig(memory=64 << 20), str(tmp_path), 1, 1)
+    for key, value in {**env, "RANK": "0"}.items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    store.start()
+    return store, said
+
+
 def test_connections_that_say_nothing_hold_no_transfer_and_go_in_time(server, monkeypatch):
     """Anything on the network can connect to a node's replica port: eight connections that
     said nothing held every transfer's place for TIMEOUT (60 s), and no buddy's copy came
@@ -404,7 +431,6 @@ def test_a_closing_store_ends_the_copy_it_is_sending_at_once(tmp_path, monkeypat
     resets) held the store's thread for the transfer's whole timeout, and the agent's end,
     which joins that thread, with it: a cut node's agent outlived its job by more than 15 s
     (one full run of the suite). Closing ends the store's own transfers at once."""
-    import secrets
     import socket
     import threading
     import time
@@ -412,30 +438,13 @@ def test_a_closing_store_ends_the_copy_it_is_sending_at_once(tmp_path, monkeypat
     import torch
 
     from agents import replicas
-    from agents.checkpoints import Store
     from agents.shims import orchestrator_checkpoint as ckpt
-
-    said: list[dict] = []
-
-    class Outbox:
-        def current(self) -> object:
-            return self
-
-        def put(self, message: dict) -> None:
-            said.append(message)
 
     monkeypatch.setattr(replicas, "TIMEOUT", 20.0)  # the old code then takes 20 s, not 60
     silent = socket.create_server(("127.0.0.1", 0))  # accepts, and never says a word
     accepted: list[object] = []
     threading.Thread(target=lambda: accepted.append(silent.accept()), daemon=True).start()
-    store = Store(f"unit-{secrets.token_hex(4)}", 0, Outbox(), "s3cret")  # type: ignore[arg-type]
-    env = store.configure(C.CheckpointConfig(memory=64 << 20), str(tmp_path), 1, 1)
-    for key, value in {**env, "RANK": "0"}.items():
-        if value is None:
-            monkeypatch.delenv(key, raising=False)
-        else:
-            monkeypatch.setenv(key, value)
-    store.start()
+    store, said = started_store(tmp_path, monkeypatch)
     try:
         ckpt.save(1, {"w": torch.ones(1000)})
         store.replicate_to(C.ReplicateTo("127.0.0.1", silent.getsockname()[1]))
@@ -458,24 +467,13 @@ def test_a_closing_store_ends_a_connect_to_a_buddy_that_never_answers(tmp_path, 
     """A buddy whose link is down drops the store's SYN: its connect waited CONNECT_TIMEOUT
     (5 s) whatever the store's close said, and the agent's end with it. Here a listener whose
     accept queue is full drops the SYN the same way; close ends the connect at once."""
-    import secrets
     import socket
     import time
 
     import torch
 
     from agents import replicas
-    from agents.checkpoints import Store
     from agents.shims import orchestrator_checkpoint as ckpt
-
-    said: list[dict] = []
-
-    class Outbox:
-        def current(self) -> object:
-            return self
-
-        def put(self, message: dict) -> None:
-            said.append(message)
 
     monkeypatch.setattr(replicas, "CONNECT_TIMEOUT", 20.0)  # the old code then takes 20 s
     full = socket.socket()
@@ -487,14 +485,7 @@ def test_a_closing_store_ends_a_connect_to_a_buddy_that_never_answers(tmp_path, 
     with pytest.raises(TimeoutError):  # the queue is full: a connect now hangs
         probe.connect(full.getsockname())
     probe.close()
-    store = Store(f"unit-{secrets.token_hex(4)}", 0, Outbox(), "s3cret")  # type: ignore[arg-type]
-    env = store.configure(C.CheckpointConfig(memory=64 << 20), str(tmp_path), 1, 1)
-    for key, value in {**env, "RANK": "0"}.items():
-        if value is None:
-            monkeypatch.delenv(key, raising=False)
-        else:
-            monkeypatch.setenv(key, value)
-    store.start()
+    store, said = started_store(tmp_path, monkeypatch)
     try:
         ckpt.save(1, {"w": torch.ones(1000)})
         store.replicate_to(C.ReplicateTo("127.0.0.1", full.getsockname()[1]))
