@@ -192,8 +192,13 @@ def _let_go(rank_dir, number, step):
     if slot.map is not None:
         slot._unregister()
         slot.map.close()
+    st = os.fstat(slot.fd)
     os.close(slot.fd)  # its lock with it: the blank is taken under a lock of its own
-    F.give_blank(os.path.dirname(rank_dir), path)
+    if (st.st_dev, st.st_ino) in _loaded:  # a load of this process maps it: written by
+        _loaded.discard((st.st_dev, st.st_ino))  # nobody again (a blank's next copy would)
+        os.unlink(path)
+    else:
+        F.give_blank(os.path.dirname(rank_dir), path)
     return True
 
 

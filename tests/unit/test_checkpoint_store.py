@@ -424,6 +424,29 @@ def test_a_loaded_state_is_mapped_and_no_later_save_changes_it(store, monkeypatc
         ["slot-0", "slot-1"]
 
 
+def test_a_loaded_copy_let_go_past_the_share_is_no_blank(store, monkeypatch):
+    """A copy past a rank's share goes back as a blank, which the next copy the node writes
+    takes; one this process loaded (a private mapping of it) is removed instead, so that
+    nothing writes under the tensors it loaded."""
+    s, _ = store
+    monkeypatch.setenv(F.PERSIST_VAR, "0")
+    F.write_file(os.path.join(s.root, "retain"), b"0")  # every step kept while memory allows
+    big = torch.arange(1 << 18, dtype=torch.float32)
+    for step in range(4):
+        ckpt.save(step, {"w": big + step})
+    s._pass()
+    monkeypatch.setenv(F.STEP_VAR, "0")
+    w = ckpt.load()[1]["w"]  # step 0's slot, mapped
+    loaded = os.stat(os.path.join(s.root, "rank-1", "slot-0")).st_ino
+    F.write_file(os.path.join(s.root, F.COPIES_NAME), b"2")
+    ckpt.save(4, {"w": big * 0})
+    assert loaded not in {os.stat(path).st_ino for _, path in F.blanks(s.root)}
+    for length, path in F.blanks(s.root):  # the next copies write into every blank
+        with open(path, "r+b") as f:
+            f.write(b"\xff" * length)
+    assert torch.equal(w, big)
+
+
 def test_save_every_n_saves_its_multiples_and_the_step_a_planned_move_asks_for(
         store, monkeypatch):
     """``save(step, state, every=N)`` at every step saves the multiples of N, and the step the
