@@ -321,7 +321,7 @@ class Server:
         attempt = int(header.integer("attempt", 0, MAX_COUNT, optional=True) or 0)
         if attempt < self.attempt:
             raise ReplicaError(f"a copy of attempt {attempt}, before this node's {self.attempt}")
-        self.attempt = attempt
+        self.attempt = max(self.attempt, attempt)  # two puts at once: never back
         if size > self.room() and not self._make_room(size):
             raise ReplicaError(f"no room for a {size}-byte replica in checkpoint.memory")
         if self._closed:  # said before the bytes come: a refusal with bytes unread is a reset
