@@ -486,8 +486,9 @@ class CheckpointSpec(_Model):
     keep: Annotated[StrictInt, Field(ge=1)] = Field(
         default=2, description="persisted steps kept (older ones are removed)")
     memory: Annotated[StrictInt, Field(ge=1 << 20), BeforeValidator(_size)] | None = Field(
-        default=None, description='bytes of each node\'s memory for its ranks\' saves, e.g. '
-        '"16GiB" (at least two copies of a rank\'s state; null: half of /dev/shm)')
+        default=None, description='bytes of each node\'s memory for its ranks\' saves and the '
+        'replicas it keeps of its buddy\'s, shared between them, e.g. "16GiB" (at least two '
+        'copies of a rank\'s state; null: half of /dev/shm)')
 
 
 class BackoffSpec(_Model):
