@@ -423,7 +423,7 @@ class Store:
                 "persisted": persisted, "replicas": replicas, "bytes": used,
                 "store": self.store_id,
                 "port": self.replicas.port if self.replicas is not None else None,
-                "saves": {str(r): v for r, v in self._saves.items() if r in dict(ranks)},
+                "saves": {str(r): v for r, v in list(self._saves.items()) if r in dict(ranks)},
                 "restored": restored}
 
     def _report(self, force: bool = False) -> None:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from agents import commands as C
 from agents.paths import entries, remove
-from agents.replicas import ReplicaError, Server
+from agents.replicas import Server
 from agents.replicas import pull as pull_replica
 from agents.shims import orchestrator_checkpoint_format as F
 
@@ -55,7 +55,7 @@ def _fetch(root: str, secret: str, replicas: Server | None, pull: C.Pull,
            problem: Callable[[str], None], done: Callable[[], None]) -> None:
     try:
         _install(root, secret, replicas, pull, fetch=True)
-    except (OSError, ReplicaError, ValueError) as exc:
+    except Exception as exc:  # noqa: BLE001 (whatever it was, the rank's load is told)
         _failed(root, pull, exc, problem)
     finally:  # after the failure is written: the load reads it once this is gone
         remove(os.path.join(root, f"rank-{pull.rank}", F.PULLING_NAME))

@@ -96,7 +96,7 @@ def _read_line(conn: socket.socket, deadline: float | None = None) -> Fields:
         data += byte
     try:
         value = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested past Python's limit: not ours either
         raise ReplicaError("a request line that is not JSON") from None
     if not isinstance(value, dict):
         raise ReplicaError("a request line that is not an object")
@@ -138,7 +138,7 @@ def _manifest(meta: bytes, manifest: bytes, size: int) -> dict[str, Any]:
     """The manifest a peer sent, if it can vouch for ``size`` bytes with this meta."""
     try:
         man = json.loads(manifest)
-    except ValueError:
+    except (ValueError, RecursionError):
         raise ReplicaError("a manifest that is not JSON") from None
     why = F.check_manifest(meta, man)
     if why is None and man["size"] != size:

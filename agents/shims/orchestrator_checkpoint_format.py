@@ -23,6 +23,7 @@ import zlib
 
 FORMAT = 1
 CHUNK = 16 << 20  # bytes a CRC covers: a corrupt byte names a chunk, not the whole copy
+MAX_CHUNK = 4 * CHUNK  # a peer's manifest with larger ones is refused (a receiver buffers two)
 WAKE_NAME = "wake"  # the agent's datagram socket in the memory root: a save pokes it
 SAVE_AT_NAME = "save-at"  # in the memory root: the step the controller asks every rank to save
 # In a rank's directory: its copy is being pulled from another node (the content: until when,
@@ -258,8 +259,8 @@ def check_manifest(meta_bytes, man):
     if zlib.crc32(meta_bytes) != man.get("meta"):
         return "its description does not match its manifest"
     size, chunk, crcs = man.get("size"), man.get("chunk"), man.get("crc")
-    if type(size) is not int or type(chunk) is not int or chunk <= 0 or size < 0 or \
-            not isinstance(crcs, list) or len(crcs) != (size + chunk - 1) // chunk:
+    if type(size) is not int or type(chunk) is not int or not 0 < chunk <= MAX_CHUNK or \
+            size < 0 or not isinstance(crcs, list) or len(crcs) != (size + chunk - 1) // chunk:
         return "its manifest is malformed"
     return None
 

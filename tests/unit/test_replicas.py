@@ -223,6 +223,29 @@ def test_a_copy_of_an_attempt_before_the_nodes_is_not_kept(server):
     assert server.holdings()[0] == {3: [5]}
 
 
+def test_a_peers_manifest_nested_or_of_huge_chunks_is_refused_and_a_pull_says_so(
+        tmp_path, monkeypatch):
+    """What a peer with the secret sends is bounded too: a manifest nested past Python's
+    limit raised RecursionError past every handler (a pull's thread died and its rank's load
+    was never told why), and one of 1 TiB chunks had the receiver buffer two of them."""
+    from agents import pulls, replicas
+
+    meta, manifest, _ = copy_of(1)
+    with pytest.raises(ReplicaError, match="not JSON"):
+        replicas._manifest(meta, b"[" * 100_000, 100_000)
+    huge = {**json.loads(manifest), "chunk": 1 << 40, "crc": [0]}
+    with pytest.raises(ReplicaError, match="malformed"):
+        replicas._manifest(meta, json.dumps(huge).encode(), 100_000)
+
+    def nested(*args, **kwargs):
+        return json.loads("[" * 100_000)
+    monkeypatch.setattr(pulls, "pull_replica", nested)
+    problems: list[str] = []
+    pulls._fetch(str(tmp_path), "s3cret", None, C.Pull(3, 1, "127.0.0.1", 1),
+                 problems.append, lambda: None)
+    assert os.path.exists(tmp_path / "rank-3" / F.PULL_FAILED_NAME) and problems
+
+
 def test_a_copy_of_many_chunks_is_verified_chunk_by_chunk_as_it_comes(server, tmp_path):
     """The receiver takes each chunk's checksum as the chunk arrives (no second pass): every
     chunk is checked, the last short one included, and a bad byte in a middle one is named."""
