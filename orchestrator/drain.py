@@ -116,6 +116,7 @@ class Move:
     # Node index -> the channel it was told the step on (None: it had none). A node that
     # attaches again meanwhile (a notice's SIGTERM may take its relay: Slurm's) is told again.
     told: dict[int, Any] = field(default_factory=dict)
+    again: bool = False  # agreed once more: every rank was past the first step when told
 
 
 @dataclass
@@ -254,6 +255,17 @@ class Mover:
             self._end(attempt, move.nodes, move.reason,
                       f"not every rank saved step {move.step} within {within:g}s: the next "
                       "attempt resumes the newest step every rank holds", move.whole)
+        elif not move.again and len(attempt.last_steps) >= len(placement) and \
+                min(attempt.last_steps.values()) > move.step:
+            # Every rank was past the step when told (fast steps just after a start or a
+            # controller's takeover: no pace known yet): none saves it, and the move waited
+            # for its deadline. Another step, agreed now.
+            step = self._agreed_step(engine, attempt, placement)
+            if step is not None and step > move.step:
+                log.warning("every rank was past step %d when told: every rank saves step %d",
+                            move.step, step)
+                self.move = replace(move, step=step, told={}, in_memory=None, again=True)
+                self._tell_step(engine, attempt, self.move)
 
     def _end(self, attempt: Attempt, leaving: tuple[int, ...], reason: str, what: str,
              whole: bool = False) -> None:

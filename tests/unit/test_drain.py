@@ -272,3 +272,33 @@ def test_a_notice_on_a_drained_node_moves_by_the_notices_deadline():
     mover.look(engine)  # type: ignore[arg-type]
     assert mover.move is not None and mover.move.within <= 20 and not mover.move.pull
     assert 1 not in h._up  # its memory serves no pull: it goes away
+
+
+def test_a_step_every_rank_had_passed_when_told_is_agreed_again_once():
+    """Fast steps just after a start (no pace known yet): every rank was past the agreed
+    step when told, none saved it, and the move waited for its deadline (120 s) to fall back.
+    Once every rank reported a later step, another is agreed and told, once."""
+    sent: list[tuple[int, C.Command]] = []
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    h = Holdings()
+    for i in range(3):
+        h.update(i, held({i: [9]}, port=4000 + i))
+    plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n,
+                                                  workers=[SimpleNamespace(rank=n)])
+                                  for n in (0, 1)])
+    engine = engine_of(nodes, h, plan, {0: 1, 1: 1}, 1, sent)
+    mover = Mover("j", SimpleNamespace(drains=lambda: [drain("1", "j")]),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"})
+    mover.look(engine)  # type: ignore[arg-type]
+    first = mover.move.step
+    engine.current.last_steps = {0: first + 3, 1: first + 4}  # both went past it
+    sent.clear()
+    mover.look(engine)  # type: ignore[arg-type]
+    assert mover.move is not None and mover.move.step > first + 4
+    assert sorted((i, c.step) for i, c in sent) == [(0, mover.move.step), (1, mover.move.step)]
+    again = mover.move.step
+    engine.current.last_steps = {0: again + 1, 1: again + 1}  # and past that one too
+    sent.clear()
+    mover.look(engine)  # type: ignore[arg-type]
+    assert mover.move.step == again and sent == []  # once: then its deadline, as before
