@@ -230,6 +230,18 @@ def engine_of(nodes, holdings, plan, nprocs, min_nodes, sent):
         pool=SimpleNamespace(send=lambda node, command: sent.append((node.index, command))))
 
 
+def one_rank_each(nodes, min_nodes, sent):
+    """``engine_of`` two participants of one rank each (rank n on node n), every one of the
+    three nodes holding step 9 of its rank and serving replicas."""
+    h = Holdings()
+    for i in range(3):
+        h.update(i, held({i: [9]}, port=4000 + i))
+    plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n,
+                                                  workers=[SimpleNamespace(rank=n)])
+                                  for n in (0, 1)])
+    return engine_of(nodes, h, plan, {0: 1, 1: 1}, min_nodes, sent)
+
+
 def test_a_move_of_a_job_whose_launch_names_no_rank_agrees_on_a_step():
     """torchrun-style and per-node launches name no worker's rank: a move found no rank of
     the job in memory, agreed on no step, and a whole-job stop stopped it without a save."""
@@ -259,13 +271,8 @@ def test_a_notice_on_a_drained_node_moves_by_the_notices_deadline():
     nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
                              info=SimpleNamespace(notice=notice if i == 1 else None))
              for i in range(3)]
-    h = Holdings()
-    for i in range(3):
-        h.update(i, held({i: [9]}, port=4000 + i))
-    plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n,
-                                                  workers=[SimpleNamespace(rank=n)])
-                                  for n in (0, 1)])
-    engine = engine_of(nodes, h, plan, {0: 1, 1: 1}, 2, sent)
+    engine = one_rank_each(nodes, 2, sent)
+    h = engine.holdings
     drains = [{**drain("1", "j"), "within": 120.0, "reason": "maintenance"}]
     mover = Mover("j", SimpleNamespace(drains=lambda: drains),  # type: ignore[arg-type]
                   {0: "n0", 1: "n1", 2: "n2"})
@@ -281,13 +288,7 @@ def test_a_step_every_rank_had_passed_when_told_is_agreed_again_once():
     sent: list[tuple[int, C.Command]] = []
     nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
                              info=SimpleNamespace(notice=None)) for i in range(3)]
-    h = Holdings()
-    for i in range(3):
-        h.update(i, held({i: [9]}, port=4000 + i))
-    plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n,
-                                                  workers=[SimpleNamespace(rank=n)])
-                                  for n in (0, 1)])
-    engine = engine_of(nodes, h, plan, {0: 1, 1: 1}, 1, sent)
+    engine = one_rank_each(nodes, 1, sent)
     mover = Mover("j", SimpleNamespace(drains=lambda: [drain("1", "j")]),  # type: ignore[arg-type]
                   {0: "n0", 1: "n1", 2: "n2"})
     mover.look(engine)  # type: ignore[arg-type]
