@@ -33,19 +33,16 @@ from __future__ import annotations
 
 import fcntl
 import json
-import mmap
 import os
-import secrets
 import shutil
 import threading
 import time
-import zlib
 from typing import Any
 
 from agents import commands as C
+from agents import disk, rankfiles
 from agents import protocol as P
-from agents import rankfiles
-from agents.holds import hold_save
+from agents.holds import hold_save, mapped
 from agents.memshare import budget, copies_for
 from agents.outbox import Outbox
 from agents.paths import entries, memory_root, own_memory, remove, sweep_memory
@@ -58,7 +55,6 @@ from agents.transfers import ReplicaError, Transfers
 
 MAX_REPORTED = 64  # steps per rank in one report (the newest)
 MAX_PROBLEMS = 256  # problems said in the agent's log over its life
-STORE_ID = ".orchestrator-store"  # names a checkpoint.dir: nodes that read the same one share it
 LOAD_FIRST = 10.0  # seconds a resuming attempt's copies wait for its ranks' loads at most
 
 
@@ -78,6 +74,7 @@ class Store:
         self.config = C.CheckpointConfig()
         self.persist_dir: str | None = None
         self.persist_step: int | None = None  # a planned stop's step: persisted when sealed
+        self._late_persists: set[tuple[int, int]] = set()  # (rank, step): persist_sealed's
         self.deferred = False  # a planned move in which this node stays: replicas wait
         self._loading: tuple[float, int] | None = None  # (until, ranks) a restart loads
         self._owner: int | None = None  # the flock that says this memory is a live agent's
@@ -136,7 +133,7 @@ class Store:
         # A node that stays sends nothing while the move lasts: the leaving node's copies,
         # which the move waits for, then have the network and the cores to themselves.
         self.deferred = at.step is not None and not at.replicate
-        if not self.deferred:
+        if not self.deferred or at.persist:  # a step saved before it was asked persisted
             self._wake.set()
         if at.step is None:
             remove(path)
@@ -159,7 +156,7 @@ class Store:
             if config.dir:
                 path = os.path.join(workdir, os.path.expanduser(config.dir))
                 self.persist_dir = os.path.abspath(path)
-                self.store_id = _store_id(self.persist_dir)
+                self.store_id = disk.store_id(self.persist_dir)
             if new:
                 self.deferred = False  # a move that ended the attempt before is over
                 # A resuming attempt's ranks load first (see _loading), then replicas go.
@@ -247,6 +244,9 @@ class Store:
             tried[rank_dir] = set(unsealed)
             for step, meta_bytes in sorted(unsealed.items()):
                 self._seal(rank, rank_dir, step, meta_bytes)
+            if self.persist_step is not None and self.persist_dir:
+                disk.persist_sealed(self.persist_dir, self.config.keep, rank, rank_dir,
+                                    self.persist_step, self._late_persists)
         if final:  # the job ends: its buddy's copy is of no use any more
             return
         self._share(ranks)
@@ -334,7 +334,7 @@ class Store:
         with self._lock:
             timeline, attempt, sending = self._timeline, self.attempt, self._sending
         try:
-            with _mapped(fd, size) as view:
+            with mapped(fd, size) as view:
                 push_replica(buddy[0], buddy[1], self.secret, rank, step, meta, manifest, view,
                              sending, attempt)
             with self._lock:  # not if a new attempt began meanwhile: its own step goes too
@@ -374,11 +374,11 @@ class Store:
             if type(size) is int and 0 <= size < F.MAX_STEP and type(block) in (int, float) \
                     and 0 <= block < 1e9 and step >= self._saves.get(rank, [-1])[0]:
                 self._saves[rank] = [step, size, float(block)]  # the newest save, as shown
-            with _mapped(fd, size) as view:
+            with mapped(fd, size) as view:
                 manifest = F.manifest(meta_bytes, F.checksums(view, size), size)
                 F.write_file(base + ".manifest", json.dumps(manifest).encode())
                 if (meta.get("persist") or step == self.persist_step) and self.persist_dir:
-                    _persist(self.persist_dir, rank, step, meta_bytes, manifest, view)
+                    disk.persist(self.persist_dir, rank, step, meta_bytes, manifest, view)
                     open(base + ".persisted", "w").close()
                     F.trim(self.persist_dir, rank, self.config.keep)
         finally:
@@ -411,7 +411,7 @@ class Store:
                 if found is not None:
                     restored[str(rank)] = found
         if self.persist_dir:
-            for rank, steps in _persisted(self.persist_dir).items():
+            for rank, steps in disk.steps(self.persist_dir).items():
                 persisted[str(rank)] = sorted(steps)[-MAX_REPORTED:]
         used += F.blank_bytes(self.root)  # kept for the next copies
         replicas: dict[str, list[int]] = {}
@@ -442,61 +442,6 @@ class Store:
         if text not in self.problems and len(self.problems) < MAX_PROBLEMS:
             self.problems.append(text)
             self.outbox.put({"type": P.ERROR, "attempt": self.attempt, "message": text[:4000]})
-
-
-class _mapped:
-    """A read-only view of the first ``size`` bytes of ``fd`` (nothing to map for 0)."""
-
-    def __init__(self, fd: int, size: int):
-        self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-        self.view = memoryview(self.map if self.map is not None else b"")
-
-    def __enter__(self) -> memoryview:
-        return self.view
-
-    def __exit__(self, *exc: object) -> None:
-        self.view.release()  # a mapping with a view on it cannot be closed
-        if self.map is not None:
-            self.map.close()
-
-
-def _persist(root: str, rank: int, step: int, meta_bytes: bytes, manifest: dict[str, Any],
-             view: memoryview) -> None:
-    """One sealed copy into ``root`` (checkpoint.dir), its bytes checked against ``manifest``
-    as they are written, synced, the manifest last."""
-    directory = F.persisted_dir(root, step)
-    os.makedirs(directory, exist_ok=True)
-    base = os.path.join(directory, f"rank-{rank}")
-    for suffix in (".manifest", ".corrupt"):  # an older copy of this step is no copy now
-        try:
-            os.unlink(base + suffix)
-        except OSError:
-            pass
-    size, chunk = manifest["size"], manifest["chunk"]
-    tmp = base + ".data.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        try:
-            for i, at in enumerate(range(0, size, chunk)):
-                # Released however this ends: a view left in a failure's traceback kept the
-                # slot's mapping from closing (BufferError, in place of the disk's error).
-                with view[at:min(at + chunk, size)] as piece:
-                    if zlib.crc32(piece) != manifest["crc"][i]:
-                        raise OSError(f"step {step} of rank {rank} changed in memory while "
-                                      "being persisted")
-                    done = 0
-                    while done < len(piece):
-                        done += os.write(fd, piece[done:])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, base + ".data")
-    except BaseException:
-        remove(tmp)  # a full disk: no part of a copy stays in checkpoint.dir for good
-        raise
-    F.write_file(base + ".meta", meta_bytes, sync=True)
-    F.write_file(base + ".manifest", json.dumps(manifest).encode(), sync=True)
-    _sync_dir(directory)
 
 
 def _rank_dirs(root: str) -> list[tuple[int, str]]:
@@ -536,46 +481,3 @@ def _unsealed(rank_dir: str) -> dict[int, bytes]:
             if data is not None:
                 out[step] = data
     return out
-
-
-def _persisted(root: str) -> dict[int, list[int]]:
-    """``{rank: [steps]}`` with a sealed copy in ``root``."""
-    out: dict[int, list[int]] = {}
-    for name in entries(root):
-        step = F.parse_step(name)
-        if step is None:
-            continue
-        for entry in entries(os.path.join(root, name)):
-            rank = F.parse_step(entry, prefix="rank-", suffix=".manifest")
-            if rank is not None:
-                out.setdefault(rank, []).append(step)
-    return out
-
-
-def _store_id(directory: str) -> str | None:
-    """The id of a checkpoint.dir, made by the first node to use it: two nodes that read the
-    same id read the same files (a shared filesystem)."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, STORE_ID)
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            data = F.read_bytes(path, 64)
-            return data.decode("ascii", "replace").strip() if data else None
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_hex(16))
-        return F.read_bytes(path, 64).decode("ascii").strip()  # type: ignore[union-attr]
-    except OSError:
-        return None
-
-
-def _sync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

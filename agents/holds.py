@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import mmap
 import os
 
 from agents.shims import orchestrator_checkpoint_format as F
@@ -47,3 +48,19 @@ def hold_save(rank_dir: str, step: int) -> tuple[bytes, bytes, int, int] | None:
         pass
     os.close(fd)  # its slot written again meanwhile
     return None
+
+
+class mapped:
+    """A read-only view of the first ``size`` bytes of ``fd`` (nothing to map for 0)."""
+
+    def __init__(self, fd: int, size: int):
+        self.map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
+        self.view = memoryview(self.map if self.map is not None else b"")
+
+    def __enter__(self) -> memoryview:
+        return self.view
+
+    def __exit__(self, *exc: object) -> None:
+        self.view.release()  # a mapping with a view on it cannot be closed
+        if self.map is not None:
+            self.map.close()

@@ -163,6 +163,7 @@ class Mover:
         move = self.move
         if move is not None and move.attempt == attempt.number:
             if all(i in self.drained for i in move.nodes):
+                self._widen(engine, attempt, move)
                 self._check(engine, attempt)
             else:  # undrained meanwhile: the ranks held at the step go on
                 log.warning("%s undrained: the job goes on there", self._names(move.nodes))
@@ -188,24 +189,11 @@ class Mover:
     # --- a move ------------------------------------------------------------------------------
     def _begin(self, engine: Engine, attempt: Attempt) -> None:
         leaving = tuple(i for i in attempt.participants if i in self.drained)
-        if not leaving:
+        shape = self._shape(engine, attempt, leaving) if leaving else None
+        if shape is None:
             return
-        spares = [n for n in engine.nodes if n.usable and n.index not in attempt.node_plans
-                  and n.index not in self.drained]
-        staying = len(attempt.participants) - len(leaving)
-        stuck = staying + len(spares) < engine.spec.min_nodes
-        # Nowhere to go on: a drain leaves the job running there (a drain stops new work),
-        # but when every node leaves, or one goes away whatever we do (a notice), the job
-        # stops at a saved step (persisted), until resumed.
-        whole = stuck and (staying == 0 or any(self.drained[i].get("notice") for i in leaving))
-        if stuck and not whole:
-            self._say_once(leaving, "%s drained, but the job cannot go on without it "
-                           "(nnodes MIN %d, %d spare(s)): it keeps running there",
-                           self._names(leaving), engine.spec.min_nodes, len(spares))
-            return
+        whole, reason, within = shape
         drains = [self.drained[i] for i in leaving]
-        reason = "; ".join(sorted({d["reason"] for d in drains if d["reason"]})) or "drained"
-        within = min(float(d["within"]) for d in drains)
         placement = self._placement(engine, attempt)
         step = self._agreed_step(engine, attempt, placement)
         if step is None:
@@ -227,6 +215,58 @@ class Mover:
         log.warning("%s drained (%s): every rank saves step %d%s, then the job %s",
                     self._names(leaving), reason, step, " and persists it" if persist else "",
                     "stops PREEMPTED" if whole else "goes on without it")
+
+    def _shape(self, engine: Engine, attempt: Attempt,
+               leaving: tuple[int, ...]) -> tuple[bool, str, float] | None:
+        """(whole, reason, within) of a move of ``leaving`` off the attempt; None where a
+        drain keeps them running (said once)."""
+        spares = [n for n in engine.nodes if n.usable and n.index not in attempt.node_plans
+                  and n.index not in self.drained]
+        staying = len(attempt.participants) - len(leaving)
+        stuck = staying + len(spares) < engine.spec.min_nodes
+        # Nowhere to go on: a drain leaves the job running there (a drain stops new work),
+        # but when every node leaves, or one goes away whatever we do (a notice), the job
+        # stops at a saved step (persisted), until resumed.
+        whole = stuck and (staying == 0 or any(self.drained[i].get("notice") for i in leaving))
+        if stuck and not whole:
+            self._say_once(leaving, "%s drained, but the job cannot go on without it "
+                           "(nnodes MIN %d, %d spare(s)): it keeps running there",
+                           self._names(leaving), engine.spec.min_nodes, len(spares))
+            return None
+        drains = [self.drained[i] for i in leaving]
+        reason = "; ".join(sorted({d["reason"] for d in drains if d["reason"]})) or "drained"
+        return whole, reason, min(float(d["within"]) for d in drains)
+
+    def _widen(self, engine: Engine, attempt: Attempt, move: Move) -> None:
+        """Participants drained or noticed since the move began leave with it, at its step:
+        the notices of one preemption reach the nodes a heartbeat or more apart (a Slurm
+        allocation's, a cloud reclaiming several), and a move begun for the first went on
+        without the others, so that a job whose every node was noticed moved onto its spare
+        and never stopped PREEMPTED with the step persisted. Every participant is told
+        again: what the move persists and who replicates may have changed (an agent that
+        sealed the step already persists it then: agents/checkpoints.py)."""
+        leaving = tuple(i for i in attempt.participants if i in self.drained or i in move.nodes)
+        if leaving == move.nodes:
+            return
+        shape = self._shape(engine, attempt, leaving)
+        if shape is None:
+            return  # the job cannot do without the new ones: the move goes on without them
+        whole, reason, within = shape
+        joined = tuple(i for i in leaving if i not in move.nodes)
+        began = move.deadline - move.within
+        deadline = min(move.deadline, time.monotonic() + within)
+        persist = whole and engine.spec.checkpoint.dir is not None
+        pull = move.pull and not whole and \
+            not any(self.drained[i].get("notice") for i in joined) and \
+            engine.holdings.serving(joined)
+        self.move = replace(move, nodes=leaving, reason=reason, deadline=deadline,
+                            within=deadline - began, whole=whole, persist=persist, pull=pull,
+                            told={})
+        self._tell_step(engine, attempt, self.move)
+        log.warning("%s drained too (%s): every rank saves step %d%s, then the job %s",
+                    self._names(joined), reason, move.step,
+                    " and persists it" if persist else "",
+                    "stops PREEMPTED" if whole else "goes on without them")
 
     def _check(self, engine: Engine, attempt: Attempt) -> None:
         move = self.move

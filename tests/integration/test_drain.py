@@ -302,6 +302,33 @@ def test_a_sigterm_to_every_agent_stops_the_job_preempted_and_resume_goes_on(tmp
     preempted_and_resumed(job_id, out, tmp_path, sigterm_all)
 
 
+def test_notices_a_moment_apart_to_every_node_and_the_spare_stop_the_job_preempted(
+        tmp_path, home):
+    """A whole allocation preempted reaches its nodes a heartbeat or more apart. A move begun
+    for the first noticed node went on without the others (the spare could take its place),
+    and the job never stopped PREEMPTED with the step persisted: the nodes noticed later
+    join the move at its step, and the job stops and resumes as if all had come at once."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = whole_job_spec(tmp_path, out, steps=40)
+    spec["nodes"] = [{"host": "local"}] * 3
+    spec["env"]["STEP_SLEEP"] = "0.3"  # the move lasts the 1.5 s lead and a step or more
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    log = home / "jobs" / job_id / "controller.log"
+
+    def one_then_the_rest(job):
+        nodes = sorted(orchestrator.status(job)["nodes"],
+                       key=lambda n: (n["node_rank"] is None, n["node_rank"]))
+        os.kill(nodes[0]["agent_pid"], signal.SIGTERM)
+        wait_for(lambda: "every rank saves step" in log.read_text(), 10,
+                 what="the move for the first node begun")
+        for node in nodes[1:]:  # the other participant, then the spare
+            os.kill(node["agent_pid"], signal.SIGTERM)
+
+    preempted_and_resumed(job_id, out, tmp_path, one_then_the_rest, steps=40)
+    assert "drained too (SIGTERM to the agent)" in log.read_text()
+
+
 def test_a_notice_the_job_cannot_do_without_stops_it_preempted_and_resume_goes_on(
         tmp_path, home):
     """Two nodes, no spare, and one of them noticed (it goes away whatever we do): unlike a

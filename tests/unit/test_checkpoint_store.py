@@ -637,6 +637,32 @@ def test_a_persist_the_disk_refuses_leaves_no_part_of_a_copy(store, tmp_path, mo
     assert [p.name for p in (tmp_path / "ck").rglob("*.tmp")] == []
 
 
+def test_a_step_sealed_before_a_stop_asked_it_persisted_is_persisted_then(store, tmp_path,
+                                                                          monkeypatch):
+    """A move that became a whole-job stop once more nodes were noticed asks every node again
+    to persist its step, which their ranks had saved (and the agent sealed) already: the seal
+    alone persisted, so the step never reached checkpoint.dir and the job could not stop
+    PREEMPTED at it. The request wakes the store, which persists the sealed copy, once."""
+    s, _ = store
+    monkeypatch.setenv(F.PERSIST_VAR, "1000")  # the script's own saves persist nothing
+    s.configure(C.CheckpointConfig("ck", 1000, 2, 64 << 20), str(tmp_path), 1, 1)
+    s.save_at(C.SaveAt(7, 0.05, replicate=False))  # a move in which this node stays
+    ckpt.save(7, {"w": torch.full((1000,), 7.0)})
+    s._pass()
+    assert F.persisted_steps(str(tmp_path / "ck"), 1) == []
+    woken = []
+    monkeypatch.setattr(s._wake, "set", lambda: woken.append(True))
+    s.save_at(C.SaveAt(7, 0.05, persist=True, replicate=False))  # now the whole job stops
+    assert woken  # its ranks hold at the step: no save of theirs wakes the store
+    s._pass()
+    assert F.persisted_steps(str(tmp_path / "ck"), 1) == [7]
+    _, state = ckpt.persisted_copy(torch, str(tmp_path / "ck"), 7)
+    assert torch.equal(state["w"], torch.full((1000,), 7.0))
+    (tmp_path / "ck" / os.path.basename(F.persisted_dir("", 7)) / "rank-1.manifest").unlink()
+    s._pass()  # tried once
+    assert F.persisted_steps(str(tmp_path / "ck"), 1) == []
+
+
 def test_a_copy_under_way_when_an_attempt_resumes_an_older_step_is_of_no_timeline(
         store, tmp_path):
     """A push of step 3 under way while a restart resumes step 1 (the ranks that saved 2

@@ -303,3 +303,44 @@ def test_a_step_every_rank_had_passed_when_told_is_agreed_again_once():
     sent.clear()
     mover.look(engine)  # type: ignore[arg-type]
     assert mover.move.step == again and sent == []  # once: then its deadline, as before
+
+
+def test_nodes_noticed_after_a_move_began_leave_with_it_and_a_whole_job_stop_persists():
+    """The notices of one preemption reach the nodes a heartbeat apart: a move begun for the
+    first noticed node went on without the others, and a job with a spare whose every node
+    was noticed moved onto it instead of stopping PREEMPTED with the step persisted. Nodes
+    noticed later join the move at its step, and every participant is told again what it
+    persists (a step it sealed already included)."""
+    sent: list[tuple[int, C.Command]] = []
+    notice = {"source": "SIGTERM to the agent", "deadline": time.time() + 30}
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    engine = one_rank_each(nodes, 2, sent)
+    engine.spec.checkpoint.dir = "/ckpt"
+    engine.current.fail = lambda failure: setattr(engine.current, "failure", failure)
+    mover = Mover("j", SimpleNamespace(drains=lambda: []),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"})
+    nodes[0].info.notice = notice
+    mover.look(engine)  # type: ignore[arg-type]
+    move = mover.move
+    assert move is not None and move.nodes == (0,) and not move.whole and not move.persist
+    assert sorted((i, c.step, c.persist, c.replicate) for i, c in sent) == [
+        (0, move.step, False, True), (1, move.step, False, False)]
+    sent.clear()
+    nodes[1].info.notice = {**notice, "deadline": time.time() + 20}  # a heartbeat later
+    nodes[2].info.notice = notice  # the spare too
+    mover.look(engine)  # type: ignore[arg-type]
+    widened = mover.move
+    assert widened is not None and widened.nodes == (0, 1) and widened.whole
+    assert widened.persist and widened.step == move.step and widened.deadline < move.deadline
+    assert sorted((i, c.step, c.persist, c.replicate) for i, c in sent) == [
+        (0, move.step, True, False), (1, move.step, True, False)]
+    # Every rank saved the step and persisted it: the job stops PREEMPTED, naming no node.
+    h = engine.holdings
+    for i in (0, 1):
+        h.update(i, P.Held(1, {i: (move.step,)}, {i: (move.step,)}, 0, "disk", {}, 4000 + i))
+    mover.look(engine)  # type: ignore[arg-type]
+    failure = engine.current.failure
+    assert mover.move is None and failure is not None and failure.node_index is None
+    assert f"every rank saved step {move.step}, persisted in /ckpt" in failure.message
+
