@@ -431,6 +431,12 @@ class Attempt:
         """The controller was not looking for ``seconds``: no hang counts that time."""
         self.last_activity = min(self.last_activity + seconds, now)
 
+    def held(self) -> None:
+        """Its ranks hold at a planned move's step (orchestrator/drain.py) until the move
+        ends: their silence meanwhile is our doing, and no hang counts it (a whole-job stop
+        persisting a big state to a slow filesystem was declared HUNG, and charged)."""
+        self.last_activity = time.monotonic()
+
     def stop(self) -> None:
         """Its workers are being stopped: exits from here on are our doing."""
         self.stopping = True

@@ -163,6 +163,7 @@ class Mover:
         move = self.move
         if move is not None and move.attempt == attempt.number:
             if all(i in self.drained for i in move.nodes):
+                attempt.held()
                 self._widen(engine, attempt, move)
                 self._check(engine, attempt)
             else:  # undrained meanwhile: the ranks held at the step go on

@@ -345,6 +345,28 @@ def test_a_notice_the_job_cannot_do_without_stops_it_preempted_and_resume_goes_o
     preempted_and_resumed(job_id, out, tmp_path, sigterm_one)
 
 
+def test_ranks_held_at_a_moves_step_longer_than_hang_timeout_are_not_hung(tmp_path, home):
+    """A whole-job stop waits, its ranks held at the agreed step, until every rank persisted
+    it: a slow shared filesystem takes minutes for a big state. The ranks are silent
+    meanwhile, by our doing, and the hang check declared the job HUNG (a failure charged to
+    it) at health.hang_timeout. Here the persist never succeeds (checkpoint.dir lies under a
+    file): the move runs to its time, and the job stops PREEMPTED at the newest step every
+    rank holds, as a move that ran out of time does."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "a-file").write_text("")
+    spec = whole_job_spec(tmp_path, out, steps=400)
+    spec["checkpoint"]["dir"] = str(tmp_path / "a-file" / "ckpt")
+    spec["health"] = {"hang_timeout": 10}
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
+    orchestrator.drain_node("*", job=job_id, reason="maintenance", within=25)
+    result = orchestrator.wait(job_id, timeout=120)
+    assert result["state"] == "PREEMPTED", result["failure"]
+    assert re.search(r"not every rank saved step \d+ within 25s", result["failure"]["message"])
+    orchestrator.undrain_node("*", job=job_id)
+
+
 def test_on_sigterm_worker_passes_a_sigterm_to_the_workers_at_once(tmp_path, home):
     """A script that handles SIGTERM itself says so (on_sigterm: worker): a SIGTERM to its
     node's agent reaches every worker there at once, as from torchrun, and is no notice."""

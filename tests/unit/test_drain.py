@@ -158,6 +158,7 @@ def test_an_undrain_reaches_a_node_whose_channel_was_down_when_it_came():
     holdings.update(1, held({1: [9]}))
     attempt = SimpleNamespace(number=1, participants=[0, 1], ended=False, failure=None,
                               stopping=False, last_steps={}, node_plans={0: None, 1: None},
+                              held=lambda: None,
                               plan=SimpleNamespace(nodes=[SimpleNamespace(
                                   node_index=n, workers=[SimpleNamespace(rank=n)])
                                   for n in (0, 1)]), nprocs={0: 1, 1: 1})
@@ -222,7 +223,7 @@ def engine_of(nodes, holdings, plan, nprocs, min_nodes, sent):
     sends goes to ``sent``."""
     attempt = SimpleNamespace(number=1, participants=[0, 1], ended=False, failure=None,
                               stopping=False, last_steps={}, node_plans={0: None, 1: None},
-                              plan=plan, nprocs=nprocs)
+                              plan=plan, nprocs=nprocs, held=lambda: None)
     return SimpleNamespace(
         nodes=nodes, holdings=holdings, current=attempt, state=JobState.RUNNING,
         spec=SimpleNamespace(checkpoint=SimpleNamespace(dir=None), min_nodes=min_nodes,
@@ -343,4 +344,3 @@ def test_nodes_noticed_after_a_move_began_leave_with_it_and_a_whole_job_stop_per
     failure = engine.current.failure
     assert mover.move is None and failure is not None and failure.node_index is None
     assert f"every rank saved step {move.step}, persisted in /ckpt" in failure.message
-
