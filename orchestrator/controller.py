@@ -75,7 +75,7 @@ class Controller:
         self.engine = Engine(store, job_id, spec, spec_dir, connect,
                              secret or secrets.token_hex(16), dispatch, resuming=resume)
         self.nodes = self.engine.nodes
-        self.mover = Mover(job_id, store, self.engine.hosts)  # planned moves off drained nodes
+        self.mover = Mover(job_id, store, self.engine.hosts, taken_over=resume)  # drains
         self.engine.on_requests.append(self.mover.look)
         self.resuming = resume
         self.attempt = 0

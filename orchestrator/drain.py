@@ -134,8 +134,14 @@ class Lift:
 class Mover:
     """The planned moves of one job (the engine's; its checks call :meth:`look`)."""
 
-    def __init__(self, job_id: str, store: Store, hosts: dict[int, str]):
+    def __init__(self, job_id: str, store: Store, hosts: dict[int, str],
+                 taken_over: bool = False):
         self.job_id, self.store, self.hosts = job_id, store, hosts
+        # A controller that takes over a running attempt knows no move of the last one's: a
+        # step its ranks hold at, undrained since, would hold them until the move's time ran
+        # out (120 s), and their agents send no replicas meanwhile. Told off once, unless a
+        # move begins first.
+        self._unknown_move = taken_over
         self.drained: dict[int, dict[str, Any]] = {}  # node index -> its drain, as last read
         self.move: Move | None = None
         self._said: set[tuple[int, ...]] = set()
@@ -156,6 +162,9 @@ class Mover:
         if attempt is None or attempt.ended or attempt.failure is not None or \
                 attempt.stopping or engine.state != JobState.RUNNING:
             return
+        if self._unknown_move:
+            self._unknown_move = False
+            self._lift = Lift(attempt.number, time.monotonic())
         highest = self._highest(engine, attempt)
         if highest is not None and (not self._seen or self._seen[-1][1:] != (attempt.number,
                                                                              highest)):

@@ -344,3 +344,38 @@ def test_nodes_noticed_after_a_move_began_leave_with_it_and_a_whole_job_stop_per
     failure = engine.current.failure
     assert mover.move is None and failure is not None and failure.node_index is None
     assert f"every rank saved step {move.step}, persisted in /ckpt" in failure.message
+
+
+def test_a_controller_that_takes_over_tells_off_a_move_it_knows_nothing_of():
+    """A move undrained while its controller was being replaced: the new one knew no move,
+    so nothing told the ranks held at the step to go on, and they held until the move's time
+    ran out (their agents sending no replicas meanwhile). A controller that takes over tells
+    every participant once that no step is asked, unless it begins a move of its own."""
+    sent: list[tuple[int, C.Command]] = []
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    nodes[1].channel = None  # not attached again yet
+    engine = one_rank_each(nodes, 1, sent)
+    drains: list[dict] = []
+    mover = Mover("j", SimpleNamespace(drains=lambda: list(drains)),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"}, taken_over=True)
+    mover.look(engine)  # type: ignore[arg-type]
+    assert [(i, c.step) for i, c in sent] == [(0, None)]
+    sent.clear()
+    nodes[1].channel = object()
+    mover.look(engine)  # type: ignore[arg-type]
+    mover.look(engine)  # type: ignore[arg-type]
+    assert [(i, c.step) for i, c in sent] == [(1, None)]  # once each
+    # Still drained when it took over: the move it begins is what the nodes are told.
+    sent.clear()
+    drains.append(drain("1", "j"))
+    again = Mover("j", SimpleNamespace(drains=lambda: list(drains)),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"}, taken_over=True)
+    again.look(engine)  # type: ignore[arg-type]
+    assert again.move is not None
+    assert sorted((i, c.step) for i, c in sent) == [(0, again.move.step), (1, again.move.step)]
+    # A controller that started the job has no move to tell off.
+    sent.clear()
+    Mover("j", SimpleNamespace(drains=lambda: []),  # type: ignore[arg-type]
+          {0: "n0", 1: "n1", 2: "n2"}).look(engine)  # type: ignore[arg-type]
+    assert sent == []
