@@ -235,6 +235,7 @@ class Server:
         self._serving = Transfers()  # ended when the store closes
         self._lock = threading.Lock()
         self._closed = False
+        self._incoming = 0  # bytes the puts under way may write (_reserve)
         self.retain: int | None = None  # replicas of older steps may go
         self.attempt = 0  # the newest attempt seen: copies of older ones are of another timeline
         threading.Thread(target=self._accept, daemon=True, name="replicas").start()
@@ -322,8 +323,20 @@ class Server:
         if attempt < self.attempt:
             raise ReplicaError(f"a copy of attempt {attempt}, before this node's {self.attempt}")
         self.attempt = max(self.attempt, attempt)  # two puts at once: never back
-        if size > self.room() and not self._make_room(size):
+        if not self._reserve(size):
             raise ReplicaError(f"no room for a {size}-byte replica in checkpoint.memory")
+        reserved = [size]
+        try:
+            self._take(conn, header, rank, step, meta_len, manifest_len, reserved, attempt)
+        finally:
+            with self._lock:
+                self._incoming -= reserved[0]
+
+    def _take(self, conn: socket.socket, header: Fields, rank: int, step: int, meta_len: int,
+              manifest_len: int, reserved: list[int], attempt: int) -> None:
+        """The rest of a put, ``reserved[0]`` bytes reserved for it until its copy counts
+        as held (then 0)."""
+        size = reserved[0]
         if self._closed:  # said before the bytes come: a refusal with bytes unread is a reset
             raise ReplicaError("this node's checkpoint store is closing")
         data = header.text("data", 64, True)
@@ -359,6 +372,8 @@ class Server:
             os.replace(tmp, base + ".data")
             F.write_file(base + ".meta", meta)
             F.write_file(base + ".manifest", manifest)
+            self._incoming -= size  # held now: counted in the room as the node's
+            reserved[0] = 0
         self.prune(directory)
         _send_line(conn, {"ok": True})
         self.kept()
@@ -398,22 +413,30 @@ class Server:
                 for step in old:
                     self._let_go(os.path.join(rank_dir, f"step-{step}"))
 
-    def _make_room(self, size: int) -> bool:
-        """Replicas older than their rank's newest go, the oldest first, until ``size`` bytes
-        fit (whether they do). Kept from the retained step on, they filled the room while
-        the nodes' pushes met on no common step, and from then on no copy came (measured:
-        a job at step 200 whose buddies held step 8)."""
+    def _reserve(self, size: int) -> bool:
+        """Room for ``size`` more bytes, kept for one put until it ends (whether there is):
+        puts at once each found the room free that the others were about to fill (a spare
+        takes every node's copies), and the node's memory went past checkpoint.memory.
+        Replicas older than their rank's newest go, the oldest first, until they fit. Kept
+        from the retained step on, they filled the room while the nodes' pushes met on no
+        common step, and from then on no copy came (measured: a job at step 200 whose
+        buddies held step 8)."""
         with self._lock:
-            older = sorted((step, os.path.join(self.root, name, f"step-{step}"))
-                           for name in entries(self.root)
-                           for step in sorted(s for s in (F.parse_step(n, suffix=".manifest")
-                                              for n in entries(os.path.join(self.root, name)))
-                                              if s is not None)[:-1])
-            for _, base in older:
-                if size <= self.room():
-                    break
-                self._let_go(base)
-        return size <= self.room()
+            if size > self.room() - self._incoming:
+                older = sorted(
+                    (step, os.path.join(self.root, name, f"step-{step}"))
+                    for name in entries(self.root)
+                    for step in sorted(s for s in (F.parse_step(n, suffix=".manifest")
+                                       for n in entries(os.path.join(self.root, name)))
+                                       if s is not None)[:-1])
+                for _, base in older:
+                    if size <= self.room() - self._incoming:
+                        break
+                    self._let_go(base)
+                if size > self.room() - self._incoming:
+                    return False
+            self._incoming += size
+            return True
 
     def _let_go(self, base: str) -> None:
         """A replica goes; its data's pages stay for the next copy (a blank)."""

@@ -70,6 +70,38 @@ def test_no_replica_past_the_room_left(tmp_path):
         small.close()
 
 
+def test_puts_at_once_never_take_more_than_the_room_left_between_them(tmp_path):
+    """Each put checked the room on its own while another was still writing (its bytes not
+    yet a replica): a spare that takes every node's copies at once went past
+    checkpoint.memory. A put's bytes are the room's from its check until it ends."""
+    import socket
+    import time
+
+    from agents import replicas
+
+    limit = 250_000  # two copies of 100,000 bytes fit, not three
+    room = Server(str(tmp_path), "s3cret", lambda: limit - room.holdings()[1], lambda _: None)
+    slow = socket.create_connection(("127.0.0.1", room.port))
+    try:
+        replicas._handshake_client(slow, "s3cret")
+        meta, manifest, _ = copy_of(1)
+        replicas._send_line(slow, {"op": "put", "rank": 1, "step": 1, "meta": len(meta),
+                                   "manifest": len(manifest), "size": 100_000})
+        assert replicas._read_line(slow).flag("ok")  # accepted: it writes from now on
+        push("127.0.0.1", room.port, "s3cret", 2, 1, *copy_of(1))  # fits beside it
+        with pytest.raises(ReplicaError, match="no room"):  # would not: it was taken
+            push("127.0.0.1", room.port, "s3cret", 3, 1, *copy_of(1))
+        slow.close()  # the slow put ends, unfinished: its room is free again
+        deadline = time.monotonic() + 5
+        while room._incoming and time.monotonic() < deadline:
+            time.sleep(0.02)
+        push("127.0.0.1", room.port, "s3cret", 3, 1, *copy_of(1))
+        assert room.holdings() == ({2: [1], 3: [1]}, 200_000)
+    finally:
+        slow.close()
+        room.close()
+
+
 def held(memory=None, replicas=None, port=None) -> P.Held:
     return P.Held(1, {r: tuple(s) for r, s in (memory or {}).items()}, {}, 0, None,
                   {r: tuple(s) for r, s in (replicas or {}).items()}, port)
