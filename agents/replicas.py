@@ -402,16 +402,29 @@ class Server:
                         self._let_go(os.path.join(rank_dir, entry[:-9]))
 
     def prune(self, directory: str | None = None) -> None:
-        """Replicas older than the retained step go (the newest of a rank always stays)."""
+        """Replicas older than the retained step go (the newest of a rank always stays,
+        unless the rank runs here now and this node holds its own copy of a step from the
+        retained one on: a spare that took a node's place kept its last replica of each
+        rank it runs for good, outside the memory's share)."""
         for rank_dir in [directory] if directory else [
                 os.path.join(self.root, n) for n in entries(self.root)]:
             with self._lock:
                 steps = sorted(s for s in (F.parse_step(n, suffix=".manifest")
                                            for n in entries(rank_dir)) if s is not None)
                 retain = self.retain
-                old = steps[:-KEEP] if retain is None else [s for s in steps[:-1] if s < retain]
+                newest = [] if retain is None or self._own_newest(rank_dir) < retain else \
+                    steps[-1:]
+                old = steps[:-KEEP] if retain is None else \
+                    [s for s in steps[:-1] + newest if s < retain]
                 for step in old:
                     self._let_go(os.path.join(rank_dir, f"step-{step}"))
+
+    def _own_newest(self, rank_dir: str) -> int:
+        """The newest step of the node's own sealed saves of the rank whose replicas
+        ``rank_dir`` holds (-1: none: the rank does not run here)."""
+        own = os.path.join(self.memory, os.path.basename(rank_dir))
+        return max((s for s in (F.parse_step(n, suffix=".manifest") for n in entries(own))
+                    if s is not None), default=-1)
 
     def _reserve(self, size: int) -> bool:
         """Room for ``size`` more bytes, kept for one put until it ends (whether there is):

@@ -102,6 +102,23 @@ def test_puts_at_once_never_take_more_than_the_room_left_between_them(tmp_path):
         room.close()
 
 
+def test_a_replica_of_a_rank_that_now_runs_here_goes_once_the_node_holds_its_own(server,
+                                                                                  tmp_path):
+    """A spare that took a node's place kept its last replica of each rank it now runs for
+    good (the newest of a rank always stays), outside the memory's share. Once the node holds
+    its own copy of a step from the retained one on, the replica goes; a rank that does not
+    run here, or whose own copies are older, keeps its newest."""
+    for rank in (3, 4, 5):
+        push("127.0.0.1", server.port, "s3cret", rank, 5, *copy_of(5))
+    for rank, step in ((3, 9), (5, 7)):  # the node's own sealed saves of ranks 3 and 5
+        own = tmp_path / f"rank-{rank}"
+        own.mkdir()
+        (own / f"{F.step_name(step)}.manifest").write_text("{}")
+    server.retain = 8
+    server.prune()
+    assert server.holdings()[0] == {4: [5], 5: [5]}
+
+
 def held(memory=None, replicas=None, port=None) -> P.Held:
     return P.Held(1, {r: tuple(s) for r, s in (memory or {}).items()}, {}, 0, None,
                   {r: tuple(s) for r, s in (replicas or {}).items()}, port)
