@@ -96,6 +96,15 @@ class Retain(Command):
 
 
 @dataclass(frozen=True)
+class Release(Command):
+    """This node keeps nothing of the job's any more: drained, out of the job, and the
+    ranks that took its place loaded their copies. Its checkpoint memory goes (its replica
+    server stays: undrained, it may be a spare again)."""
+
+    OP = "release"
+
+
+@dataclass(frozen=True)
 class SaveAt(Command):
     """Every rank of this node saves ``step`` and then waits there up to ``hold`` seconds (a
     planned interruption: the ranks of every node save the same step, and the job moves on

@@ -140,6 +140,20 @@ class Store:
         else:  # the hold's end by this node's clock, which the workers share
             F.write_file(path, F.save_at_text(at.step, time.time() + at.hold))
 
+    def release(self) -> None:
+        """Nothing held here is of use any more (C.Release): the ranks' copies, the
+        replicas and the pages kept for them go, and the report says so."""
+        with self._lock:
+            self.targets, self._pushed = [], {}
+            self._saves.clear()
+        for _, rank_dir in _rank_dirs(self.root):
+            shutil.rmtree(rank_dir, ignore_errors=True)  # a copy being sent is held open
+        if self.replicas is not None:
+            self.replicas.discard(lambda step: step is not None)
+        F.drop_blanks(self.root, F.blank_bytes(self.root))
+        remove(os.path.join(self.root, F.SAVE_AT_NAME))
+        self._wake.set()  # the report: nothing held
+
     def install(self, pulls: tuple[C.Pull, ...]) -> None:
         """Copies of ranks that now run here, into this node's memory (agents/pulls.py)."""
         install(self.root, self.secret, self.replicas, pulls, self._problem, self._wake.set)

@@ -150,6 +150,7 @@ class Mover:
         self._placed: tuple[int, dict[int, int]] | None = None
         self._unsaved: dict[tuple[int, ...], float] = {}  # a drain seen before any save
         self._lift: Lift | None = None
+        self._released: dict[int, Any] = {}  # node index -> the channel it was told on
 
     def look(self, engine: Engine) -> None:
         # A notice over a drain of the same node: it goes away by its deadline whatever we
@@ -182,6 +183,8 @@ class Mover:
         elif self.drained:
             self._begin(engine, attempt)
         self._tell_lift(engine, attempt)
+        if self.move is None:
+            self._release(engine, attempt)
 
     def leave_out(self, healthy: list[Any], min_nodes: int) -> list[Any]:
         """``healthy`` nodes less the drained ones, where ``min_nodes`` allows."""
@@ -368,6 +371,26 @@ class Mover:
         log.info("agreed step %d: step %d reported %.2fs ago, at %.2f steps/s", step, highest,
                  since, pace)
         return step
+
+    def _release(self, engine: Engine, attempt: Attempt) -> None:
+        """A drained node out of the job lets go of its checkpoint memory once the ranks
+        that took its place loaded their copies (pulled from it, or from replicas): it kept
+        its ranks' copies and its buddy's replicas, gigabytes of a node the operator wants
+        back, for as long as the job ran."""
+        for index, drain in self.drained.items():
+            node = engine.nodes[index]
+            held = engine.holdings.summary(index)
+            if drain.get("notice") or index in attempt.node_plans or not held or \
+                    not held["memory_bytes"] or node.channel is None or \
+                    self._released.get(index) is node.channel:
+                continue
+            if attempt.restored_step is not None and engine.holdings.loaded_step(
+                    attempt.number, len(self._placement(engine, attempt))) is None:
+                return  # its copies may still be pulled: once every rank loaded
+            self._released[index] = node.channel
+            engine.pool.send(node, C.Release())
+            log.info("%s lets go of its checkpoint memory (%d bytes): drained and out of "
+                     "the job", self._names((index,)), held["memory_bytes"])
 
     def _tell_lift(self, engine: Engine, attempt: Attempt) -> None:
         """An undrained move's end to each participant not yet told it on the channel it has

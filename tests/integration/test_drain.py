@@ -103,6 +103,47 @@ def test_a_drained_node_leaves_at_a_step_every_rank_saved_and_the_spare_goes_on(
     assert orchestrator.undrain_node("1", job=job_id) and orchestrator.drains() == []
 
 
+def test_after_a_move_the_drained_node_and_the_former_spare_keep_nothing_they_need_not(
+        tmp_path, home):
+    """What a user sees of each node's memory while the job goes on after a drain: the
+    drained node (out of the job, and the ranks that took its place loaded) kept its ranks'
+    copies and its buddy's replicas for as long as the job ran, and the former spare its
+    last replica of each rank it now runs. Both let go; the drained node says so in
+    ``status``, and its agent still serves (undrained, it is a spare again)."""
+    import glob
+
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = train_spec(tmp_path, [{"host": "local"}] * 3, out)
+    spec["env"]["STEPS"] = "400"
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
+    nodes = orchestrator.status(job_id)["nodes"]
+    leaving = next(n["node_index"] for n in nodes if n["node_rank"] == 1)
+    spare = next(n["node_index"] for n in nodes if n["node_rank"] is None)
+    orchestrator.drain_node(str(leaving), job=job_id, reason="maintenance")
+    wait_for_output(job_id, "attempt 2 starts", 4, timeout=120)
+
+    def memory(index: int) -> int | None:
+        return (orchestrator.status(job_id)["nodes"][index]["checkpoint"] or {}).get(
+            "memory_bytes")
+    wait_for(lambda: memory(leaving) == 0, 30, what=f"the drained node's memory: {memory(leaving)}")
+    (root,) = glob.glob(f"/dev/shm/orchestrator-{os.getuid()}/{job_id}.{spare}")
+    runs = {int(n[5:]) for n in os.listdir(root) if n.startswith("rank-")}
+    assert runs == {2, 3}, runs  # node rank 1's ranks, now on the former spare
+
+    def stale() -> list[str]:
+        replicas = os.path.join(root, "replicas")
+        return [f"{r}/{f}" for r in os.listdir(replicas) if int(r[5:]) in runs
+                for f in os.listdir(os.path.join(replicas, r))]
+    wait_for(lambda: not stale(), 30, what=f"the former spare's own ranks' replicas gone: "
+             f"{stale()}")
+    assert memory(spare) and memory(leaving) == 0
+    orchestrator.cancel(job_id)
+    assert orchestrator.wait(job_id, timeout=60)["state"] == "CANCELLED"
+    assert orchestrator.undrain_node(str(leaving), job=job_id)
+
+
 def sigterm_moves_to_the_spare(job_id, out) -> None:
     """SIGTERM to node rank 1's agent, as its host's shutdown sends it: the job moves off the
     node as a drain moves it, shown as the node's notice meanwhile, and the agent leaves."""

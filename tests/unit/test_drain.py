@@ -379,3 +379,34 @@ def test_a_controller_that_takes_over_tells_off_a_move_it_knows_nothing_of():
     Mover("j", SimpleNamespace(drains=lambda: []),  # type: ignore[arg-type]
           {0: "n0", 1: "n1", 2: "n2"}).look(engine)  # type: ignore[arg-type]
     assert sent == []
+
+
+def test_a_drained_node_out_of_the_job_lets_go_of_its_memory_once_its_ranks_loaded():
+    """A drained node stays up while the nodes that take its place pull its ranks' copies;
+    after that it kept them, and its buddy's replicas, for as long as the job ran: gigabytes
+    of shared memory on a node the operator wants back. Once every rank of the attempt that
+    goes on without it loaded, it is told to let go, once."""
+    sent: list[tuple[int, C.Command]] = []
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    engine = one_rank_each(nodes, 1, sent)  # node 2 held rank 1's copies: it was drained
+    attempt = engine.current
+    attempt.number, attempt.restored_step = 2, 9
+    h = engine.holdings
+    h.update(2, dataclasses.replace(held({1: [9]}, port=4002), bytes=1 << 30))
+    mover = Mover("j", SimpleNamespace(drains=lambda: [drain("2", "j")]),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"})
+    mover.look(engine)  # type: ignore[arg-type]
+    assert sent == []  # rank 1's copy may still be pulled from it
+    for i in (0, 1):  # every rank of attempt 2 loaded step 9
+        h.update(i, dataclasses.replace(held({i: [9]}, port=4000 + i),
+                                        restored={i: (2, 9, "buddy", 0.1, 0)}))
+    mover.look(engine)  # type: ignore[arg-type]
+    mover.look(engine)  # type: ignore[arg-type]
+    assert sent == [(2, C.Release())]
+    sent.clear()
+    nodes[0].channel = object()  # a participant, and one not drained, are never told
+    engine.spec.min_nodes = 2
+    Mover("j", SimpleNamespace(drains=lambda: [drain("0", "j")]),  # type: ignore[arg-type]
+          {0: "n0", 1: "n1", 2: "n2"}).look(engine)  # type: ignore[arg-type]
+    assert not any(isinstance(c, C.Release) for _, c in sent)

@@ -608,3 +608,40 @@ def test_a_closing_store_ends_the_copies_it_is_taking_and_makes_nothing_after(tm
     time.sleep(0.5)
     after = sorted(p.relative_to(root) for p in root.rglob("*"))
     assert after == before and not (root / "replicas" / "rank-3" / "step-1.data").exists()
+
+
+def test_a_released_store_keeps_nothing_and_says_so_but_still_serves(tmp_path, monkeypatch):
+    """A drained node out of the job is told to let go (C.Release): its ranks' copies, its
+    buddy's replicas and the pages kept for them go, its report says it holds nothing, and
+    its replica server still takes copies (undrained, it may be a spare again)."""
+    import time
+
+    import torch
+
+    from agents.shims import orchestrator_checkpoint as ckpt
+
+    store, said = started_store(tmp_path, monkeypatch)
+    try:
+        for step in (1, 2, 3):
+            ckpt.save(step, {"w": torch.ones(100_000)})
+        assert store.replicas is not None
+        for step in (4, 5, 6):
+            push("127.0.0.1", store.replicas.port, "s3cret", 7, step, *copy_of(step))
+
+        def held() -> dict:
+            return [m for m in said if m.get("type") == P.HELD][-1]
+        deadline = time.monotonic() + 10
+        while not (held()["memory"] and held()["replicas"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held()["bytes"] > 0 and held()["memory"] and held()["replicas"]
+        store.release()
+        deadline = time.monotonic() + 10
+        while held()["bytes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (held()["bytes"], held()["memory"], held()["replicas"]) == (0, {}, {})
+        assert [n for n in os.listdir(store.root) if n.startswith("rank-")] == []
+        assert F.blank_bytes(store.root) == 0
+        push("127.0.0.1", store.replicas.port, "s3cret", 7, 8, *copy_of(8))
+        assert store.replicas.holdings()[0] == {7: [8]}
+    finally:
+        store.close()
