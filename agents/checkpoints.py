@@ -177,6 +177,7 @@ class Store:
                 self._loading = (time.monotonic() + LOAD_FIRST, local_ranks) \
                     if config.restore_step is not None else None
                 self._discard_after(config.restore_step)
+                self.persist_step = None
                 remove(os.path.join(self.root, F.SAVE_AT_NAME))  # an attempt before's
         node = budget(config)
         return {F.MEMORY_VAR: self.root,
@@ -201,16 +202,15 @@ class Store:
         def later(s: int | None) -> bool:
             return s is not None and (step is None or s > step)
         for rank, rank_dir in _rank_dirs(self.root):
-            for name in entries(rank_dir):
-                if later(F.parse_step(name, suffix=".meta")):
-                    for suffix in (".meta", ".manifest", ".persisted", ".corrupt"):
-                        remove(os.path.join(rank_dir, name[:-5] + suffix))
+            for name in entries(rank_dir):  # a seal's manifest without its meta too
+                base, _, suffix = name.rpartition(".")
+                if suffix in ("meta", "manifest", "persisted", "corrupt") and \
+                        later(F.parse_step(base)):
+                    remove(os.path.join(rank_dir, name))
             if self.persist_dir and step is not None:
                 for old in F.persisted_steps(self.persist_dir, rank):
                     if old > step:
-                        for suffix in (".manifest", ".corrupt", ".meta", ".data"):
-                            remove(os.path.join(F.persisted_dir(self.persist_dir, old),
-                                                 f"rank-{rank}{suffix}"))
+                        disk.remove_copy(self.persist_dir, rank, old)
         if self.replicas is not None:
             self.replicas.retain = None
             self.replicas.discard(later)
@@ -373,7 +373,12 @@ class Store:
         return budget(self.config) - self.holdings()["bytes"] + F.blank_bytes(self.root)
 
     def _seal(self, rank: int, rank_dir: str, step: int, meta_bytes: bytes) -> None:
+        """A manifest of the save, and its persisted copy where asked; neither made once a
+        new attempt discarded the step meanwhile (the seal of a big state takes seconds: a
+        copy of the timeline no rank follows, trusted by a later load, gave a rank other
+        weights than every other rank's)."""
         base = os.path.join(rank_dir, F.step_name(step))
+        timeline = self._timeline
         try:
             meta = json.loads(meta_bytes)
             slot, size = meta["slot"], meta["size"]
@@ -390,40 +395,28 @@ class Store:
                 self._saves[rank] = [step, size, float(block)]  # the newest save, as shown
             with mapped(fd, size) as view:
                 manifest = F.manifest(meta_bytes, F.checksums(view, size), size)
-                F.write_file(base + ".manifest", json.dumps(manifest).encode())
-                if (meta.get("persist") or step == self.persist_step) and self.persist_dir:
-                    disk.persist(self.persist_dir, rank, step, meta_bytes, manifest, view)
-                    open(base + ".persisted", "w").close()
-                    F.trim(self.persist_dir, rank, self.config.keep)
+                with self._lock:  # a new attempt's discard (under the lock) came first
+                    if timeline != self._timeline:
+                        return  # sealed again by the next pass, where the step stays
+                    F.write_file(base + ".manifest", json.dumps(manifest).encode())
+                where = self.persist_dir
+                if (meta.get("persist") or step == self.persist_step) and where:
+                    disk.persist(where, rank, step, meta_bytes, manifest, view)
+                    with self._lock:
+                        restore = self.config.restore_step
+                        if timeline != self._timeline and restore is not None and step > restore:
+                            disk.remove_copy(where, rank, step)  # discarded meanwhile
+                            return
+                        open(base + ".persisted", "w").close()
+                    F.trim(where, rank, self.config.keep)
         finally:
             os.close(fd)
 
     # --- what the node holds -----------------------------------------------------------------
     def holdings(self) -> dict[str, Any]:
-        memory: dict[str, list[int]] = {}
         persisted: dict[str, list[int]] = {}
-        restored: dict[str, list[Any]] = {}
-        used = 0
         ranks = _rank_dirs(self.root)
-        for rank, rank_dir in ranks:
-            steps = []
-            names = entries(rank_dir)
-            for name in names:
-                step = F.parse_step(name, suffix=".meta")
-                if step is not None:
-                    if F.step_name(step) + ".corrupt" not in names:
-                        steps.append(step)
-                elif name.startswith("slot-"):
-                    try:
-                        used += os.stat(os.path.join(rank_dir, name)).st_size
-                    except OSError:
-                        pass
-            if steps:
-                memory[str(rank)] = sorted(steps)[-MAX_REPORTED:]
-            if "restored.json" in names:
-                found = _restored(os.path.join(rank_dir, "restored.json"))
-                if found is not None:
-                    restored[str(rank)] = found
+        memory, restored, used = _own_held(ranks)
         if self.persist_dir:
             for rank, steps in disk.steps(self.persist_dir).items():
                 persisted[str(rank)] = sorted(steps)[-MAX_REPORTED:]
@@ -456,6 +449,35 @@ class Store:
         if text not in self.problems and len(self.problems) < MAX_PROBLEMS:
             self.problems.append(text)
             self.outbox.put({"type": P.ERROR, "attempt": self.attempt, "message": text[:4000]})
+
+
+def _own_held(ranks: list[tuple[int, str]]
+              ) -> tuple[dict[str, list[int]], dict[str, list[Any]], int]:
+    """Of the node's own ``ranks`` (rank, directory): the steps each holds in memory (the
+    newest MAX_REPORTED, none marked corrupt), each one's last load, and their slots' bytes."""
+    memory: dict[str, list[int]] = {}
+    restored: dict[str, list[Any]] = {}
+    used = 0
+    for rank, rank_dir in ranks:
+        steps = []
+        names = entries(rank_dir)
+        for name in names:
+            step = F.parse_step(name, suffix=".meta")
+            if step is not None:
+                if F.step_name(step) + ".corrupt" not in names:
+                    steps.append(step)
+            elif name.startswith("slot-"):
+                try:
+                    used += os.stat(os.path.join(rank_dir, name)).st_size
+                except OSError:
+                    pass
+        if steps:
+            memory[str(rank)] = sorted(steps)[-MAX_REPORTED:]
+        if "restored.json" in names:
+            found = _restored(os.path.join(rank_dir, "restored.json"))
+            if found is not None:
+                restored[str(rank)] = found
+    return memory, restored, used
 
 
 def _rank_dirs(root: str) -> list[tuple[int, str]]:

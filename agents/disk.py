@@ -85,6 +85,13 @@ def persist_sealed(root: str, keep: int, rank: int, rank_dir: str, step: int,
         os.close(fd)
 
 
+def remove_copy(root: str, rank: int, step: int) -> None:
+    """The persisted copy of ``rank`` at ``step`` in ``root``, gone (the manifest first: a
+    copy without one is no copy)."""
+    for suffix in (".manifest", ".corrupt", ".meta", ".data"):
+        remove(os.path.join(F.persisted_dir(root, step), f"rank-{rank}{suffix}"))
+
+
 def steps(root: str) -> dict[int, list[int]]:
     """``{rank: [steps]}`` with a sealed copy in ``root``."""
     out: dict[int, list[int]] = {}

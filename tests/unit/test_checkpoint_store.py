@@ -663,6 +663,45 @@ def test_a_step_sealed_before_a_stop_asked_it_persisted_is_persisted_then(store,
     assert F.persisted_steps(str(tmp_path / "ck"), 1) == []
 
 
+def test_a_seal_under_way_when_an_attempt_discards_its_step_leaves_nothing_of_it(
+        store, tmp_path, monkeypatch):
+    """The seal of a big state takes seconds. A new attempt that resumed an older step
+    discarded the step being sealed meanwhile, then the seal wrote its manifest and its
+    persisted copy all the same: the new timeline's save of that step looked sealed (never
+    sealed, persisted or replicated, its load failing), and the load fell to the persisted
+    copy of the old timeline, which verified: one rank resumed other weights than every
+    other rank's. Found by a reading helper."""
+    import threading
+    import time
+
+    s, _ = store
+    rank_dir = os.path.join(s.root, "rank-1")
+    ckpt.save(100, {"w": torch.full((1000,), 100.0)})
+    s._pass()
+    ckpt.save(110, {"w": torch.full((1000,), 110.0)})  # the old timeline's 110
+    checksums = F.checksums
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return checksums(*args, **kwargs)
+    monkeypatch.setattr(F, "checksums", slow)
+    sealing = threading.Thread(target=s._pass)
+    sealing.start()
+    time.sleep(0.1)  # in the seal of 110: attempt 2 resumes step 100
+    s.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20, 100), str(tmp_path), 2, 1)
+    sealing.join()
+    monkeypatch.setattr(F, "checksums", checksums)
+    assert [n for n in os.listdir(rank_dir) if n.startswith("step-110")] == []
+    assert F.persisted_steps(str(tmp_path / "ck"), 1) == [100]
+    ckpt.save(110, {"w": torch.full((1000,), -110.0)})  # the new timeline's 110
+    s._pass()
+    assert F.persisted_steps(str(tmp_path / "ck"), 1) == [110, 100]
+    monkeypatch.setenv(F.STEP_VAR, "110")  # the next attempt resumes it
+    monkeypatch.setenv("ORCHESTRATOR_ATTEMPT", "3")
+    step, state = ckpt.load()
+    assert step == 110 and torch.equal(state["w"], torch.full((1000,), -110.0))
+
+
 def test_a_copy_under_way_when_an_attempt_resumes_an_older_step_is_of_no_timeline(
         store, tmp_path):
     """A push of step 3 under way while a restart resumes step 1 (the ranks that saved 2
