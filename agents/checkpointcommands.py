@@ -96,6 +96,20 @@ class Retain(Command):
 
 
 @dataclass(frozen=True)
+class Resumed(Command):
+    """Every rank of the attempt resumed ``step``, older than the step they were told (a
+    copy that did not verify, or a load into another world size): copies of later steps
+    saved before the attempt are of a timeline no rank follows, and go."""
+
+    OP = "resumed"
+    step: int
+
+    @classmethod
+    def read(cls, f: _Read) -> Resumed:
+        return cls(f.integer("step"))
+
+
+@dataclass(frozen=True)
 class Release(Command):
     """This node keeps nothing of the job's any more: drained, out of the job, and the
     ranks that took its place loaded their copies. Its checkpoint memory goes (its replica

@@ -37,6 +37,8 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from agents import commands as C
@@ -149,7 +151,7 @@ class Store:
         for _, rank_dir in _rank_dirs(self.root):
             shutil.rmtree(rank_dir, ignore_errors=True)  # a copy being sent is held open
         if self.replicas is not None:
-            self.replicas.discard(lambda step: step is not None)
+            self.replicas.discard(lambda step, _: step is not None)
         F.drop_blanks(self.root, F.blank_bytes(self.root))
         remove(os.path.join(self.root, F.SAVE_AT_NAME))
         self._wake.set()  # the report: nothing held
@@ -186,11 +188,26 @@ class Store:
                 F.DIR_VAR: self.persist_dir,
                 F.STEP_VAR: None if config.restore_step is None else str(config.restore_step)}
 
-    def _discard_after(self, step: int | None) -> None:
+    def resumed(self, resumed: C.Resumed) -> None:
+        """This attempt's ranks resumed an older step than they were told (C.Resumed):
+        the copies of the steps between, saved before it, went on being sent, kept and
+        resumed (the buddy kept the old timeline's copy of the step the ranks were told,
+        and the node's new one was never sent: a node's loss then resumed ranks from two
+        timelines). They go as a new attempt's discard takes them; this attempt's own
+        saves stay."""
+        with self._lock:
+            told = self.config.restore_step
+            if told is not None and resumed.step < told:
+                self.config = replace(self.config, restore_step=resumed.step)
+                self._discard_after(resumed.step, before=self.attempt)
+        self._wake.set()
+
+    def _discard_after(self, step: int | None, before: int | None = None) -> None:
         """A new attempt resumes ``step`` (None: from scratch): copies of later steps are of
         a timeline no rank follows any more (ranks that got further than others saved
-        them), and must never be mixed with the new one's. Persisted copies go only when a
-        step is resumed (a first attempt may resume from them)."""
+        them), and must never be mixed with the new one's (of those, with ``before``, only
+        the copies saved before that attempt). Persisted copies go only when a step is
+        resumed (a first attempt may resume from them)."""
         self._pushed.clear()
         self._timeline += 1
         self._sending.end()  # a copy of the timeline left behind goes no further
@@ -199,18 +216,11 @@ class Store:
             self.replicas.attempt = max(self.replicas.attempt, self.attempt)
         remove(os.path.join(self.root, "retain"))
 
-        def later(s: int | None) -> bool:
-            return s is not None and (step is None or s > step)
-        for rank, rank_dir in _rank_dirs(self.root):
-            for name in entries(rank_dir):  # a seal's manifest without its meta too
-                base, _, suffix = name.rpartition(".")
-                if suffix in ("meta", "manifest", "persisted", "corrupt") and \
-                        later(F.parse_step(base)):
-                    remove(os.path.join(rank_dir, name))
-            if self.persist_dir and step is not None:
-                for old in F.persisted_steps(self.persist_dir, rank):
-                    if old > step:
-                        disk.remove_copy(self.persist_dir, rank, old)
+        def later(s: int | None, meta: str) -> bool:
+            return s is not None and (step is None or s > step) and \
+                (before is None or _attempt_of(meta) < before)
+        _discard_own(_rank_dirs(self.root), self.persist_dir if step is not None else None,
+                     later)
         if self.replicas is not None:
             self.replicas.retain = None
             self.replicas.discard(later)
@@ -449,6 +459,32 @@ class Store:
         if text not in self.problems and len(self.problems) < MAX_PROBLEMS:
             self.problems.append(text)
             self.outbox.put({"type": P.ERROR, "attempt": self.attempt, "message": text[:4000]})
+
+
+def _discard_own(ranks: list[tuple[int, str]], persisted: str | None,
+                 later: Callable[[int | None, str], bool]) -> None:
+    """The node's own ``ranks``' copies that ``later`` names (by step and the path of
+    their meta), in memory (a seal's manifest without its meta too) and persisted in
+    ``persisted`` (None: none go)."""
+    for rank, rank_dir in ranks:
+        for name in entries(rank_dir):
+            base, _, suffix = name.rpartition(".")
+            if suffix in ("meta", "manifest", "persisted", "corrupt") and \
+                    later(F.parse_step(base), os.path.join(rank_dir, base + ".meta")):
+                remove(os.path.join(rank_dir, name))
+        if persisted is None:
+            continue
+        for old in F.persisted_steps(persisted, rank):
+            if later(old, os.path.join(F.persisted_dir(persisted, old), f"rank-{rank}.meta")):
+                disk.remove_copy(persisted, rank, old)
+
+
+def _attempt_of(meta: str) -> int:
+    """The attempt whose rank made the save ``meta`` describes (0: unknown, or saved
+    before saves said: an attempt before any)."""
+    described = F.read_json(meta)
+    attempt = described.get("attempt") if isinstance(described, dict) else None
+    return attempt if type(attempt) is int else 0
 
 
 def _own_held(ranks: list[tuple[int, str]]

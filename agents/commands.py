@@ -34,6 +34,7 @@ from agents.checkpointcommands import CheckpointConfig as CheckpointConfig
 from agents.checkpointcommands import Pull as Pull
 from agents.checkpointcommands import Release as Release
 from agents.checkpointcommands import ReplicateTo as ReplicateTo
+from agents.checkpointcommands import Resumed as Resumed
 from agents.checkpointcommands import Retain as Retain
 from agents.checkpointcommands import SaveAt as SaveAt
 from agents.commandbase import Command as Command
@@ -504,9 +505,9 @@ def wire(command: Command, req: int | None = None) -> dict[str, Any]:
 
 
 _SESSION = (Connect, Hold, Attach, Ack, Spool, Ping)
-_AGENT = (Start, Warm, Stop, ReplicateTo, Retain, SaveAt, Release, Shutdown, FreePort, Listen,
-          Probe, MissingBlobs, PutChunk, BuildTree, RunSetup, CheckNode, NetListen, NetSend,
-          NetClose, GetStacks, ReadTrace)
+_AGENT = (Start, Warm, Stop, ReplicateTo, Retain, SaveAt, Release, Resumed, Shutdown,
+          FreePort, Listen, Probe, MissingBlobs, PutChunk, BuildTree, RunSetup, CheckNode,
+          NetListen, NetSend, NetClose, GetStacks, ReadTrace)
 #: Every op a controller may send, by name.
 COMMANDS: dict[str, type[Command]] = {c.OP: c for c in _SESSION + _AGENT}
 

@@ -273,6 +273,7 @@ OPS: dict[type[C.Command], Handler] = {
     C.Retain: lambda agent, keep, _req: agent.checkpoints.retain(keep),
     C.SaveAt: lambda agent, at, _req: agent.checkpoints.save_at(at),
     C.Release: lambda agent, _release, _req: agent.checkpoints.release(),
+    C.Resumed: lambda agent, resumed, _req: agent.checkpoints.resumed(resumed),
     C.Stop: lambda agent, stop, _req: agent.op_stop(stop),
     C.FreePort: op_free_port, C.Listen: op_listen, C.Probe: op_probe,
     C.GetStacks: op_stacks, C.ReadTrace: op_read_trace, C.MissingBlobs: op_sync_missing,

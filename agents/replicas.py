@@ -246,14 +246,16 @@ class Server:
         except (ValueError, TypeError, KeyError):
             return None
 
-    def discard(self, which: Callable[[int | None], bool]) -> None:
-        """Replicas of the steps ``which`` names go (a new attempt left them behind)."""
+    def discard(self, which: Callable[[int | None, str], bool]) -> None:
+        """Replicas that ``which`` names go (by step and the path of their meta: a new
+        attempt, or ranks that resumed an older step, left them behind)."""
         for name in entries(self.root):
             rank_dir = os.path.join(self.root, name)
             with self._lock:
                 for entry in entries(rank_dir):
-                    if which(F.parse_step(entry, suffix=".manifest")):
-                        self._let_go(os.path.join(rank_dir, entry[:-9]))
+                    base = os.path.join(rank_dir, entry[:-9])
+                    if which(F.parse_step(entry, suffix=".manifest"), base + ".meta"):
+                        self._let_go(base)
 
     def prune(self, directory: str | None = None) -> None:
         """Replicas older than the retained step go (the newest of a rank always stays,

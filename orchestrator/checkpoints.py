@@ -221,6 +221,11 @@ class Holdings:
         fall back is done)."""
         self._retained, self.below = None, None
 
+    def new_timeline(self) -> None:
+        """The ranks resumed an older step than they were told: the step every node was
+        told to retain may be of the old timeline, and is told again once found."""
+        self._retained = None
+
     def retained(self, ranks: Iterable[int]) -> C.Retain | None:
         """News for every node, when it changed: the newest step of which every rank of
         ``ranks`` has a replica on some node, what they would all resume if a node were lost.

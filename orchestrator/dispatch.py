@@ -88,6 +88,9 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
         attempt = engine.current
         if attempt is not None and message.restored and (step := engine.holdings.loaded_step(
                 attempt.number, attempt.plan.world_size)) is not None:
+            told = attempt.checkpoint.restore_step
+            if step != attempt.restored_step and told is not None and step < told:
+                resumed_older(engine, step)
             attempt.loaded(step)
         return
     if isinstance(message, P.Heartbeat):  # one with a notice (the loop): the node goes away
@@ -121,6 +124,16 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
             return
         if isinstance(message, P.Started) and attempt is engine.current and attempt.all_started:
             engine.timeline.mark("started", attempt.number)
+
+
+def resumed_older(engine: Engine, step: int) -> None:
+    """The attempt's ranks resumed ``step``, older than they were told: every node lets go
+    of its copies of later steps saved before the attempt (the old timeline's; a spare's
+    replicas too), and what every rank could resume after a node's loss is found again."""
+    engine.holdings.new_timeline()
+    for node in engine.nodes:
+        if node.channel is not None:
+            engine.pool.send(node, C.Resumed(step))
 
 
 def assign_buddies(engine: Engine) -> None:

@@ -278,6 +278,7 @@ def save(step, state, every=None):
     persist = F.int_env(F.PERSIST_VAR, 0)
     meta = {"format": F.FORMAT, "step": step, "rank": _rank(), "tensors": entries,
             "world_size": F.int_env("WORLD_SIZE", 1), "tree": tree, "size": size,
+            "attempt": F.int_env("ORCHESTRATOR_ATTEMPT", 0),
             "saved_at": time.time(), "persist": bool(persist) and _saves[0] % persist == 0}
     memory = os.environ.get(F.MEMORY_VAR)
     if not memory:

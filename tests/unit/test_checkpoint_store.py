@@ -702,6 +702,48 @@ def test_a_seal_under_way_when_an_attempt_discards_its_step_leaves_nothing_of_it
     assert step == 110 and torch.equal(state["w"], torch.full((1000,), -110.0))
 
 
+def test_ranks_that_resume_an_older_step_than_told_leave_no_copy_of_the_old_timeline(
+        store, tmp_path, monkeypatch):
+    """Every rank was told step 100 and resumed 90 (a copy of 100 did not verify). The copies
+    of the steps between, saved before the attempt, stayed: the node's newest by number, so
+    it was sent (its buddy kept the old timeline's 100) and the new 100 never was; a node's
+    loss then resumed ranks from two timelines. Told so (C.Resumed), the node and its buddy
+    let go of them, keep what the attempt saved, and the new copies go. Found by a reading
+    helper."""
+    s, _ = store
+    buddy = Store(f"unit-{secrets.token_hex(4)}", 1, Outbox(), "s3cret")  # type: ignore[arg-type]
+    buddy.configure(C.CheckpointConfig(memory=64 << 20), str(tmp_path / "b"), 1, 1)
+    buddy.start()
+    try:
+        assert buddy.replicas is not None
+        s.replicate_to(C.ReplicateTo("127.0.0.1", buddy.replicas.port))
+        monkeypatch.setenv("ORCHESTRATOR_ATTEMPT", "1")
+        for step in (90, 100):  # the old timeline
+            ckpt.save(step, {"w": torch.full((10,), float(step))})
+            s._pass()
+        assert sorted(buddy.replicas.holdings()[0][1]) == [90, 100]
+        for node in (s, buddy):  # attempt 2 is told step 100 ...
+            node.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20, 100), str(tmp_path), 2, 1)
+        monkeypatch.setenv("ORCHESTRATOR_ATTEMPT", "2")
+        ckpt.note_restored(90, "memory", 0.0)  # ... and its ranks resumed 90
+        ckpt.save(95, {"w": torch.full((10,), -95.0)})
+        s._pass()
+        for node in (s, buddy):
+            node.resumed(C.Resumed(90))
+        s._pass()
+        rank_dir = os.path.join(s.root, "rank-1")
+        assert sorted(ckpt._metas(rank_dir)) == [95]  # the old 100 gone (90's slot reused)
+        assert 100 not in F.persisted_steps(str(tmp_path / "ck"), 1)
+        assert sorted(buddy.replicas.holdings()[0][1]) == [90, 95]
+        ckpt.save(100, {"w": torch.full((10,), -100.0)})  # the new timeline's 100
+        s._pass()
+        meta = json.loads(F.read_bytes(os.path.join(buddy.replicas.root, "rank-1",
+                                                    "step-100.meta")))
+        assert meta["attempt"] == 2  # the buddy holds the new 100, not the old
+    finally:
+        buddy.close()
+
+
 def test_a_copy_under_way_when_an_attempt_resumes_an_older_step_is_of_no_timeline(
         store, tmp_path):
     """A push of step 3 under way while a restart resumes step 1 (the ranks that saved 2

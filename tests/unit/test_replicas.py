@@ -6,6 +6,7 @@ side (orchestrator/checkpoints.py): who pulls what from whom, and each node's bu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -645,3 +646,39 @@ def test_a_released_store_keeps_nothing_and_says_so_but_still_serves(tmp_path, m
         assert store.replicas.holdings()[0] == {7: [8]}
     finally:
         store.close()
+
+
+def test_ranks_that_resumed_an_older_step_than_told_are_said_to_every_node(monkeypatch):
+    """Once every rank of the attempt said it loaded an older step than it was told, every
+    node is told (a spare too: it holds replicas of the old timeline), once, and the step
+    every node retains is found again."""
+    from types import SimpleNamespace
+
+    from orchestrator import dispatch
+    from orchestrator.nodebook import NodeInfo
+
+    monkeypatch.setattr(dispatch, "assign_buddies", lambda engine: None)
+    sent: list[tuple[int, C.Command]] = []
+    nodes = [SimpleNamespace(index=i, channel=object(), info=NodeInfo()) for i in range(3)]
+    loaded: list[int] = []
+    attempt = SimpleNamespace(number=2, restored_step=100, plan=SimpleNamespace(world_size=2),
+                              checkpoint=C.CheckpointConfig(restore_step=100),
+                              loaded=lambda step: loaded.append(step) or setattr(
+                                  attempt, "restored_step", step))
+    holdings = Holdings()
+    holdings._retained = 100
+    engine = SimpleNamespace(holdings=holdings, current=attempt, nodes=nodes,
+                             book=SimpleNamespace(note=lambda node, info: None),
+                             pool=SimpleNamespace(send=lambda node, command:
+                                                  sent.append((node.index, command))))
+
+    def report(node: int, rank: int) -> None:
+        dispatch._on_message(engine, nodes[node], dataclasses.replace(  # type: ignore[arg-type]
+            held({rank: [90]}), attempt=2, restored={rank: (2, 90, "memory", 0.1, 1)}))
+    report(0, 0)
+    assert sent == [] and loaded == []  # not every rank said yet
+    report(1, 1)
+    assert sent == [(i, C.Resumed(90)) for i in range(3)] and loaded == [90]
+    assert holdings._retained is None
+    report(1, 1)
+    assert len(sent) == 3  # once
