@@ -142,29 +142,13 @@ class Controller:
         engine.timeline.mark("teardown")
         if self._on_end is not None:
             self._guarded(self._on_end)  # the job's end must still be recorded
-        self._record_end(final, fields)
+        record_end(self.engine, final, fields)
         self._guarded(lambda: self.notifier.ended(final.value, fields.get("failure")))
         self._guarded(lambda: self.notifier.close(END_WAIT))
         self._guarded(functools.partial(linger, engine))
         self._guarded(engine.flush)
         engine.close()
         return engine.state
-
-    def _record_end(self, final: JobState, fields: dict[str, Any]) -> None:
-        """Write the end, once; while the home cannot be written (the agents are gone and
-        nothing else waits) it is tried again every second."""
-        said = False
-        self.engine.timeline.mark("state_written")
-        while True:
-            try:
-                self.engine.set_state(final, **fields)
-                return
-            except StoreUnwritable as exc:
-                if not said:
-                    log.error("the job ended %s but %s: trying again every second",
-                              final.value, exc)
-                    said = True
-                time.sleep(1.0)
 
     def abandon(self, final: JobState, fields: dict[str, Any]) -> None:
         """End the job without running it, for a supervisor whose controllers keep failing:
@@ -181,7 +165,7 @@ class Controller:
         if self._on_end is not None:
             self._guarded(self._on_end)
         self.store.end_open_attempt(self.job_id, final, fields.get("failure"))
-        self._record_end(final, fields)
+        record_end(self.engine, final, fields)
         self._guarded(lambda: self.notifier.ended(final.value, fields.get("failure")))
         self._guarded(lambda: self.notifier.close(END_WAIT))
         engine.close()
@@ -201,6 +185,8 @@ class Controller:
         result: AttemptResult | None
         if self.resuming:
             resumed = self._resume()
+            if isinstance(resumed, tuple):
+                return resumed
             if isinstance(resumed, Failure):
                 return self._end_launch(resumed)
             result = resumed
@@ -231,25 +217,20 @@ class Controller:
             if result.failure is not None:
                 self._guarded(functools.partial(self._keep_reputation, result.failure))
             if isinstance(decision, policy.Succeed):
-                self._end_attempt(result)
-                return JobState.SUCCEEDED, {}
+                return self._ending(result, JobState.SUCCEEDED, {})
             self._stop_attempt()
-            self._end_attempt(result)
             if isinstance(decision, policy.Fail | policy.Preempted):
-                return decision.state, {"failure": decision.failure}
+                return self._ending(result, decision.state, {"failure": decision.failure})
             engine.holdings.fall_back(decision.below)
             if result.failure is not None:  # queued: never waits for a receiver
                 self.notifier.restarted(result.failure.to_dict(), self.attempt)
-            if decision.charged:
-                self.restarts += 1
-                # Persisted before acting, so a crash here never grants a free restart.
-                engine.set_state(JobState.RESTARTING, restarts=self.restarts)
-            elif decision.infra:
-                self.infra_restarts += 1
-                engine.set_state(JobState.RESTARTING, infra_restarts=self.infra_restarts)
-            else:  # not the user's failure: the budget is not touched
-                self.free_restarts += 1
-                engine.set_state(JobState.RESTARTING, free_restarts=self.free_restarts)
+            # The count it is charged to (not the user's failure: the budget is untouched),
+            # written with the attempt's end: a crash after it never grants a free restart.
+            count = "restarts" if decision.charged else \
+                "infra_restarts" if decision.infra else "free_restarts"
+            setattr(self, count, getattr(self, count) + 1)
+            self._end_attempt(result, {"restart": count}, {count: getattr(self, count)})
+            engine.set_state(JobState.RESTARTING, **{count: getattr(self, count)})
             bringup.reconnect_absent(self.engine)
             engine.wait(lambda: False, decision.delay)
             if engine.stop is not None:
@@ -269,21 +250,16 @@ class Controller:
         self.engine.enter(Phase.ENDING)
         if stop == Stop.CANCEL:
             self._stop_attempt()
-            self._end_attempt(AttemptResult(AttemptOutcome.CANCELLED))
-            return JobState.CANCELLED, {}
-        failure = Failure(FailureCause.TIMEOUT, f"max_duration ({self.spec.max_duration:g}s) "
-                                                "reached: every worker was stopped")
-        self._end_attempt_with(failure)
-        return JobState.FAILED, {"failure": failure.to_dict()}
+            return self._ending(AttemptResult(AttemptOutcome.CANCELLED), JobState.CANCELLED, {})
+        return self._end_launch(Failure(
+            FailureCause.TIMEOUT, f"max_duration ({self.spec.max_duration:g}s) reached: "
+            "every worker was stopped"))
 
     def _end_launch(self, failure: Failure) -> tuple[JobState, dict[str, Any]]:
         self.engine.enter(Phase.ENDING)
-        self._end_attempt_with(failure)
-        return JobState.FAILED, {"failure": failure.to_dict()}
-
-    def _end_attempt_with(self, failure: Failure) -> None:
         self._stop_attempt()
-        self._end_attempt(AttemptResult(AttemptOutcome.FAILED, failure))
+        return self._ending(AttemptResult(AttemptOutcome.FAILED, failure), JobState.FAILED,
+                            {"failure": failure.to_dict()})
 
     def _detach(self) -> None:
         log.warning("told to exit with no cancel request: leaving the job to its agents (they "
@@ -410,16 +386,28 @@ class Controller:
     def _stop_attempt(self) -> None:
         self.engine.stop_attempt(STOP_MARGIN, DRAIN_LIMIT)
 
-    def _end_attempt(self, result: AttemptResult) -> None:
+    def _end_attempt(self, result: AttemptResult, after: dict[str, Any],
+                     counts: dict[str, int] | None = None) -> None:
+        """Record the attempt's end with what comes ``after`` it (AttemptRecord.next) and the
+        restart ``counts`` that charges, together."""
         self.engine.end_attempt(result.outcome.value,
-                                result.failure.to_dict() if result.failure else None)
+                                result.failure.to_dict() if result.failure else None,
+                                after, counts)
+
+    def _ending(self, result: AttemptResult, final: JobState,
+                fields: dict[str, Any]) -> tuple[JobState, dict[str, Any]]:
+        """The attempt's end, and that the job ends ``final``: a controller that takes over
+        before that is written ends it so (it ran the job again: takeover.Counts.ending)."""
+        self._end_attempt(result, {"state": final.value, "from": self.engine.state.value,
+                                   **fields})
+        return final, fields
 
     # --- resuming a job whose controller died -----------------------------------------------
-    def _resume(self) -> AttemptResult | Failure | None:
+    def _resume(self) -> AttemptResult | Failure | tuple[JobState, dict[str, Any]] | None:
         """Take over the job where the last controller left it (orchestrator/takeover.py).
         Returns the open attempt's result once it ends, None when no attempt was open (or a
-        stop reason came), or the launch's failure when nodes that never came up still do
-        not."""
+        stop reason came), the launch's failure when nodes that never came up still do
+        not, or the job's end the last controller decided on and did not write."""
         engine = self.engine
         job = self.store.get_job(self.job_id)
         was = takeover.counts(engine, job)
@@ -438,7 +426,13 @@ class Controller:
         engine.enter(Phase.RUNNING)
         if engine.stop is not None:
             return None
+        if attempt is None and was.ending is not None:
+            log.warning("the last controller ended attempt %d, and the job %s, before it "
+                        "died: the job ends so", job.attempt, was.ending[0].value)
+            return was.ending
         if attempt is None:
+            if engine.state == JobState.RUNNING:  # it died before recording the restart
+                engine.set_state(JobState.RESTARTING)
             if engine.state == JobState.RESTARTING:
                 engine.set_state(JobState.LAUNCHING)
             for node in self.nodes:
@@ -510,6 +504,23 @@ def log_files_budget(nodes: int) -> int:
     if soft == resource.RLIM_INFINITY:
         return 1 << 16
     return max(16, (soft - 4 * nodes - 256) // 2)
+
+
+def record_end(engine: Engine, final: JobState, fields: dict[str, Any]) -> None:
+    """Write the end, once; while the home cannot be written (the agents are gone and
+    nothing else waits) it is tried again every second."""
+    said = False
+    engine.timeline.mark("state_written")
+    while True:
+        try:
+            engine.set_state(final, **fields)
+            return
+        except StoreUnwritable as exc:
+            if not said:
+                log.error("the job ended %s but %s: trying again every second",
+                          final.value, exc)
+                said = True
+            time.sleep(1.0)
 
 
 def _describe(exc: BaseException) -> str:

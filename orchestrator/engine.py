@@ -409,8 +409,11 @@ class Engine:
                 else:
                     self.lose(node, f"{node.host}: workers did not stop in time")
 
-    def end_attempt(self, outcome: str, failure: dict[str, Any] | None) -> None:
-        """Record the current attempt's end (once)."""
+    def end_attempt(self, outcome: str, failure: dict[str, Any] | None,
+                    after: dict[str, Any] | None = None,
+                    counts: dict[str, int] | None = None) -> None:
+        """Record the current attempt's end (once), with what comes after it and the
+        restart counts that charges (Store.end_attempt)."""
         attempt = self.current
         if attempt is None or attempt.ended:
             return
@@ -418,7 +421,7 @@ class Engine:
         self.checkpoint(force=True)
         attempt.end()
         self.store.end_attempt(self.job_id, attempt.number, outcome, failure,
-                               len(attempt.warm_started))
+                               len(attempt.warm_started), after, counts)
 
     def send_start(self, node: Node) -> None:
         attempt = self.current

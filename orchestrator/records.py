@@ -91,6 +91,10 @@ class AttemptRecord:
     stragglers: list[int] = field(default_factory=list)
     warm_starts: int = 0  # workers a standby became (agents/standby.py)
     restored_step: int | None = None  # the checkpoint step its ranks resumed (None: fresh)
+    # What its controller decided after it, recorded with its end: {"state": the job's end,
+    # "failure"} or {"restart": the count it was charged to}. A controller that takes over
+    # between the two acts on it (a job that had ended was run again).
+    next: dict[str, Any] | None = None
 
 
 @dataclass

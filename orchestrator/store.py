@@ -349,11 +349,18 @@ class Store:
         return removed
 
     def end_attempt(self, job_id: str, attempt: int, outcome: str,
-                    failure: dict[str, Any] | None, warm_starts: int = 0) -> None:
+                    failure: dict[str, Any] | None, warm_starts: int = 0,
+                    after: dict[str, Any] | None = None,
+                    counts: dict[str, int] | None = None) -> None:
         """An attempt's end; what its ranks' steps say of it is summed up now, once, so
-        that readers never go through an ended attempt's ranks again."""
+        that readers never go through an ended attempt's ranks again. ``after``: what its
+        controller decided comes next (AttemptRecord.next), and ``counts``, the job's restart
+        counts that decision charged, in the same transaction."""
         with self._transaction() as db:
-            storeattempts.end(db, job_id, attempt, outcome, failure, warm_starts, time.time())
+            storeattempts.end(db, job_id, attempt, outcome, failure, warm_starts, time.time(),
+                              after)
+            if counts:
+                storedb.update(db, "jobs", dict(counts), job_id=job_id)
 
     def end_open_attempt(self, job_id: str, final: JobState,
                          failure: dict[str, Any] | None) -> None:

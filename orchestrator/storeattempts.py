@@ -75,8 +75,10 @@ def checkpoint(db: sqlite3.Connection, job_id: str, attempt: int, state: dict[st
 
 
 def end(db: sqlite3.Connection, job_id: str, attempt: int, outcome: str,
-        failure: dict[str, Any] | None, warm_starts: int, now: float) -> None:
-    """An attempt's end, with its steps and pace summed up from its ranks."""
+        failure: dict[str, Any] | None, warm_starts: int, now: float,
+        after: dict[str, Any] | None = None) -> None:
+    """An attempt's end, with its steps and pace summed up from its ranks, and what comes
+    after it (AttemptRecord.next)."""
     steps = _steps_of(db, job_id, attempt)
     rate, total = _rate_of(db, job_id, attempt)
     storedb.update(
@@ -84,6 +86,7 @@ def end(db: sqlite3.Connection, job_id: str, attempt: int, outcome: str,
         {"ended_at": now, "outcome": outcome,
          "failure_json": json.dumps(failure) if failure else None,
          "warm_starts": warm_starts,
+         "next_json": json.dumps(after) if after else None,
          "steps_json": json.dumps({"steps": steps and asdict(steps),
                                    "steps_per_s": rate, "total_steps": total})},
         job_id=job_id, attempt=attempt,
@@ -123,11 +126,11 @@ def read_into(db: sqlite3.Connection, job: JobRecord) -> None:
                       r["master_addr"], r["master_port"], r["world_size"],
                       storedb.json_or_none(r["failure_json"]),
                       storedb.json_or_none(r["stragglers_json"]) or [], r["warm_starts"] or 0,
-                      r["restored_step"])
+                      r["restored_step"], storedb.json_or_none(r["next_json"]))
         for r in db.execute(
             "SELECT attempt, started_at, ended_at, outcome, master_addr, master_port,"
-            " world_size, failure_json, stragglers_json, warm_starts, restored_step"
-            " FROM attempts"
+            " world_size, failure_json, stragglers_json, warm_starts, restored_step,"
+            " next_json FROM attempts"
             " WHERE job_id = ? ORDER BY attempt", (job.job_id,))
     ]
     _attempt_steps(db, job)

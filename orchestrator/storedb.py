@@ -117,6 +117,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     warm_starts INTEGER,
     steps_json TEXT,
     restored_step INTEGER,
+    next_json TEXT,
     PRIMARY KEY (job_id, attempt)
 );
 -- Across jobs: what happened to each host (infrastructure failures it was part of), and the
@@ -185,7 +186,7 @@ _ADDED_COLUMNS = {
               "total_steps": "INTEGER"},
     "attempts": {"checkpoint_json": "TEXT", "stragglers_json": "TEXT",
                  "warm_starts": "INTEGER", "steps_json": "TEXT",
-                 "restored_step": "INTEGER"},
+                 "restored_step": "INTEGER", "next_json": "TEXT"},
 }
 
 

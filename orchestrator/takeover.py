@@ -19,7 +19,7 @@ from orchestrator.logfiles import LogSink
 from orchestrator.participants import Placed
 from orchestrator.plan import plan_attempt
 from orchestrator.records import JobRecord
-from orchestrator.state import FailureCause, NodeState
+from orchestrator.state import FailureCause, JobState, NodeState
 
 log = logging.getLogger("orchestrator.controller")
 
@@ -37,10 +37,20 @@ class Counts:
     infra_restarts: int
     previous_failure: Failure | None  # the last ended attempt's, for stop_on_repeat
     placed: Placed | None  # who ran that attempt: who runs the next depends on it
+    # The job's end the last controller decided on with that attempt's end, and its fields,
+    # where it died before writing it (in the job's state it decided in: not one resumed
+    # since): the job ends so. It was run again, attempt N+1 of a job that had SUCCEEDED.
+    ending: tuple[JobState, dict[str, Any]] | None = None
 
 
 def counts(engine: Engine, job: JobRecord) -> Counts:
     ended = [a for a in job.attempts if a.ended_at is not None]
+    last = job.attempts[-1] if job.attempts else None
+    after = last.next if last is not None and last.ended_at is not None else None
+    ending = None
+    if after and "state" in after and after.get("from") == job.state.value:
+        ending = (JobState(after["state"]),
+                  {k: v for k, v in after.items() if k not in ("state", "from")})
     previous, placed = None, None
     if ended and ended[-1].failure:
         previous = Failure.from_dict(ended[-1].failure)
@@ -49,7 +59,7 @@ def counts(engine: Engine, job: JobRecord) -> Counts:
         if where:
             placed = Placed([int(i) for i in where], previous)
     return Counts(job.attempt, job.restarts, job.free_restarts, job.infra_restarts, previous,
-                  placed)
+                  placed, ending)
 
 
 def open_attempt(engine: Engine, job: JobRecord, spec_dir: str,

@@ -133,3 +133,69 @@ def test_a_supervisor_whose_job_left_the_home_exits(tmp_path, monkeypatch):
     looker.start()
     looker.join(10)
     assert got == [None], "still looking for a job the home does not have"
+
+
+@pytest.mark.parametrize("exits, ends", [
+    ({}, "SUCCEEDED"),  # every rank exits 0
+    ({"b": {1: {2: 5}}}, "FAILED"),  # rank 2 exits 5, no restart left
+])
+def test_a_controller_that_dies_as_the_job_ends_leaves_it_ended_not_run_again(
+        tmp_path, monkeypatch, exits, ends):
+    """Between an attempt's end and the job's (the agents shut down, a Slurm allocation
+    given back: seconds), a controller's death, however it came, left a job whose attempt
+    had ended and whose state was still RUNNING: the one that took over found no attempt
+    open and ran the job again, attempt 2 of a job that had SUCCEEDED (or had no restart
+    left). What comes after an attempt is recorded with its end, and a controller that takes
+    over acts on it. Found by a reading helper."""
+    from orchestrator.engine import Engine, Phase
+    from orchestrator.state import JobState
+    from orchestrator.transport.fake import FakeCluster
+
+    spec = parse_jobspec(SPEC.replace("max_restarts: 2", "max_restarts: 0"))
+    store = Store(tmp_path / "home")
+    store.create_job("end-000001", "end", spec.model_dump_json(), str(tmp_path), 0, ["a", "b"])
+    log: list = []
+    cluster = FakeCluster(log=log, exits=exits)
+    checkpoint = Engine.checkpoint
+
+    def dies_as_it_ends(self, force=False):
+        if self.phase is Phase.ENDING:
+            raise sqlite3.OperationalError("database is locked")
+        return checkpoint(self, force)
+    monkeypatch.setattr(Engine, "checkpoint", dies_as_it_ends)
+    with pytest.raises(sqlite3.OperationalError):
+        Controller(store, "end-000001", spec, str(tmp_path), cluster).run()
+    monkeypatch.undo()
+    assert store.get_job("end-000001").state == JobState.RUNNING  # the end not yet written
+    state = Controller(store, "end-000001", spec, str(tmp_path), cluster, resume=True).run()
+    job = store.get_job("end-000001")
+    assert (state.value, job.state.value, len(job.attempts)) == (ends, ends, 1)
+    assert not [m for _, m in log if m.get("op") == "start" and m.get("attempt") == 2]
+    assert (job.failure is None) == (ends == "SUCCEEDED")
+
+
+def test_a_controller_that_dies_deciding_a_restart_charges_it_once(tmp_path, monkeypatch):
+    """The restart a failure charges was written after the attempt's end: a controller's
+    death in between gave the next attempt for free. Now written with the end."""
+    from orchestrator.engine import Engine
+    from orchestrator.state import JobState
+    from orchestrator.transport.fake import FakeCluster
+
+    spec = parse_jobspec(SPEC)  # max_restarts 2
+    store = Store(tmp_path / "home")
+    store.create_job("restart-000001", "r", spec.model_dump_json(), str(tmp_path), 2,
+                     ["a", "b"])
+    cluster = FakeCluster(exits={"b": {1: {2: 5}}})  # attempt 1's rank 2 exits 5
+    set_state = Engine.set_state
+
+    def dies_restarting(self, new, **fields):
+        if new == JobState.RESTARTING:
+            raise sqlite3.OperationalError("database is locked")
+        return set_state(self, new, **fields)
+    monkeypatch.setattr(Engine, "set_state", dies_restarting)
+    with pytest.raises(sqlite3.OperationalError):
+        Controller(store, "restart-000001", spec, str(tmp_path), cluster).run()
+    monkeypatch.undo()
+    state = Controller(store, "restart-000001", spec, str(tmp_path), cluster, resume=True).run()
+    job = store.get_job("restart-000001")
+    assert (state, len(job.attempts), job.restarts) == (JobState.SUCCEEDED, 2, 1)
