@@ -94,6 +94,7 @@ class Engine:
         self.nodes = self.book.nodes
         self.preparer = Preparer(job_id, spec, spec_dir, store, self.loop)
         self.holdings = Holdings()  # the nodes' checkpoints, from their ``held`` reports
+        self.book.on_gone = self.holdings.forget
         self.hosts = {n.index: "local" if n.spec.is_local else n.spec.hostname
                       for n in self.nodes}
         # Looks of the controller's, as often as readers' requests (the drains: drain.py).

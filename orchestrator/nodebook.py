@@ -154,6 +154,9 @@ class NodeBook:
         self._writes: list[tuple[int, NodeState, str | None, dict[str, Any]]] = []
         # Told when a node becomes LOST (the controller's notifications): node, message.
         self.on_lost: Callable[[Node, str | None], None] | None = None
+        # Told a node's index when its channel goes with it (no Closed comes then): what it
+        # held is forgotten until its agent says again (the engine's checkpoint holdings).
+        self.on_gone: Callable[[int], None] = lambda index: None
 
     # --- states and writes ------------------------------------------------------------------
     def set(self, node: Node, state: NodeState, message: str | None = None, *,
@@ -218,6 +221,7 @@ class NodeBook:
         was_running = node.state == NodeState.RUNNING or (
             node.state == NodeState.UNREACHABLE and node.state_before == NodeState.RUNNING)
         self.pool.drop_channel(node)
+        self.on_gone(node.index)  # a cut link's node held copies nobody can pull any more
         new = NodeState.FAILED if node.state == NodeState.PENDING else NodeState.LOST
         self.set(node, new, message, info=replace(node.info, error=message,
                                                   health_problems=None))

@@ -682,3 +682,56 @@ def test_ranks_that_resumed_an_older_step_than_told_are_said_to_every_node(monke
     assert holdings._retained is None
     report(1, 1)
     assert len(sent) == 3  # once
+
+
+def test_a_node_lost_to_silence_is_forgotten_as_a_holder_of_copies(tmp_path):
+    """A node whose link is cut goes LOST by silence, its channel dropped by the controller
+    (no Closed comes then): what it last said it held stayed, and the next attempt's pulls
+    could name it as the source of a rank's copy (its load failing, again every attempt),
+    the retained step counted its replicas. Found by a reading helper."""
+    import threading
+    import time
+
+    from orchestrator.controller import Controller
+    from orchestrator.spec import parse_jobspec
+    from orchestrator.state import NodeState
+    from orchestrator.store import Store
+    from orchestrator.transport.fake import FakeCluster
+
+    spec = parse_jobspec("name: gone\nnodes: [{host: n0}, {host: n1}, {host: n2}]\n"
+                         "nnodes: 2\ncommand: [train]\nmax_restarts: 0\n"
+                         "health: {heartbeat_interval: 0.5, node_timeout: 2, "
+                         "controller_grace: 1}\n")
+    store = Store(tmp_path / "home")
+    store.create_job("gone-000001", "gone", spec.model_dump_json(), str(tmp_path), 0,
+                     ["n0", "n1", "n2"])
+    cluster = FakeCluster(heartbeat_interval=0.5, run=True)
+    controller = Controller(store, "gone-000001", spec, str(tmp_path), cluster)
+    spare = controller.nodes[2]
+    seen: list[object] = []
+
+    def drive() -> None:
+        deadline = time.monotonic() + 30
+        while not (controller.current is not None and controller.current.all_started) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        controller.engine.loop.call_later(0.0, lambda: controller.engine.holdings.update(
+            2, held({}, {0: [9], 1: [9]}, port=4002)))  # the spare holds both ranks' step 9
+        while controller.engine.holdings.summary(2) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen.append(controller.engine.holdings.summary(2))
+        cluster.kill("n2")  # its link cut
+        while spare.state != NodeState.LOST and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seen.append(spare.state)
+        time.sleep(0.2)
+        seen.append(controller.engine.holdings.summary(2))
+        controller.request_cancel()
+
+    threading.Thread(target=drive, daemon=True).start()
+    try:
+        controller.run()
+    finally:
+        cluster.close()
+    assert seen[0] is not None and seen[1] == NodeState.LOST, seen
+    assert seen[2] is None, seen  # forgotten with its channel
