@@ -87,6 +87,7 @@ def hold(engine: Engine, notifier: Notifier, reason: str, floor: int) -> bool:
         if time.monotonic() < next_look and not engine.exit_requested:
             continue
         next_look = time.monotonic() + LOOK_EVERY
+        _reconnect_silent(engine)
         try:
             cancelled = store.job_state(job_id)[1] or engine.cancel_requested
         except Exception:  # noqa: BLE001 (a home gone: reading fails too; look again)
@@ -112,9 +113,22 @@ def hold(engine: Engine, notifier: Notifier, reason: str, floor: int) -> bool:
         return True
 
 
+def _reconnect_silent(engine: Engine) -> None:
+    """A channel silent for node_timeout (its link cut: nothing ends it) is let go and the
+    node's agent reached again, as one that ended."""
+    now = time.monotonic()
+    for node in engine.nodes:
+        channel = node.channel
+        if channel is not None and now - channel.heard > engine.spec.health.node_timeout:
+            engine.pool.drop_channel(node)
+            engine.pool.connect(node, launch=False, retry=True)
+
+
 def _on_event(engine: Engine, event: E.Event, stopping: bool) -> None:
     """While holding: channels that attach are told to spool too (or, after a cancel, to
-    shut down); channels that end are let go. Messages are left to the agents, which keep
+    shut down); a channel that ends is let go and its agent reached again (never launched):
+    a pause lasts as long as the disk stays full, and an agent left without a controller
+    stops its workers after controller_grace. Messages are left to the agents, which keep
     every one not acknowledged and replay it to the next controller."""
     match event:
         case E.Attached(index, channel):
@@ -128,3 +142,4 @@ def _on_event(engine: Engine, event: E.Event, stopping: bool) -> None:
             node = engine.nodes[channel.node_index]
             if node.channel is channel:
                 engine.pool.drop_channel(node)
+                engine.pool.connect(node, launch=False, retry=True)

@@ -199,3 +199,60 @@ def test_a_controller_that_dies_deciding_a_restart_charges_it_once(tmp_path, mon
     state = Controller(store, "restart-000001", spec, str(tmp_path), cluster, resume=True).run()
     job = store.get_job("restart-000001")
     assert (state, len(job.attempts), job.restarts) == (JobState.SUCCEEDED, 2, 1)
+
+
+def test_a_channel_that_ends_during_a_pause_is_reached_again(tmp_path, monkeypatch):
+    """A pause lasts as long as the home stays full, hours maybe. A node's channel that
+    ended meanwhile (a relay's SSH session dropped) was let go and never reached again, and
+    its agent, with no controller, stopped its workers after controller_grace: our full disk
+    cost the user their training. Its agent is reached again (never launched). Found by a
+    reading helper."""
+    import threading
+    import time
+
+    from orchestrator.transport.fake import FakeCluster
+
+    spec = parse_jobspec(SPEC)
+    store = Store(tmp_path / "home")
+    store.create_job("hold-000001", "hold", spec.model_dump_json(), str(tmp_path), 2,
+                     ["a", "b"])
+    cluster = FakeCluster(run=True)
+    opened: list[str] = []
+
+    def connect(node, job_spec):
+        opened.append(node.host)
+        return cluster(node, job_spec)
+    controller = Controller(store, "hold-000001", spec, str(tmp_path), connect)
+    full = threading.Event()
+    check_room = Store.check_room
+
+    def room(self, floor):
+        if full.is_set():
+            raise StoreUnwritable(str(self.home), "0 bytes free")
+        return check_room(self, floor)
+    monkeypatch.setattr(Store, "check_room", room)
+    seen: dict[str, object] = {}
+
+    def drive() -> None:
+        deadline = time.monotonic() + 30
+        while not (controller.current is not None and controller.current.all_started) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        full.set()  # the home is full: the controller pauses
+        while store.get_job("hold-000001").paused is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["paused"] = store.get_job("hold-000001").paused
+        before = opened.count("b")
+        cluster.agents["b"].wire.put(None)  # b's channel ends
+        while opened.count("b") == before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        seen["reached again"] = opened.count("b") > before
+        full.clear()  # room again: a fresh controller would carry on
+
+    threading.Thread(target=drive, daemon=True).start()
+    try:
+        controller.run()
+    finally:
+        cluster.close()
+    assert seen.get("paused") and seen.get("reached again"), seen
+    assert controller.hand_over
