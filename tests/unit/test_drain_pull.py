@@ -190,3 +190,37 @@ def test_a_pull_that_fails_makes_the_load_say_so_not_start_from_scratch(
         assert not os.path.exists(os.path.join(new.root, "rank-1", F.PULL_FAILED_NAME))
     finally:
         new.close()
+
+
+def test_a_pull_of_an_attempt_before_says_nothing_to_the_next_attempts_load(tmp_path,
+                                                                            monkeypatch):
+    """Attempt N's pull from a buddy cut mid-copy waits for its transfer's timeout; attempt
+    N+1 began meanwhile with its own pull of the rank's copy. The old pull's failure, and the
+    end of its wait, reached the new attempt's load while its own copy was still coming: the
+    load raised "no copy", the attempt failed. Found by a reading helper."""
+    root = str(tmp_path)
+    release = threading.Event()
+
+    def fake_pull(address, port, secret, rank, step, path, memory):
+        if port == 1:  # attempt N's source: its node went mid-copy
+            time.sleep(0.3)
+            raise OSError("timed out")
+        release.wait(10)  # attempt N+1's: alive, slower
+        raise OSError("the test is over")
+    monkeypatch.setattr(pulls_module, "pull_replica", fake_pull)
+    problems: list[str] = []
+    pulls_module.install(root, "s", None, (C.Pull(3, 100, "gone", 1),), problems.append,
+                         lambda: None)
+    time.sleep(0.05)
+    pulls_module.install(root, "s", None, (C.Pull(3, 100, "alive", 2),), problems.append,
+                         lambda: None)
+    rank_dir = os.path.join(root, "rank-3")
+    time.sleep(0.6)  # the old pull has failed by now
+    assert os.path.exists(os.path.join(rank_dir, F.PULLING_NAME))  # the load still waits
+    F.pull_failed(rank_dir, 100)  # and is told of no failure
+    release.set()
+    deadline = time.monotonic() + 5
+    while os.path.exists(os.path.join(rank_dir, F.PULLING_NAME)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    with pytest.raises(F.CheckpointError, match="alive"):  # its own pull's failure, named
+        F.pull_failed(rank_dir, 100)
