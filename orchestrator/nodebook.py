@@ -192,6 +192,13 @@ class NodeBook:
             node.received = node.acked = record.acked_seq
             node.heard = time.monotonic()
             node.longest_silence = record.longest_silence or 0.0
+            if record.state == NodeState.UNREACHABLE:
+                # Where it goes back to, and whether losing it fails the attempt: a node
+                # UNREACHABLE when its controller died was never blamed on the attempt (the
+                # job hung in its peers' collectives, then a restart was charged to the user).
+                before = [e.state for e in record.history if e.state != NodeState.UNREACHABLE]
+                node.state_before = before[-1] if before else NodeState.RUNNING
+                node.unreachable_since = time.monotonic()
 
     # --- losing a node ------------------------------------------------------------------------
     def unreachable(self, node: Node, why: str, *, keep_channel: bool = False) -> None:

@@ -256,3 +256,66 @@ def test_a_channel_that_ends_during_a_pause_is_reached_again(tmp_path, monkeypat
         cluster.close()
     assert seen.get("paused") and seen.get("reached again"), seen
     assert controller.hand_over
+
+
+def test_a_node_unreachable_when_its_controller_died_fails_the_attempt_once_lost(
+        tmp_path, monkeypatch):
+    """A node UNREACHABLE (its host just died) when the controller died: the one that took
+    over did not know it had run workers, so losing it failed no attempt; its peers waited
+    in their collectives (30 min), and the job then failed as the user's. Now restored with
+    where it was, it fails the attempt as NODE_FAIL once lost. Found by a reading helper."""
+    import threading
+    import time
+
+    from orchestrator.engine import Engine
+    from orchestrator.state import JobState
+    from orchestrator.transport.fake import FakeCluster
+
+    spec = parse_jobspec("name: gone\nnodes: [{host: a}, {host: b}]\ncommand: [train]\n"
+                         "max_restarts: 0\nlaunch_timeout: 1\n"
+                         "health: {heartbeat_interval: 0.5, node_timeout: 4, "
+                         "controller_grace: 1}\n")
+    store = Store(tmp_path / "home")
+    store.create_job("gone-000001", "gone", spec.model_dump_json(), str(tmp_path), 0,
+                     ["a", "b"])
+    cluster = FakeCluster(heartbeat_interval=0.5, run=True)
+    controller = Controller(store, "gone-000001", spec, str(tmp_path), cluster)
+    crash = threading.Event()
+    checkpoint = Engine.checkpoint
+
+    def dies(self, force=False):
+        if crash.is_set():
+            raise sqlite3.OperationalError("database is locked")
+        return checkpoint(self, force)
+    monkeypatch.setattr(Engine, "checkpoint", dies)
+
+    def drive() -> None:
+        deadline = time.monotonic() + 30
+        while not (controller.current is not None and controller.current.all_started) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        cluster.kill("b")
+        while store.get_job("gone-000001").nodes[1].state != NodeState.UNREACHABLE and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+        crash.set()
+
+    threading.Thread(target=drive, daemon=True).start()
+    try:
+        with pytest.raises(sqlite3.OperationalError):
+            controller.run()
+        monkeypatch.undo()
+        assert store.get_job("gone-000001").nodes[1].state == NodeState.UNREACHABLE
+        began = time.monotonic()
+        resumed = Controller(store, "gone-000001", spec, str(tmp_path), cluster, resume=True)
+        give_up = threading.Timer(20, resumed.request_cancel)  # the old code waits for good
+        give_up.daemon = True
+        give_up.start()
+        state = resumed.run()
+        give_up.cancel()
+    finally:
+        cluster.close()
+    failure = store.get_job("gone-000001").attempts[0].failure
+    assert state == JobState.FAILED and failure is not None, (state, failure)
+    assert (failure["cause"], failure["node_index"]) == ("NODE_FAIL", 1), failure
+    assert time.monotonic() - began < 20
