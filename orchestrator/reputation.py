@@ -129,7 +129,10 @@ def count_failure(store: Store, job_id: str, host: str | None,
     if (failure.failure_class != "infrastructure" or host is None
             or failure.cause == FailureCause.CONTROLLER_LOST):
         return None
-    return record(store, host, job_id, failure.cause.value, failure.evidence or failure.message)
+    # At the failure's own time: a controller that dies while the attempt is stopped decides
+    # it again after taking over, and counted it twice (a host quarantined too soon).
+    return record(store, host, job_id, failure.cause.value, failure.evidence or failure.message,
+                  failure.detected_at or failure.at)
 
 
 def quarantined(store: Store, now: float | None = None) -> dict[str, dict[str, Any]]:

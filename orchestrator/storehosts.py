@@ -16,8 +16,12 @@ from typing import Any
 
 def add_event(db: sqlite3.Connection, host: str, job_id: str, kind: str, detail: str,
               at: float) -> None:
-    db.execute("INSERT INTO host_events (host, at, job_id, kind, detail) "
-               "VALUES (?, ?, ?, ?, ?)", (host, at, job_id, kind, detail))
+    """Once: the same failure of a job's (its host, kind and time) decided again by a
+    controller that took over is not a second one."""
+    db.execute("INSERT INTO host_events (host, at, job_id, kind, detail) SELECT ?, ?, ?, ?, ? "
+               "WHERE NOT EXISTS (SELECT 1 FROM host_events WHERE host = ? AND at = ? AND "
+               "job_id = ? AND kind = ?)", (host, at, job_id, kind, detail, host, at, job_id,
+                                            kind))
 
 
 def events(db: sqlite3.Connection, since: float, host: str | None) -> list[dict[str, Any]]:

@@ -103,3 +103,22 @@ def test_the_policy_is_this_homes_setting_checked_and_kept(tmp_path):
     for i in range(5):
         assert reputation.record(store, "m", "j", "NODE_FAIL", "x", t + i) is None
     store.close()
+
+
+def test_a_failure_decided_again_by_a_controller_that_took_over_counts_once(tmp_path):
+    """A controller that died while an attempt was being stopped left it open, with its
+    failure; the one that took over decided it again and counted it against the host a
+    second time: a healthy-enough host quarantined after half the incidents the policy
+    asks for. Found by a reading helper."""
+    from orchestrator.attempt import Failure
+    from orchestrator.state import FailureCause
+
+    store = Store(tmp_path)
+    lost = Failure(FailureCause.NODE_FAIL, "10.0.0.2: silent for 30s", node_index=1,
+                   host="10.0.0.2", at=1_000_000.0, detected_at=1_000_030.0,
+                   failure_class="infrastructure")
+    assert reputation.count_failure(store, "job-a", "10.0.0.2", lost) is None
+    again = Failure.from_dict(lost.to_dict())  # as the open attempt's checkpoint keeps it
+    assert reputation.count_failure(store, "job-a", "10.0.0.2", again) is None  # not 2 of 2
+    assert len(store.host_events(0, "10.0.0.2")) == 1
+    store.close()
