@@ -97,16 +97,19 @@ class Retain(Command):
 
 @dataclass(frozen=True)
 class Resumed(Command):
-    """Every rank of the attempt resumed ``step``, older than the step they were told (a
-    copy that did not verify, or a load into another world size): copies of later steps
-    saved before the attempt are of a timeline no rank follows, and go."""
+    """Every rank of ``attempt`` resumes (or resumed) ``step``: copies of later steps saved
+    before it are of a timeline no rank follows, and go. Told to every node once the ranks
+    loaded an older step than they were told (a copy that did not verify, a load into
+    another world size), and to the spares as an attempt starts (a fall back's spare kept
+    the steps it fell back from, and the attempt after resumed them)."""
 
     OP = "resumed"
     step: int
+    attempt: int
 
     @classmethod
     def read(cls, f: _Read) -> Resumed:
-        return cls(f.integer("step"))
+        return cls(f.integer("step"), f.integer("attempt"))
 
 
 @dataclass(frozen=True)

@@ -197,9 +197,13 @@ class Store:
         saves stay."""
         with self._lock:
             told = self.config.restore_step
-            if told is not None and resumed.step < told:
+            if resumed.attempt == self.attempt:  # it runs ranks of that attempt
+                if told is None or resumed.step >= told:
+                    return
                 self.config = replace(self.config, restore_step=resumed.step)
-                self._discard_after(resumed.step, before=self.attempt)
+            elif resumed.attempt < self.attempt:
+                return  # of an attempt before this node's
+            self._discard_after(resumed.step, before=resumed.attempt)
         self._wake.set()
 
     def _discard_after(self, step: int | None, before: int | None = None) -> None:

@@ -36,7 +36,7 @@ from agents import commands as C
 from orchestrator import bringup, healthcheck, pause, policy, reputation, takeover
 from orchestrator.attempt import Attempt, AttemptResult, Failure, start_command
 from orchestrator.checkpoints import attempt_config
-from orchestrator.dispatch import assign_buddies, dispatch
+from orchestrator.dispatch import assign_buddies, dispatch, spares_resume
 from orchestrator.drain import Mover
 from orchestrator.engine import Engine, Phase, Stop, judge, linger
 from orchestrator.errors import StoreUnwritable
@@ -349,6 +349,7 @@ class Controller:
             engine.send_start(node)
         engine.holdings.new_attempt()
         assign_buddies(engine)
+        spares_resume(engine)
         engine.timeline.mark("start", self.attempt)
         warm_spares(self, participants, port)
         return self._watch(attempt)

@@ -131,9 +131,24 @@ def resumed_older(engine: Engine, step: int) -> None:
     of its copies of later steps saved before the attempt (the old timeline's; a spare's
     replicas too), and what every rank could resume after a node's loss is found again."""
     engine.holdings.new_timeline()
+    attempt = engine.current
     for node in engine.nodes:
-        if node.channel is not None:
-            engine.pool.send(node, C.Resumed(step))
+        if node.channel is not None and attempt is not None:
+            engine.pool.send(node, C.Resumed(step, attempt.number))
+
+
+def spares_resume(engine: Engine) -> None:
+    """A starting attempt's step, told to the nodes that run none of it: the participants
+    drop their copies of later steps as they start, and a spare kept them (after a fall back
+    below a step that failed, the attempt after resumed that step again from the spare's
+    replicas, and failed the same way)."""
+    attempt = engine.current
+    if attempt is None or attempt.checkpoint.restore_step is None:
+        return
+    told = C.Resumed(attempt.checkpoint.restore_step, attempt.number)
+    for node in engine.nodes:
+        if node.index not in attempt.node_plans and node.channel is not None:
+            engine.pool.send(node, told)
 
 
 def assign_buddies(engine: Engine) -> None:

@@ -729,7 +729,7 @@ def test_ranks_that_resume_an_older_step_than_told_leave_no_copy_of_the_old_time
         ckpt.save(95, {"w": torch.full((10,), -95.0)})
         s._pass()
         for node in (s, buddy):
-            node.resumed(C.Resumed(90))
+            node.resumed(C.Resumed(90, 2))
         s._pass()
         rank_dir = os.path.join(s.root, "rank-1")
         assert sorted(ckpt._metas(rank_dir)) == [95]  # the old 100 gone (90's slot reused)

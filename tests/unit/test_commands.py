@@ -42,7 +42,7 @@ EXAMPLES: list[tuple[C.Command, int | None]] = [
         "ck", 5, 3, 1 << 30, 42, (C.Pull(3, 42, "10.0.0.2", 40000),))), None),
     (C.ReplicateTo("10.0.0.2", 40000), None), (C.ReplicateTo("", 0), None), (C.Retain(41), None),
     (C.SaveAt(57, 120.0), None), (C.SaveAt(None), None), (C.SaveAt(3, 1.0, True, False), None),
-    (C.Release(), None), (C.Resumed(90), None),
+    (C.Release(), None), (C.Resumed(90, 2), None),
     (C.ReplicateTo("10.0.0.2", 40000, (("10.0.0.3", 40001),)), None),
     (C.Stop(2, 1.5), None), (C.Stop(), None),
     (C.FreePort(), 1), (C.FreePort(range=(29500, 29510)), 2), (C.Listen(ports=(1, 2)), 3),

@@ -678,7 +678,7 @@ def test_ranks_that_resumed_an_older_step_than_told_are_said_to_every_node(monke
     report(0, 0)
     assert sent == [] and loaded == []  # not every rank said yet
     report(1, 1)
-    assert sent == [(i, C.Resumed(90)) for i in range(3)] and loaded == [90]
+    assert sent == [(i, C.Resumed(90, 2)) for i in range(3)] and loaded == [90]
     assert holdings._retained is None
     report(1, 1)
     assert len(sent) == 3  # once
@@ -735,3 +735,35 @@ def test_a_node_lost_to_silence_is_forgotten_as_a_holder_of_copies(tmp_path):
         cluster.close()
     assert seen[0] is not None and seen[1] == NodeState.LOST, seen
     assert seen[2] is None, seen  # forgotten with its channel
+
+
+def test_a_spare_lets_go_of_the_steps_after_the_one_an_attempt_starts_from(tmp_path,
+                                                                          monkeypatch):
+    """A fall back below a step that failed: the participants dropped their copies of the
+    later steps as the attempt started, the spare kept its replicas of them, and when that
+    attempt failed for another reason the next one resumed the failed step again from the
+    spare and failed the same way. As an attempt starts, the spares are told its step; a
+    participant of it already was. Found by a reading helper."""
+    from types import SimpleNamespace
+
+    from orchestrator import dispatch
+
+    store, _ = started_store(tmp_path, monkeypatch)  # a spare: it runs nothing of attempt 2
+    try:
+        assert store.replicas is not None
+        for step in (90, 95, 100):
+            push("127.0.0.1", store.replicas.port, "s3cret", 7, step, *copy_of(step))
+        store.resumed(C.Resumed(95, 2))
+        assert sorted(store.replicas.holdings()[0][7]) == [90, 95]
+        store.resumed(C.Resumed(90, 1))  # of an attempt before this node's: nothing
+        assert sorted(store.replicas.holdings()[0][7]) == [90, 95]
+    finally:
+        store.close()
+    sent: list[tuple[int, C.Command]] = []
+    nodes = [SimpleNamespace(index=i, channel=object()) for i in range(3)]
+    attempt = SimpleNamespace(number=2, node_plans={0: None, 1: None},
+                              checkpoint=C.CheckpointConfig(restore_step=95))
+    engine = SimpleNamespace(current=attempt, nodes=nodes, pool=SimpleNamespace(
+        send=lambda node, command: sent.append((node.index, command))))
+    dispatch.spares_resume(engine)  # type: ignore[arg-type]
+    assert sent == [(2, C.Resumed(95, 2))]
