@@ -454,6 +454,9 @@ def _memory_copy(torch, step):
         return None
     rank_dir = os.path.join(memory, "rank-%d" % _rank())
     F.await_pull(rank_dir)  # a copy the agent pulls from another node as the ranks start
+    if os.path.exists(os.path.join(rank_dir, F.PULLING_NAME)):  # waited for it long enough
+        raise CheckpointError("rank %d: its copy of step %d, pulled from another node, did "
+                              "not come in time" % (_rank(), step))
     base = os.path.join(rank_dir, F.step_name(step))
     meta_bytes = F.read_bytes(base + ".meta")
     if meta_bytes is None or os.path.exists(base + ".corrupt"):
@@ -507,15 +510,18 @@ def load():
     Where it found none (a job's first attempt: its nodes hold nothing yet) and without it
     (plain torchrun), the newest step persisted in ``$ORCHESTRATOR_CHECKPOINT_DIR``. Either way, a
     copy that fails its checksums is named on stderr and skipped; when ``torch.distributed``
-    is initialized, the ranks then agree on the newest older step they all have. Without
-    it, a rank that has no good copy of the agreed step raises CheckpointError (the attempt
-    fails, and the next one is agreed on the copies that are left)."""
+    is initialized, the ranks then agree on the newest older step they all have (where
+    there is none, every rank raises CheckpointError rather than all starting from
+    scratch). Without it, a rank that has no good copy of the agreed step raises
+    CheckpointError (the attempt fails, and the next one is agreed on the copies that are
+    left); as does a copy pulled from another node that did not come in time."""
     import torch
     started = time.perf_counter()
     root = os.environ.get(F.DIR_VAR)
     text = os.environ.get(F.STEP_VAR)
+    told = None
     if os.environ.get(F.MEMORY_VAR) and text:
-        step = int(text)
+        step = told = int(text)
         found = _copy(torch, root, step)
         if F.everyone(torch, found is not None):
             return _restored(step, found, started)
@@ -529,6 +535,11 @@ def load():
         candidates = F.persisted_steps(root, _rank())
     while True:
         step = F.agree(torch, candidates)
+        if step is None and told is not None:
+            # Every rank starting from scratch, said nowhere, lost a job's whole training:
+            # the attempt fails instead, and the next one resumes what the nodes hold.
+            raise CheckpointError("no good copy of step %d on every rank, and no older step "
+                                  "that every rank holds here (rank %d)" % (told, _rank()))
         if step is None:
             return None
         found = _copy(torch, root, step)

@@ -224,3 +224,41 @@ def test_a_pull_of_an_attempt_before_says_nothing_to_the_next_attempts_load(tmp_
         time.sleep(0.02)
     with pytest.raises(F.CheckpointError, match="alive"):  # its own pull's failure, named
         F.pull_failed(rank_dir, 100)
+
+
+def test_a_load_with_no_good_copy_anywhere_here_raises_rather_than_start_from_scratch(
+        store, tmp_path, monkeypatch):  # noqa: F811
+    """The ranks told a step whose copy did not verify, or came too late from another node,
+    agreed on an older step; where no rank held one, every rank started from scratch and
+    nothing said so (a week of training gone). They raise instead: the attempt fails, and
+    the next one resumes what the nodes hold. Found by a reading helper."""
+    import torch.distributed as dist
+
+    s, _ = store
+    monkeypatch.setenv(F.PERSIST_VAR, "1000")
+    s.configure(C.CheckpointConfig("ck", 1000, 2, 64 << 20), str(tmp_path), 1, 1)
+    ckpt.save(7, {"w": torch.full((1000,), 7.0)})
+    s._pass()
+    rank_dir = os.path.join(s.root, "rank-1")
+    slot = json.loads(F.read_bytes(os.path.join(rank_dir, "step-7.meta")))["slot"]
+    with open(os.path.join(rank_dir, f"slot-{slot}"), "r+b") as f:
+        f.seek(100)
+        f.write(b"\xff")  # the only copy of step 7 is bad
+    monkeypatch.setenv(F.STEP_VAR, "7")
+    monkeypatch.setenv("ORCHESTRATOR_ATTEMPT", "2")
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        with pytest.raises(ckpt.CheckpointError, match="no good copy of step 7 on every rank"):
+            ckpt.load()
+    finally:
+        dist.destroy_process_group()
+    # A copy pulled from another node that did not come within its wait says so too.
+    monkeypatch.setenv(F.STEP_VAR, "9")
+    F.write_file(os.path.join(rank_dir, F.PULLING_NAME), str(time.time() - 1).encode())
+    with pytest.raises(ckpt.CheckpointError, match="step 9, pulled from another node, did "
+                                                   "not come in time"):
+        ckpt.load()
