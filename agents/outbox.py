@@ -331,11 +331,15 @@ class Outbox:
     def _replay_spool(self, conn: socket.socket) -> None:
         while True:
             with self._cond:
-                if self._spool is None or self._conn is not conn:
+                if self._spool is None or self._conn is not conn or self._holding:
                     return
-                while self._unacked_bytes >= P.WINDOW_BYTES and self._conn is conn:
+                # A controller that pauses (it cannot write) acknowledges nothing: waiting for
+                # its window here held the sender, and the workers' output behind it, for as
+                # long as the pause lasted. The rest of the spool waits for the next attach.
+                while self._unacked_bytes >= P.WINDOW_BYTES and self._conn is conn and \
+                        not self._holding:
                     self._cond.wait(0.5)
-                if self._conn is not conn:
+                if self._conn is not conn or self._holding:
                     return
                 self._spool.flush()
                 self._spool.seek(self._spool_offset)

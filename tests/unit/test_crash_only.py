@@ -319,3 +319,48 @@ def test_a_node_unreachable_when_its_controller_died_fails_the_attempt_once_lost
     assert state == JobState.FAILED and failure is not None, (state, failure)
     assert (failure["cause"], failure["node_index"]) == ("NODE_FAIL", 1), failure
     assert time.monotonic() - began < 20
+
+
+def test_an_agent_attached_again_during_a_pause_keeps_its_workers_writing(tmp_path):
+    """A pausing controller acknowledges nothing. An agent that attached again during the
+    pause replayed its spool and waited there for a window that never opened: its sender
+    stopped, the output queue filled, and every worker blocked writing to stdout for as long
+    as the pause lasted. Told to spool, the replay stops and the rest waits for the next
+    attach. Found by a reading helper."""
+    import socket
+    import threading
+    import time
+
+    from agents import protocol as P
+    from agents.outbox import Outbox
+
+    outbox = Outbox(str(tmp_path / "spool"), None)
+    outbox.hello = lambda: {"type": P.HELLO}
+    threading.Thread(target=outbox.run, daemon=True).start()
+    line = "x" * 1000
+    for _ in range(6):  # 6 MiB spooled while no controller is attached
+        outbox.add_lines(1, 0, "stdout", [line] * 1000)
+    deadline = time.monotonic() + 20
+    while outbox._lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    ours, theirs = socket.socketpair()
+
+    def read_all() -> None:  # the pausing controller reads everything, acknowledges nothing
+        while theirs.recv(1 << 20):
+            pass
+    threading.Thread(target=read_all, daemon=True).start()
+    try:
+        outbox.attach(ours, 0)
+        while outbox.current() is not ours and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # in the spool's replay, at the window
+        outbox.spool_while_attached(ours)  # the pause says: spool
+        writing = threading.Thread(target=lambda: [
+            outbox.add_lines(1, 0, "stdout", [line] * 1000) for _ in range(3)], daemon=True)
+        writing.start()
+        writing.join(timeout=5)
+        assert not writing.is_alive(), "the workers' output blocked behind the replay"
+    finally:
+        outbox.close()
+        ours.close()
+        theirs.close()
