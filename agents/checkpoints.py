@@ -143,8 +143,7 @@ class Store:
             F.write_file(path, F.save_at_text(at.step, time.time() + at.hold))
 
     def release(self) -> None:
-        """Nothing held here is of use any more (C.Release): the ranks' copies, the
-        replicas and the pages kept for them go, and the report says so."""
+        """Nothing here is of use any more (C.Release): copies, replicas, pages go."""
         with self._lock:
             self.targets, self._pushed = [], {}
             self._saves.clear()
@@ -189,12 +188,10 @@ class Store:
                 F.STEP_VAR: None if config.restore_step is None else str(config.restore_step)}
 
     def resumed(self, resumed: C.Resumed) -> None:
-        """This attempt's ranks resumed an older step than they were told (C.Resumed):
-        the copies of the steps between, saved before it, went on being sent, kept and
-        resumed (the buddy kept the old timeline's copy of the step the ranks were told,
-        and the node's new one was never sent: a node's loss then resumed ranks from two
-        timelines). They go as a new attempt's discard takes them; this attempt's own
-        saves stay."""
+        """An attempt's ranks resume an older step than the copies here go on to
+        (C.Resumed): those saved before it, of a timeline none follows, go (the buddy kept
+        the old copy of the step the ranks were told, the new one never went, and a node's
+        loss resumed ranks from two timelines); this attempt's own saves stay."""
         with self._lock:
             told = self.config.restore_step
             if resumed.attempt == self.attempt:  # it runs ranks of that attempt
