@@ -420,7 +420,8 @@ class Controller:
         log.info("resuming job %s in state %s, attempt %d", self.job_id, job.state.value,
                  job.attempt)
         attempt = takeover.open_attempt(engine, job, self.spec_dir, self._sink)
-        engine.restore(job.state, attempt, job.started_at)
+        engine.restore(job.state, attempt or takeover.open_attempt(
+            engine, job, self.spec_dir, self._sink, ended=True), job.started_at)
         if job.state == JobState.PENDING:
             engine.set_state(JobState.LAUNCHING, started_at=time.time())
         takeover.reattach(engine)

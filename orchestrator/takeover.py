@@ -62,10 +62,14 @@ def counts(engine: Engine, job: JobRecord) -> Counts:
                   placed, ending)
 
 
-def open_attempt(engine: Engine, job: JobRecord, spec_dir: str,
-                 sink: SinkFactory) -> Attempt | None:
-    """The attempt that was running, as its last checkpoint left it (None: none was)."""
-    record = job.attempts[-1] if job.attempts and job.attempts[-1].ended_at is None else None
+def open_attempt(engine: Engine, job: JobRecord, spec_dir: str, sink: SinkFactory,
+                 ended: bool = False) -> Attempt | None:
+    """The attempt that was running, as its last checkpoint left it (None: none was); with
+    ``ended``, the last attempt where it had ended (its late lines still land: an agent cut
+    off while it was stopped replays them later, often the traceback that explains its
+    failure, and they were taken and written nowhere, uncounted)."""
+    last = job.attempts[-1] if job.attempts else None
+    record = last if last is not None and (last.ended_at is not None) == ended else None
     cp = engine.store.checkpoint_of(engine.job_id, record.attempt) if record else None
     if record is None or not cp:
         return None
@@ -82,6 +86,8 @@ def open_attempt(engine: Engine, job: JobRecord, spec_dir: str,
         r.rank: (r.first_step, r.first_step_at) for r in job.ranks
         if r.attempt == record.attempt and r.first_step is not None
         and r.first_step_at is not None})
+    if ended:
+        attempt.end()
     return attempt
 
 

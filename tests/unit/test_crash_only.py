@@ -364,3 +364,39 @@ def test_an_agent_attached_again_during_a_pause_keeps_its_workers_writing(tmp_pa
         outbox.close()
         ours.close()
         theirs.close()
+
+
+def test_late_lines_of_the_attempt_that_ended_reach_its_log_after_a_takeover(tmp_path,
+                                                                            monkeypatch):
+    """An agent cut off while an attempt was stopped replays its lines later, often the
+    traceback that explains the failure. A controller that took over after that attempt had
+    ended kept no attempt to write them into: they were taken (acknowledged) and written
+    nowhere, and nothing counted them. Found by a reading helper."""
+    from orchestrator.engine import Engine
+    from orchestrator.state import JobState
+    from orchestrator.transport.fake import FakeCluster
+
+    spec = parse_jobspec(SPEC)
+    store = Store(tmp_path / "home")
+    store.create_job("late-000001", "late", spec.model_dump_json(), str(tmp_path), 2,
+                     ["a", "b"])
+    cluster = FakeCluster(exits={"b": {1: {2: 5}}})  # attempt 1's rank 2 exits 5
+    set_state = Engine.set_state
+
+    def dies_restarting(self, new, **fields):
+        if new == JobState.RESTARTING:
+            raise sqlite3.OperationalError("database is locked")
+        return set_state(self, new, **fields)
+    monkeypatch.setattr(Engine, "set_state", dies_restarting)
+    with pytest.raises(sqlite3.OperationalError):
+        Controller(store, "late-000001", spec, str(tmp_path), cluster).run()
+    monkeypatch.undo()
+    b = cluster.agents["b"]
+    with b.lock:  # said while no controller listened: replayed on the next attach
+        b._emit({"type": "output", "attempt": 1, "rank": 2, "stream": "stderr",
+                 "lines": ["Traceback (late)"]})
+    state = Controller(store, "late-000001", spec, str(tmp_path), cluster, resume=True).run()
+    assert state == JobState.SUCCEEDED
+    log = store.log_dir("late-000001", 1)
+    text = "".join(p.read_text() for p in log.rglob("*") if p.is_file())
+    assert "Traceback (late)" in text, sorted(p.name for p in log.rglob("*"))
