@@ -174,18 +174,17 @@ def test_a_controller_that_dies_as_the_job_ends_leaves_it_ended_not_run_again(
     assert (job.failure is None) == (ends == "SUCCEEDED")
 
 
-def test_a_controller_that_dies_deciding_a_restart_charges_it_once(tmp_path, monkeypatch):
-    """The restart a failure charges was written after the attempt's end: a controller's
-    death in between gave the next attempt for free. Now written with the end."""
+def died_deciding_a_restart(tmp_path, monkeypatch, job_id: str):
+    """A job of SPEC whose attempt 1 fails (rank 2 exits 5) and whose controller dies as it
+    writes the restart (RESTARTING): the store, and the cluster its agents live on."""
     from orchestrator.engine import Engine
     from orchestrator.state import JobState
     from orchestrator.transport.fake import FakeCluster
 
     spec = parse_jobspec(SPEC)  # max_restarts 2
     store = Store(tmp_path / "home")
-    store.create_job("restart-000001", "r", spec.model_dump_json(), str(tmp_path), 2,
-                     ["a", "b"])
-    cluster = FakeCluster(exits={"b": {1: {2: 5}}})  # attempt 1's rank 2 exits 5
+    store.create_job(job_id, "r", spec.model_dump_json(), str(tmp_path), 2, ["a", "b"])
+    cluster = FakeCluster(exits={"b": {1: {2: 5}}})
     set_state = Engine.set_state
 
     def dies_restarting(self, new, **fields):
@@ -194,8 +193,17 @@ def test_a_controller_that_dies_deciding_a_restart_charges_it_once(tmp_path, mon
         return set_state(self, new, **fields)
     monkeypatch.setattr(Engine, "set_state", dies_restarting)
     with pytest.raises(sqlite3.OperationalError):
-        Controller(store, "restart-000001", spec, str(tmp_path), cluster).run()
+        Controller(store, job_id, spec, str(tmp_path), cluster).run()
     monkeypatch.undo()
+    return spec, store, cluster
+
+
+def test_a_controller_that_dies_deciding_a_restart_charges_it_once(tmp_path, monkeypatch):
+    """The restart a failure charges was written after the attempt's end: a controller's
+    death in between gave the next attempt for free. Now written with the end."""
+    from orchestrator.state import JobState
+
+    spec, store, cluster = died_deciding_a_restart(tmp_path, monkeypatch, "restart-000001")
     state = Controller(store, "restart-000001", spec, str(tmp_path), cluster, resume=True).run()
     job = store.get_job("restart-000001")
     assert (state, len(job.attempts), job.restarts) == (JobState.SUCCEEDED, 2, 1)
@@ -372,25 +380,9 @@ def test_late_lines_of_the_attempt_that_ended_reach_its_log_after_a_takeover(tmp
     traceback that explains the failure. A controller that took over after that attempt had
     ended kept no attempt to write them into: they were taken (acknowledged) and written
     nowhere, and nothing counted them. Found by a reading helper."""
-    from orchestrator.engine import Engine
     from orchestrator.state import JobState
-    from orchestrator.transport.fake import FakeCluster
 
-    spec = parse_jobspec(SPEC)
-    store = Store(tmp_path / "home")
-    store.create_job("late-000001", "late", spec.model_dump_json(), str(tmp_path), 2,
-                     ["a", "b"])
-    cluster = FakeCluster(exits={"b": {1: {2: 5}}})  # attempt 1's rank 2 exits 5
-    set_state = Engine.set_state
-
-    def dies_restarting(self, new, **fields):
-        if new == JobState.RESTARTING:
-            raise sqlite3.OperationalError("database is locked")
-        return set_state(self, new, **fields)
-    monkeypatch.setattr(Engine, "set_state", dies_restarting)
-    with pytest.raises(sqlite3.OperationalError):
-        Controller(store, "late-000001", spec, str(tmp_path), cluster).run()
-    monkeypatch.undo()
+    spec, store, cluster = died_deciding_a_restart(tmp_path, monkeypatch, "late-000001")
     b = cluster.agents["b"]
     with b.lock:  # said while no controller listened: replayed on the next attach
         b._emit({"type": "output", "attempt": 1, "rank": 2, "stream": "stderr",
