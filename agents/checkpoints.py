@@ -178,7 +178,7 @@ class Store:
                 self._loading = (time.monotonic() + LOAD_FIRST, local_ranks) \
                     if config.restore_step is not None else None
                 self._discard_after(config.restore_step)
-                self.persist_step = None
+                self.persist_step, self._late_persists = None, set()  # a stop before's
                 remove(os.path.join(self.root, F.SAVE_AT_NAME))  # an attempt before's
         node = budget(config)
         return {F.MEMORY_VAR: self.root,
