@@ -204,17 +204,17 @@ class Store:
         self._wake.set()
 
     def _discard_after(self, step: int | None, before: int | None = None) -> None:
-        """A new attempt resumes ``step`` (None: from scratch): copies of later steps are of
-        a timeline no rank follows any more (ranks that got further than others saved
-        them), and must never be mixed with the new one's (of those, with ``before``, only
-        the copies saved before that attempt). Persisted copies go only when a step is
-        resumed (a first attempt may resume from them)."""
+        """A new attempt resumes ``step`` (None: from scratch): copies of later steps are of a
+        timeline no rank follows any more, never to be mixed with the new one's (with
+        ``before``, only those saved before that attempt, and a spare takes no put of an
+        attempt before it). Persisted copies go only when a step is resumed (a first
+        attempt may resume from them)."""
         self._pushed.clear()
         self._timeline += 1
         self._sending.end()  # a copy of the timeline left behind goes no further
         self._sending = Transfers()
         if self.replicas is not None:
-            self.replicas.attempt = max(self.replicas.attempt, self.attempt)
+            self.replicas.attempt = max(self.replicas.attempt, self.attempt, before or 0)
         remove(os.path.join(self.root, "retain"))
 
         def later(s: int | None, meta: str) -> bool:

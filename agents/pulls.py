@@ -45,9 +45,10 @@ def install(root: str, secret: str, replicas: Server | None, pulls: tuple[C.Pull
     with _lock:  # a pull of an attempt before, still under way, is nobody's any more
         for rank_dir in [d for d in _current if os.path.dirname(d) == root]:
             del _current[rank_dir]
-    for name in entries(root):  # an attempt before's
+    for name in entries(root):  # an attempt before's: its load waits for this one's only
         if F.parse_step(name, prefix="rank-") is not None:
             remove(os.path.join(root, name, F.PULL_FAILED_NAME))
+            remove(os.path.join(root, name, F.PULLING_NAME))
     for pull in pulls:
         token = object()
         with _lock:

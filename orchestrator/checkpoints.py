@@ -297,9 +297,14 @@ def attempt_config(spec: JobSpec, holdings: Holdings, plan: LaunchPlan,
         pulls = holdings.pulls(where, step, addresses)
         log.info("attempt %d resumes checkpoint step %d%s", plan.attempt, step,
                  holdings.where_from(pulls, step))
+    return settings(spec, step), pulls
+
+
+def settings(spec: JobSpec, step: int | None) -> C.CheckpointConfig:
+    """The spec's ``checkpoint`` section as every node is told it, with the step to resume."""
     section = spec.checkpoint
     return C.CheckpointConfig(section.dir, section.persist_every, section.keep,
-                              section.memory, step), pulls
+                              section.memory, step)
 
 
 def placement(plan: LaunchPlan, nprocs: Mapping[int, int], default: int) -> dict[int, int]:

@@ -159,6 +159,8 @@ class Mover:
                         **noticed(engine.nodes, self.job_id)}
         engine.holdings.set_leaving(self.drained, [i for i, d in self.drained.items()
                                                    if not d.get("notice")])
+        # Undrained: a spare again (it takes replicas), to be released again if drained again.
+        self._released = {i: c for i, c in self._released.items() if i in self.drained}
         attempt = engine.current
         if attempt is None or attempt.ended or attempt.failure is not None or \
                 attempt.stopping or engine.state != JobState.RUNNING:
@@ -259,11 +261,13 @@ class Mover:
         again: what the move persists and who replicates may have changed (an agent that
         sealed the step already persists it then: agents/checkpoints.py)."""
         leaving = tuple(i for i in attempt.participants if i in self.drained or i in move.nodes)
-        if leaving == move.nodes:
+        if leaving == move.nodes and move.whole:
             return
         shape = self._shape(engine, attempt, leaving)
-        if shape is None:
-            return  # the job cannot do without the new ones: the move goes on without them
+        if shape is None or (leaving == move.nodes and not shape[0]):
+            # The job cannot do without the new ones: the move goes on without them. The
+            # same nodes: unless the spares it moves onto were noticed too (a whole stop).
+            return
         whole, reason, within = shape
         joined = tuple(i for i in leaving if i not in move.nodes)
         began = move.deadline - move.within
@@ -277,7 +281,7 @@ class Mover:
                             told={})
         self._tell_step(engine, attempt, self.move)
         log.warning("%s drained too (%s): every rank saves step %d%s, then the job %s",
-                    self._names(joined), reason, move.step,
+                    self._names(joined) if joined else "the spare(s)", reason, move.step,
                     " and persists it" if persist else "",
                     "stops PREEMPTED" if whole else "goes on without them")
 

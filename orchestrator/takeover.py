@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from orchestrator.attempt import Attempt, Failure
+from orchestrator.checkpoints import settings
 from orchestrator.engine import Engine
 from orchestrator.logfiles import LogSink
 from orchestrator.participants import Placed
@@ -81,7 +82,8 @@ def open_attempt(engine: Engine, job: JobRecord, spec_dir: str, sink: SinkFactor
                         sync_tree=engine.preparer.tree().tree if spec.sync else None,
                         nprocs=nprocs)
     attempt = Attempt(plan, sink(plan.world_size, cp["logs"], cp.get("log_state")),
-                      engine.hosts, engine.store, engine.job_id, nprocs)
+                      engine.hosts, engine.store, engine.job_id, nprocs,
+                      settings(spec, record.restored_step))  # what its ranks resume
     attempt.restore(cp, {  # each rank's first step stays its first
         r.rank: (r.first_step, r.first_step_at) for r in job.ranks
         if r.attempt == record.attempt and r.first_step is not None

@@ -247,9 +247,10 @@ def test_a_channel_that_ends_during_a_pause_is_reached_again(tmp_path, monkeypat
                 time.monotonic() < deadline:
             time.sleep(0.02)
         full.set()  # the home is full: the controller pauses
-        while store.get_job("hold-000001").paused is None and time.monotonic() < deadline:
+        watch = Store(tmp_path / "home")  # a connection of its own: not the controller's
+        while watch.get_job("hold-000001").paused is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        seen["paused"] = store.get_job("hold-000001").paused
+        seen["paused"] = watch.get_job("hold-000001").paused
         before = opened.count("b")
         cluster.agents["b"].wire.put(None)  # b's channel ends
         while opened.count("b") == before and time.monotonic() < deadline:
@@ -303,7 +304,8 @@ def test_a_node_unreachable_when_its_controller_died_fails_the_attempt_once_lost
                 time.monotonic() < deadline:
             time.sleep(0.02)
         cluster.kill("b")
-        while store.get_job("gone-000001").nodes[1].state != NodeState.UNREACHABLE and \
+        watch = Store(tmp_path / "home")  # a connection of its own: not the controller's
+        while watch.get_job("gone-000001").nodes[1].state != NodeState.UNREACHABLE and \
                 time.monotonic() < deadline:
             time.sleep(0.05)
         crash.set()
@@ -392,3 +394,26 @@ def test_late_lines_of_the_attempt_that_ended_reach_its_log_after_a_takeover(tmp
     log = store.log_dir("late-000001", 1)
     text = "".join(p.read_text() for p in log.rglob("*") if p.is_file())
     assert "Traceback (late)" in text, sorted(p.name for p in log.rglob("*"))
+
+
+def test_the_attempt_a_controller_takes_over_keeps_the_step_its_ranks_resume(tmp_path):
+    """The attempt restored at a takeover was made without its checkpoint settings: the step
+    its ranks resume was None, so a drained node out of the job was told to let go of its
+    memory while the ranks that took its place were still pulling their copies from it (a
+    move's next attempt: their loads failed), and the steps it redid counted from nothing.
+    Found by a reading helper."""
+    from types import SimpleNamespace
+
+    from orchestrator import takeover
+
+    spec = parse_jobspec(SPEC)
+    record = SimpleNamespace(attempt=2, ended_at=None, restored_step=42)
+    saved = {"participants": [0, 1], "nprocs": {}, "master_port": 29500, "logs": None}
+    engine = SimpleNamespace(spec=spec, job_id="j-1", hosts={}, preparer=None,
+                             store=SimpleNamespace(checkpoint_of=lambda job, number: saved))
+    attempt = takeover.open_attempt(
+        engine, SimpleNamespace(attempts=[record], ranks=[]),  # type: ignore[arg-type]
+        str(tmp_path), lambda *args: SimpleNamespace(stderr={}))
+    assert attempt is not None and attempt.restored_step == 42
+    assert attempt.checkpoint.restore_step == 42
+    assert attempt.checkpoint.keep == spec.checkpoint.keep

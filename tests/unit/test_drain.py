@@ -346,6 +346,36 @@ def test_nodes_noticed_after_a_move_began_leave_with_it_and_a_whole_job_stop_per
     assert f"every rank saved step {move.step}, persisted in /ckpt" in failure.message
 
 
+def test_a_spare_noticed_after_a_move_began_onto_it_makes_the_move_a_whole_job_stop():
+    """Node 0 noticed, the move onto the spare begun; then the spare is noticed too (the same
+    preemption), and node 1 cannot go on alone (nnodes MIN 2). The move went on as it was:
+    not whole, nothing persisted, the next attempt on the doomed nodes. It becomes a
+    whole-job stop at its step, persisted. Found by a reading helper."""
+    sent: list[tuple[int, C.Command]] = []
+    notice = {"source": "SIGTERM to the agent", "deadline": time.time() + 30}
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    engine = one_rank_each(nodes, 2, sent)
+    engine.spec.checkpoint.dir = "/ckpt"
+    mover = Mover("j", SimpleNamespace(drains=lambda: []),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"})
+    nodes[0].info.notice = notice
+    mover.look(engine)  # type: ignore[arg-type]
+    move = mover.move
+    assert move is not None and move.nodes == (0,) and not move.whole
+    sent.clear()
+    nodes[2].info.notice = notice  # the spare
+    mover.look(engine)  # type: ignore[arg-type]
+    whole = mover.move
+    assert whole is not None and whole.nodes == (0,) and whole.whole and whole.persist
+    assert whole.step == move.step
+    assert sorted((i, c.step, c.persist) for i, c in sent) == [
+        (0, move.step, True), (1, move.step, True)]
+    sent.clear()
+    mover.look(engine)  # type: ignore[arg-type]
+    assert sent == [] and mover.move is whole  # told once
+
+
 def test_a_controller_that_takes_over_tells_off_a_move_it_knows_nothing_of():
     """A move undrained while its controller was being replaced: the new one knew no move,
     so nothing told the ranks held at the step to go on, and they held until the move's time
@@ -379,6 +409,30 @@ def test_a_controller_that_takes_over_tells_off_a_move_it_knows_nothing_of():
     Mover("j", SimpleNamespace(drains=lambda: []),  # type: ignore[arg-type]
           {0: "n0", 1: "n1", 2: "n2"}).look(engine)  # type: ignore[arg-type]
     assert sent == []
+
+
+def test_a_node_drained_again_after_an_undrain_lets_go_of_its_memory_again():
+    """Released, undrained (a spare again: it takes replicas), drained again on the same
+    channel: it was never told again, and kept the replicas for the job's life. Found by a
+    reading helper."""
+    sent: list[tuple[int, C.Command]] = []
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    engine = one_rank_each(nodes, 1, sent)
+    engine.current.number, engine.current.restored_step = 2, None  # nothing to pull
+    h = engine.holdings
+    h.update(2, dataclasses.replace(held({1: [9]}, port=4002), bytes=1 << 30))
+    drains = [drain("2", "j")]
+    mover = Mover("j", SimpleNamespace(drains=lambda: list(drains)),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"})
+    mover.look(engine)  # type: ignore[arg-type]
+    assert sent == [(2, C.Release())]
+    sent.clear()
+    drains.clear()  # undrained: a spare again, holding replicas
+    mover.look(engine)  # type: ignore[arg-type]
+    drains.append(drain("2", "j"))
+    mover.look(engine)  # type: ignore[arg-type]
+    assert sent == [(2, C.Release())]
 
 
 def test_a_drained_node_out_of_the_job_lets_go_of_its_memory_once_its_ranks_loaded():

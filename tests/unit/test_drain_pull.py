@@ -226,6 +226,30 @@ def test_a_pull_of_an_attempt_before_says_nothing_to_the_next_attempts_load(tmp_
         F.pull_failed(rank_dir, 100)
 
 
+def test_a_pull_of_an_attempt_before_leaves_no_wait_to_an_attempt_that_pulls_nothing(
+        tmp_path, monkeypatch):
+    """Attempt N's pull of rank 3 stalls (its buddy cut mid-copy); attempt N+1 needs no pull
+    of rank 3 here (its copy held, or persisted). The old pull's marker stayed: rank 3's load
+    waited up to 600 s and then said its copy did not come, at every attempt after on that
+    node. Found by a reading helper."""
+    root = str(tmp_path)
+    release = threading.Event()
+
+    def stalled(*args):
+        release.wait(10)
+        raise OSError("timed out")
+    monkeypatch.setattr(pulls_module, "pull_replica", stalled)
+    pulls_module.install(root, "s", None, (C.Pull(3, 100, "gone", 1),), lambda _: None,
+                         lambda: None)
+    marker = os.path.join(root, "rank-3", F.PULLING_NAME)
+    assert os.path.exists(marker)
+    pulls_module.install(root, "s", None, (), lambda _: None, lambda: None)
+    try:
+        assert not os.path.exists(marker)  # the next attempt's load waits for nothing
+    finally:
+        release.set()
+
+
 def test_a_load_with_no_good_copy_anywhere_here_raises_rather_than_start_from_scratch(
         store, tmp_path, monkeypatch):  # noqa: F811
     """The ranks told a step whose copy did not verify, or came too late from another node,

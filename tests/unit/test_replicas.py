@@ -767,3 +767,23 @@ def test_a_spare_lets_go_of_the_steps_after_the_one_an_attempt_starts_from(tmp_p
         send=lambda node, command: sent.append((node.index, command))))
     dispatch.spares_resume(engine)  # type: ignore[arg-type]
     assert sent == [(2, C.Resumed(95, 2))]
+
+
+def test_a_spare_told_a_later_attempt_resumed_takes_no_copy_of_an_attempt_before(tmp_path,
+                                                                                 monkeypatch):
+    """A spare (it runs nothing) told that attempt 2 resumed step 95 dropped the later steps,
+    but went on taking puts of attempt 1: a push of the abandoned timeline still under way
+    (or from a node that left the job) landed after the discard, and a later attempt could
+    resume it. Found by a reading helper."""
+    store, _ = started_store(tmp_path, monkeypatch)
+    try:
+        assert store.replicas is not None
+        push("127.0.0.1", store.replicas.port, "s3cret", 7, 95, *copy_of(95), attempt=1)
+        store.resumed(C.Resumed(95, 2))
+        with pytest.raises(ReplicaError, match="a copy of attempt 1, before this node's 2"):
+            push("127.0.0.1", store.replicas.port, "s3cret", 7, 100, *copy_of(100),
+                 attempt=1)
+        push("127.0.0.1", store.replicas.port, "s3cret", 7, 96, *copy_of(96), attempt=2)
+        assert sorted(store.replicas.holdings()[0][7]) == [95, 96]
+    finally:
+        store.close()
