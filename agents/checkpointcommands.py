@@ -1,6 +1,7 @@
 """Commands and settings of the checkpoint store (agents/checkpoints.py), part of
 agents/commands.py: the job's ``checkpoint`` section as a node needs it with the step to
-resume and the replicas to pull, where a node replicates, and which steps it retains."""
+resume, the replicas to pull and where other ranks' copies are, where a node replicates, and
+which steps it retains."""
 
 from __future__ import annotations
 
@@ -28,6 +29,29 @@ class Pull:
                    f.text("address", 255), f.integer("port", 1, MAX_PORT))
 
 
+MAX_COPIES = 1 << 14  # entries of a directory of other ranks' copies (Copies)
+MAX_STEPS = 16  # steps of one rank one entry names
+
+
+@dataclass(frozen=True)
+class Copies:
+    """Copies of ``rank`` at ``steps`` that the replica server at ``address:port`` serves
+    (its replicas, or its own ranks' saves): what a DCP load into fewer ranks reads
+    (agents/borrows.py, orchestrator/checkpoint_reshard.py)."""
+
+    rank: int
+    steps: tuple[int, ...]
+    address: str
+    port: int
+
+    @classmethod
+    def read(cls, f: _Read) -> Copies:
+        return cls(f.integer("rank", 0, MAX_RANK),
+                   tuple(f.integer("steps", value=s)
+                         for s in f.array("steps", limit=MAX_STEPS)),
+                   f.text("address", 255), f.integer("port", 1, MAX_PORT))
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """The job's ``checkpoint`` section as a node needs it (agents/checkpoints.py), and the
@@ -39,15 +63,21 @@ class CheckpointConfig:
     memory: int | None = None  # bytes of the node's memory for its ranks' saves
     restore_step: int | None = None
     pulls: tuple[Pull, ...] = ()  # copies to fetch before the workers start
+    # Where the copies of ranks not held here are, when the job goes on with fewer ranks
+    # than saved (a DCP load reshards them): read from their nodes' memory, as needed.
+    copies: tuple[Copies, ...] = ()
 
     @classmethod
     def read(cls, f: _Read) -> CheckpointConfig:
         pulls = tuple(Pull.read(_Read(p, f"{f.kind}.pulls")) if isinstance(p, dict) else
                       _bad(f, "pulls", p) for p in f.array("pulls", True, limit=P.MAX_LOCAL))
+        copies = tuple(Copies.read(_Read(c, f"{f.kind}.copies")) if isinstance(c, dict) else
+                       _bad(f, "copies", c)
+                       for c in f.array("copies", True, limit=MAX_COPIES))
         return cls(f.text("dir", MAX_ARG, True), f.integer("persist_every", 1, MAX_COUNT),
                    f.integer("keep", 1, MAX_COUNT),
                    f.integer("memory", 1, MAX_COUNT, optional=True),
-                   f.integer("restore_step", 0, MAX_COUNT, optional=True), pulls)
+                   f.integer("restore_step", 0, MAX_COUNT, optional=True), pulls, copies)
 
 
 def _bad(f: _Read, name: str, value: Any) -> Any:

@@ -41,8 +41,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from agents import borrows, disk, rankfiles
 from agents import commands as C
-from agents import disk, rankfiles
 from agents import protocol as P
 from agents.holds import hold_save, mapped
 from agents.memshare import budget, copies_for
@@ -120,8 +120,7 @@ class Store:
         self._wake.set()
 
     def retain(self, keep: C.Retain) -> None:
-        """Copies of steps from ``keep.step`` on stay (memory and replicas) while memory
-        allows: every rank could resume that step if a node were lost."""
+        """Copies from ``keep.step`` on stay while memory allows (what a node's loss resumes)."""
         F.write_file(os.path.join(self.root, "retain"), str(keep.step).encode())
         if self.replicas is not None:
             self.replicas.retain = keep.step
@@ -153,6 +152,7 @@ class Store:
             self.replicas.discard(lambda step, _: step is not None)
         F.drop_blanks(self.root, F.blank_bytes(self.root))
         remove(os.path.join(self.root, F.SAVE_AT_NAME))
+        borrows.end(self.root)
         self._wake.set()  # the report: nothing held
 
     def install(self, pulls: tuple[C.Pull, ...]) -> None:
@@ -180,6 +180,8 @@ class Store:
                 self._discard_after(config.restore_step)
                 self.persist_step, self._late_persists = None, set()  # a stop before's
                 remove(os.path.join(self.root, F.SAVE_AT_NAME))  # an attempt before's
+                borrows.begin(self.root, self.secret, config.copies, attempt, local_ranks,
+                              self._room, self._problem)  # before a worker can load()
         node = budget(config)
         return {F.MEMORY_VAR: self.root,
                 F.BUDGET_VAR: str(node // max(1, local_ranks)),
@@ -246,6 +248,7 @@ class Store:
             self.replicas.close()
             self.replicas = None
         self._wake.close()
+        borrows.end(self.root)
         shutil.rmtree(self.root, ignore_errors=True)
         if self._owner is not None:
             os.close(self._owner)
@@ -292,15 +295,13 @@ class Store:
     def _replicate(self, ranks: list[tuple[int, str]],
                    left: dict[str, set[int]]) -> None:
         """Each rank's newest sealed save, to each target that lacks it, one target at a
-        time: every rank's copy on some other node is what a move waits for. Only the
-        newest: saves that come faster than the network takes them are skipped, not queued
-        (sent oldest first, a rank's copies elsewhere fell ever further behind, until the
-        nodes kept no step that a lost node's replicas had: measured, 512 MiB saved every
-        second, a cut node's job started again from scratch). Only the step a planned move
-        asked for while it lasts, and none older than the step the attempt resumed
-        (measured: a leaving node pushing an older step slowed every rank's save of the
-        asked one fourfold; the nodes of the next attempt pushing steps it will never resume
-        held its first save for 7 s). A new save is sealed first."""
+        time: every rank's copy on some other node is what a move waits for. Only the newest
+        (sent oldest first, copies elsewhere fell ever further behind: measured, 512 MiB
+        saved every second, a cut node's job started again from scratch). Only the step a
+        planned move asked for while it lasts, none older than the step the attempt resumed
+        (measured: a leaving node pushing an older step slowed every rank's save of the asked
+        one fourfold; the next attempt's nodes pushing steps it will never resume held its
+        first save for 7 s). A new save is sealed first."""
         if self._still_loading(ranks):
             return
         asked = F.asked(self.root)[0]
@@ -339,9 +340,8 @@ class Store:
                     os.close(fd)
 
     def _still_loading(self, ranks: list[tuple[int, str]]) -> bool:
-        """Whether a resuming attempt's ranks are loading yet (up to LOAD_FIRST seconds):
-        sending copies meanwhile takes the cores the restart waits for (measured: both
-        nodes of a move's next attempt sending 1 GiB while their ranks loaded)."""
+        """Whether a resuming attempt's ranks are loading yet (up to LOAD_FIRST seconds): sending
+        copies takes the cores the restart waits for (measured: a move's nodes sent 1 GiB)."""
         if self._loading is None:
             return False
         until, expected = self._loading

@@ -31,6 +31,7 @@ from typing import Any
 from agents import protocol as P
 from agents.checkpointcommands import NO_CHECKPOINT as NO_CHECKPOINT
 from agents.checkpointcommands import CheckpointConfig as CheckpointConfig
+from agents.checkpointcommands import Copies as Copies
 from agents.checkpointcommands import Pull as Pull
 from agents.checkpointcommands import Release as Release
 from agents.checkpointcommands import ReplicateTo as ReplicateTo

@@ -21,6 +21,9 @@ request, a JSON line:
   answered by ``{"ok": true, "meta", "manifest", "size"}`` and the bytes, which the puller
   verifies before it trusts them: a replica this node keeps, else a sealed save of its own
   ranks in its memory (a drained node's ranks, pulled by the nodes that take their place).
+  With ``"describe": true``, no bytes after the manifest (a load into fewer ranks reads the
+  descriptions of every rank's copy first, the data of those it needs after:
+  agents/borrows.py).
 
 Everything a peer sends is bounded and checked; a peer that fails authentication or sends
 anything malformed is dropped with nothing kept.
@@ -337,6 +340,8 @@ class Server:
             _send_line(conn, {"ok": True, "meta": len(meta), "manifest": len(manifest),
                               "size": size})
             conn.sendall(meta + manifest)
+            if header.flag("describe", False):
+                return  # its description only (agents/borrows.py)
             with os.fdopen(os.dup(fd), "rb") as data:
                 conn.sendfile(data, 0, size)
         finally:
@@ -436,18 +441,33 @@ def push(address: str, port: int, secret: str, rank: int, step: int, meta: bytes
         _answer(conn)
 
 
+def describe(address: str, port: int, secret: str, rank: int,
+             step: int) -> tuple[bytes, bytes, int]:
+    """(meta, manifest, size) of the copy of ``rank`` at ``step`` that the server at
+    ``address:port`` serves, without its data (checked as ``pull`` checks them)."""
+    with _connection(address, port, secret) as conn:
+        meta, manifest, size = _header(conn, rank, step, describe=True)
+        _manifest(meta, manifest, size)
+        return meta, manifest, size
+
+
+def _header(conn: socket.socket, rank: int, step: int,
+            describe: bool = False) -> tuple[bytes, bytes, int]:
+    _send_line(conn, {"op": "get", "rank": rank, "step": step, "describe": describe})
+    header = _read_line(conn)
+    if not _ok(header):
+        raise ReplicaError(f"the peer has no replica of step {step} of rank {rank}")
+    meta = _read_exact(conn, _number(header, "meta", F.MAX_META))
+    manifest = _read_exact(conn, _number(header, "manifest", MAX_MANIFEST))
+    return meta, manifest, _number(header, "size", MAX_COUNT)
+
+
 def pull(address: str, port: int, secret: str, rank: int, step: int,
          data_path: str, memory: str | None = None) -> tuple[bytes, bytes]:
     """Fetch a replica into ``data_path`` (into a blank of ``memory``'s where it has one),
     verified; its (meta, manifest)."""
     with _connection(address, port, secret) as conn:
-        _send_line(conn, {"op": "get", "rank": rank, "step": step})
-        header = _read_line(conn)
-        if not _ok(header):
-            raise ReplicaError(f"the peer has no replica of step {step} of rank {rank}")
-        meta = _read_exact(conn, _number(header, "meta", F.MAX_META))
-        manifest = _read_exact(conn, _number(header, "manifest", MAX_MANIFEST))
-        size = _number(header, "size", MAX_COUNT)
+        meta, manifest, size = _header(conn, rank, step)
         try:
             _receive_to(conn, data_path, meta, _manifest(meta, manifest, size), memory)
         except ReplicaError as exc:

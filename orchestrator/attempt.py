@@ -8,7 +8,6 @@ with each checkpoint, so that a replaced controller carries on the same attempt.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import time
@@ -96,12 +95,13 @@ class Attempt:
     def __init__(self, plan: LaunchPlan, sink: LogSink, hosts: dict[int, str],
                  store: Any, job_id: str, nprocs: dict[int, int] | None = None,
                  checkpoint: C.CheckpointConfig = C.NO_CHECKPOINT,
-                 pulls: dict[int, tuple[C.Pull, ...]] | None = None):
+                 per_node: dict[int, C.CheckpointConfig] | None = None):
         self.plan = plan
         self.checkpoint = checkpoint  # its nodes' settings, and the step its ranks resume
         # The step its ranks resumed: the one they were told, until they say which they loaded.
         self.restored_step = checkpoint.restore_step
-        self.pulls = pulls or {}  # node -> replicas its agent fetches before its workers
+        # Node -> its own of them: the replicas to fetch first, where other ranks' copies are.
+        self.checkpoint_of = per_node or {}
         self.nprocs = nprocs or {}  # workers per node, as planned (gpu|auto differ per node)
         self.number = plan.attempt
         self.sink = sink
@@ -154,8 +154,8 @@ class Attempt:
                       warm_imports: tuple[str, ...] | None = None) -> C.Start:
         """The ``start`` a participant's agent gets (agents/commands.py)."""
         return start_command(self.number, self.node_plans[node_index], stop_grace,
-                             flight_recorder, warm_imports, checkpoint=dataclasses.replace(
-                                 self.checkpoint, pulls=self.pulls.get(node_index, ())))
+                             flight_recorder, warm_imports,
+                             checkpoint=self.checkpoint_of.get(node_index, self.checkpoint))
 
     def loaded(self, step: int) -> None:
         """Every rank said which step it loaded, the oldest ``step``: the step this attempt

@@ -3,13 +3,20 @@
 Each rank's copy holds only its own shards, and a rank reads only its own copy in its node's
 memory; when the job comes back with another number of ranks (``nnodes`` MIN:MAX after a
 node is lost, or a ``resume`` on fewer or more nodes), the shards a rank needs were saved by
-other ranks. Those are read from the copies persisted in ``checkpoint.dir``
-(``persist_every``), which every rank must read: a shared filesystem, or one machine.
+other ranks. Those are read from the nearest copy of each old rank:
 
-- **Which step.** The newest step persisted by every rank of the save that did it (a step's
-  world size is in its copies), among those every rank of the load can read, agreed across
-  the ranks (one ``all_gather_object``). Where the controller's step (``load()``) is
-  persisted that is the one; an older one where it is not.
+- **memory**: a copy this node keeps (an old rank that ran here, or its replica of another
+  node's: a lost node's ranks are replicas on its buddy);
+- **buddy**: one in another node's memory, borrowed for the load (agents/borrows.py: the
+  controller names where each is when the job goes on with fewer ranks; the descriptions
+  come as the attempt starts, the data of the copies a rank's shards overlap when asked);
+- **persisted** in ``checkpoint.dir`` (``persist_every``), which every rank must read: a
+  shared filesystem, or one machine; a memory copy that is not good falls back to it.
+
+- **Which step.** The newest step every rank of the save that did it has a copy of (a
+  step's world size is in its copies), among those every rank of the load can read, agreed
+  across the ranks (one ``all_gather_object``). Where the controller's step (``load()``) is
+  there that is the one; an older one where it is not.
 - **Which copy serves a read.** Each old rank's description (its copy's ``.meta``: names,
   offsets, sizes, no tensor data) gives DCP its global Metadata and says who holds each
   chunk; a chunk several ranks hold (a replicated tensor, a per-rank value) comes from the
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from typing import Any
 
@@ -28,10 +36,13 @@ import torch
 import torch.distributed as dist
 
 from agents.shims import orchestrator_checkpoint_format as F
-from agents.shims.orchestrator_checkpoint import note_restored, persisted_copy
+from agents.shims.orchestrator_checkpoint import copy_at, note_restored, persisted_copy
 from orchestrator.checkpoint import CheckpointError
 
 Describe = Any  # checkpoint_dcp._describe: (tree, step) -> (items, fragment)
+MEMORY, BUDDY, PERSISTED = "memory", "buddy", "persisted"  # where a copy is, as status says
+BORROW_WAIT = 600.0  # seconds a read waits for a borrowed copy's data at most (agents/pulls.py)
+ASKS = 3  # times a read asks for a borrowed copy whose data went before it was mapped
 
 
 def world() -> tuple[int, int]:
@@ -48,15 +59,132 @@ class _Shape:
         self.shape = torch.Size(shape)
 
 
-def _description(root: str, step: int, rank: int) -> dict[str, Any] | None:
-    """A persisted copy's tree with its tensors as their shapes (its .meta only)."""
-    data = F.read_bytes(os.path.join(F.persisted_dir(root, step), f"rank-{rank}.meta"))
+class _Copy:
+    """One old rank's copy of a step where this rank can read it: ``kind`` (MEMORY, BUDDY
+    or PERSISTED), ``base`` its path less the suffix, ``data`` its data's path (a save of
+    this node's: the slot its meta names)."""
+
+    def __init__(self, kind: str, base: str, own: bool = False) -> None:
+        self.kind, self.base, self.own = kind, base, own
+
+    def description(self) -> dict[str, Any] | None:
+        """The copy's tree with its tensors as their shapes (its .meta only)."""
+        data = F.read_bytes(self.base + ".meta")
+        try:
+            meta = json.loads(data.decode("utf-8")) if data is not None else None
+            return F.unflatten(meta["tree"], [_Shape(t[1]) for t in meta["tensors"]]) \
+                if isinstance(meta, dict) else None  # type: ignore[no-any-return]
+        except (ValueError, KeyError, TypeError, IndexError, CheckpointError):
+            return None
+
+    def read(self, root: str, step: int, rank: int) -> tuple[Any, Any]:
+        """(meta, state), verified; CheckpointError naming why not."""
+        if self.kind == PERSISTED:
+            found = persisted_copy(torch, root, step, rank)
+            if found is None:
+                raise CheckpointError("not good (named above)")
+            return found  # type: ignore[no-any-return]
+        if self.own:
+            meta = F.read_json(self.base + ".meta")
+            slot = meta.get("slot") if meta else None
+            return copy_at(torch, self.base, os.path.join(os.path.dirname(self.base),
+                                                          f"slot-{slot}"), sealed=False)
+        for _ in range(ASKS if self.kind == BUDDY else 1):
+            if self.kind == BUDDY:
+                self._borrow()
+            try:
+                return copy_at(torch, self.base, self.base + ".data", sealed=True)
+            except CheckpointError as exc:
+                if self.kind != BUDDY or "missing" not in str(exc):
+                    raise
+        raise CheckpointError("its data went each time it came")
+
+    def _borrow(self) -> None:
+        """Ask this node's agent for the data (agents/borrows.py) and wait for it."""
+        deadline = time.monotonic() + BORROW_WAIT
+        if not os.path.exists(self.base + ".data"):
+            F.write_file(self.base + ".want", b"")
+        while not os.path.exists(self.base + ".data"):
+            failed = F.read_bytes(self.base + ".failed", 4096)
+            if failed is not None:
+                raise CheckpointError(failed.decode("utf-8", "replace"))
+            if time.monotonic() > deadline or not os.path.isdir(os.path.dirname(self.base)):
+                raise CheckpointError("its data did not come")
+            time.sleep(0.02)
+
+
+Table = dict[int, dict[int, list[_Copy]]]  # step -> old rank -> its copies, nearest first
+
+
+def _add(table: Table, step: int, rank: int, copy: _Copy) -> None:
+    table.setdefault(step, {}).setdefault(rank, []).append(copy)
+
+
+def _ranked(directory: str) -> list[tuple[int, str]]:
+    """(rank, path) of the ``rank-<r>`` entries of ``directory``."""
     try:
-        meta = json.loads(data.decode("utf-8")) if data is not None else None
-        return F.unflatten(meta["tree"], [_Shape(t[1]) for t in meta["tensors"]]) \
-            if isinstance(meta, dict) else None  # type: ignore[no-any-return]
-    except (ValueError, KeyError, TypeError, IndexError, CheckpointError):
-        return None
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return [(r, os.path.join(directory, n)) for n in names
+            if (r := F.parse_step(n, prefix="rank-")) is not None]
+
+
+def _borrowed(memory: str) -> str:
+    """Where this attempt's borrowed copies are (agents/borrows.py)."""
+    return os.path.join(memory, F.BORROWED_DIR,
+                        f"attempt-{F.int_env('ORCHESTRATOR_ATTEMPT', 0)}")
+
+
+def _in_memory(table: Table, memory: str) -> None:
+    """This node's copies: its saves, its replicas, then what it borrowed (waited for)."""
+    borrowed = _borrowed(memory)
+    F.await_pull(borrowed)  # the descriptions, coming as the attempt starts
+    for directory, kind, suffix, own in (
+            (memory, MEMORY, ".meta", True),
+            (os.path.join(memory, "replicas"), MEMORY, ".manifest", False),
+            (borrowed, BUDDY, ".manifest", False)):
+        for rank, rank_dir in _ranked(directory):
+            try:
+                names = set(os.listdir(rank_dir))
+            except OSError:
+                continue
+            for name in names:
+                step = F.parse_step(name, suffix=suffix)
+                if step is not None and F.step_name(step) + ".corrupt" not in names and \
+                        F.step_name(step) + ".meta" in names:
+                    _add(table, step, rank, _Copy(kind, os.path.join(rank_dir,
+                                                                     F.step_name(step)), own))
+
+
+def _persisted(table: Table, root: str) -> None:
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return
+    for name in names:
+        step = F.parse_step(name, prefix="step-")
+        if step is None:
+            continue
+        directory = F.persisted_dir(root, step)
+        for entry in os.listdir(directory) if os.path.isdir(directory) else ():
+            rank = F.parse_step(entry, prefix="rank-", suffix=".manifest")
+            if rank is not None:
+                _add(table, step, rank, _Copy(PERSISTED, os.path.join(directory,
+                                                                      f"rank-{rank}")))
+
+
+def _readable(table: Table, world_size: int) -> list[tuple[int, int]]:
+    """``(step, ranks that saved it)`` of the steps of ``table`` that every rank of a world
+    size other than ``world_size`` saved, newest first."""
+    out = []
+    for step in sorted(table, reverse=True):
+        trees = (c.description() for c in table[step].get(0, ()))
+        saved = next((n for t in trees if (n := saved_world(t)) is not None), None)
+        if saved is not None and saved != world_size and \
+                all(table[step].get(r) for r in range(saved)):
+            out.append((step, saved))
+    return out
 
 
 def saved_world(tree: Any) -> int | None:
@@ -67,43 +195,30 @@ def saved_world(tree: Any) -> int | None:
     return size if type(size) is int and size > 0 else None
 
 
-def _readable(root: str, world_size: int) -> list[tuple[int, int]]:
-    """``(step, ranks that saved it)`` of the steps persisted in ``root`` by every rank of
-    another world size than ``world_size``, newest first."""
-    out = []
-    for step in F.persisted_steps(root, 0):
-        tree = _description(root, step, 0)
-        saved = saved_world(tree)
-        if saved is None or saved == world_size:
-            continue
-        directory = F.persisted_dir(root, step)
-        if all(os.path.exists(os.path.join(directory, f"rank-{r}.manifest"))
-               for r in range(1, saved)):
-            out.append((step, saved))
-    return out
-
-
 class Resharded:
     """The copies of one step saved by ``saved`` ranks, served to this rank of another
     world size (see the module doc)."""
 
-    def __init__(self, root: str, step: int, saved: int, describe: Describe,
-                 started: float) -> None:
+    def __init__(self, root: str, step: int, saved: int, copies: dict[int, list[_Copy]],
+                 describe: Describe, started: float) -> None:
         self.root, self.step, self.saved, self._describe = root, step, saved, describe
         self._started: float | None = started  # until the load is told to the agent
         self.rank = world()[0]
         self.fragments: list[dict[str, Any]] = []
+        self._where = copies
         self._holders: dict[Any, list[int]] = {}  # (fqn, offsets) -> old ranks holding it
         for old in range(saved):
-            tree = _description(root, step, old)
+            tree = next((t for c in copies.get(old, ()) if (t := c.description()) is not None),
+                        None)
             if tree is None:
-                raise CheckpointError(f"rank {old}'s persisted copy of step {step} in {root} "
-                                      "is missing or unreadable")
+                raise CheckpointError(f"rank {old}'s copy of step {step} is missing or "
+                                      "unreadable")
             items, fragment = describe(tree, step)
             self.fragments.append(fragment)
             for key in items:
                 self._holders.setdefault(key, []).append(old)
         self._copies: dict[int, dict[Any, Any]] = {}
+        self._kinds: set[str] = set()  # where the copies read came from
 
     def ordered_fragments(self) -> list[dict[str, Any]]:
         """The old ranks' descriptions, the one of this rank's number first (it wins where
@@ -119,32 +234,65 @@ class Resharded:
             return None
         old = self.rank if self.rank in holders else holders[0]
         if old not in self._copies:
-            found = persisted_copy(torch, self.root, self.step, old)
-            if found is None:
-                raise CheckpointError(f"rank {old}'s persisted copy of step {self.step} in "
-                                      f"{self.root} is not good (named above)")
-            self._copies[old] = self._describe(found[1], self.step)[0]
+            self._copies[old] = self._describe(self._read(old), self.step)[0]
         return self._copies[old].get(key)
+
+    def _read(self, old: int) -> Any:
+        """Old rank ``old``'s state, from its nearest copy that is good."""
+        for copy in self._where.get(old, ()):
+            try:
+                state = copy.read(self.root, self.step, old)[1]
+            except (CheckpointError, ValueError, KeyError, TypeError) as exc:
+                _say(f"rank {old}'s {copy.kind} copy of step {self.step} ({copy.base}) is "
+                     f"not good: {exc}; skipped")
+                continue
+            self._kinds.add(copy.kind)
+            return state
+        raise CheckpointError(f"no good copy of rank {old}'s step {self.step} (each named "
+                              "above)")
 
     def done(self) -> None:
         """Let go of the copies read for one ``dcp.load``; the first tells the rank's agent
-        which step it loaded (status shows it, where load() told the step it found)."""
+        which step it loaded (status shows it, where load() told the step it found), each
+        that this rank needs what it borrowed no more (agents/borrows.py)."""
         self._copies.clear()
+        memory = os.environ.get(F.MEMORY_VAR)
+        if memory and BUDDY in self._kinds:
+            try:
+                F.write_file(os.path.join(_borrowed(memory), f"done-{self.rank}"), b"")
+            except OSError:
+                pass  # gone with its attempt
         if self._started is not None:
-            note_restored(self.step, "persisted", self._started)
+            source = next(k for k in (PERSISTED, BUDDY, MEMORY)
+                          if k in self._kinds or k == MEMORY)
+            note_restored(self.step, source, self._started)
             self._started = None
+
+
+def _say(text: str) -> None:
+    try:
+        sys.stderr.write(f"[orchestrator] checkpoint: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
 
 
 def reshard(found: tuple[int, Any] | None, describe: Describe) -> Resharded | None:
     """Where this rank's restored copy (``load()``'s, or None) is of another world size or
-    there is none: the step to load from every old rank's persisted copy, agreed by every
+    there is none: the step to load from every old rank's nearest copy, agreed by every
     rank; None when there is nothing to resume. CheckpointError when ``found`` cannot be
     loaded into this world size."""
     started = time.perf_counter()
     _, size = world()
     root = os.environ.get(F.DIR_VAR) or ""
-    mine = _readable(root, size) if root else []
-    if found is not None:  # the controller's step, or an older one, persisted everywhere
+    memory = os.environ.get(F.MEMORY_VAR)
+    table: Table = {}
+    if memory and found is not None:  # the nodes hold the step the controller chose
+        _in_memory(table, memory)
+    if root:
+        _persisted(table, root)
+    mine = _readable(table, size)
+    if found is not None:  # the controller's step, or an older one, everywhere
         mine = [(s, n) for s, n in mine if s <= found[0]]
     steps = [s for s, _ in mine]
     if dist.is_available() and dist.is_initialized() and size > 1:
@@ -158,7 +306,8 @@ def reshard(found: tuple[int, Any] | None, describe: Describe) -> Resharded | No
             return None
         raise CheckpointError(
             f"step {found[0]} was saved by {saved_world(found[1])} ranks; loading it into "
-            f"{size} needs every rank's copy of it (or of an older step) persisted in "
-            "checkpoint.dir where every rank reads it (a shared filesystem): none is")
+            f"{size} needs every rank's copy of it (or of an older step), in the nodes' "
+            "memory or persisted in checkpoint.dir where every rank reads it (a shared "
+            "filesystem): none is")
     step = max(common)
-    return Resharded(root, step, dict(mine)[step], describe, started)
+    return Resharded(root, step, dict(mine)[step], table[step], describe, started)

@@ -18,10 +18,12 @@ May call ``plan`` and ``spec`` (types only).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from agents import checkpointcommands as CS
 from agents import commands as C
 from agents import protocol as P
 from orchestrator.plan import LaunchPlan, node_address
@@ -180,6 +182,44 @@ class Holdings:
                          "of the node(s) leaving")
         return f" ({'; '.join(parts)})" if parts else ""
 
+    def elsewhere(self, placement: Mapping[int, int], step: int,
+                  addresses: Mapping[int, str]) -> tuple[C.Copies, ...]:
+        """Where the copies of every rank the nodes hold are, at ``step`` and the steps
+        before it that every rank has somewhere: a DCP load into fewer ranks reads them
+        (agents/borrows.py; a node skips what it holds itself). Only where ranks that saved
+        are not placed now (the job goes on with fewer); the same for every node, so that
+        it costs the ranks' number, not that times the nodes'."""
+        ranks = {r for held in self._nodes.values() for r in (*held.memory, *held.replicas)}
+        if ranks <= set(placement):
+            return ()
+        served = {rank: self._served(rank) for rank in ranks}
+        # Only a step that every rank has a copy of somewhere can be loaded: the newest few.
+        common = set.intersection(*(set(s) for s in served.values()))
+        loadable = set(sorted(s for s in common if s <= step)[-CS.MAX_STEPS:])
+        entries: list[C.Copies] = []
+        for rank in sorted(ranks):
+            by_source: dict[int, list[int]] = {}
+            for held_step, index in sorted(served[rank].items()):
+                if held_step in loadable and index in addresses:
+                    by_source.setdefault(index, []).append(held_step)
+            entries.extend(C.Copies(rank, tuple(steps), addresses[index],
+                                    self._nodes[index].port or 0)
+                           for index, steps in sorted(by_source.items()))
+        if len(entries) > CS.MAX_COPIES:
+            log.warning("%d copies are more than a start names (%d): a load into fewer ranks "
+                        "reads persisted copies only", len(entries), CS.MAX_COPIES)
+            return ()
+        return tuple(entries)
+
+    def _served(self, rank: int) -> dict[int, int]:
+        """Step -> a node index whose replica server hands out ``rank``'s copy of it: a save
+        of its own in its memory, else a replica."""
+        out = {step: index for index, held in sorted(self._nodes.items())
+               if held.port is not None for step in held.memory.get(rank, ())}
+        for step, index in self._replicated(rank).items():
+            out.setdefault(step, index)
+        return out
+
     def newest_saved(self, placement: Mapping[int, int]) -> int | None:
         """The newest step any rank of ``placement`` holds in its node's memory (None: no
         rank keeps saves there)."""
@@ -285,19 +325,24 @@ class Holdings:
 
 def attempt_config(spec: JobSpec, holdings: Holdings, plan: LaunchPlan,
                    nprocs: Mapping[int, int]
-                   ) -> tuple[C.CheckpointConfig, dict[int, tuple[C.Pull, ...]]]:
+                   ) -> tuple[C.CheckpointConfig, dict[int, C.CheckpointConfig]]:
     """What the nodes of ``plan`` are told: the spec's settings, the step every rank can
-    load where it will run (None: start fresh), and per node the replicas to fetch first."""
+    load where it will run (None: start fresh), and, for the nodes that have them, the
+    replicas to fetch first and where the copies of ranks they do not hold are."""
     per_node = spec.nproc_per_node if isinstance(spec.nproc_per_node, int) else 1
     where = placement(plan, nprocs, per_node)
     step = holdings.agreed_step(where)
     pulls: dict[int, tuple[C.Pull, ...]] = {}
+    copies: tuple[C.Copies, ...] = ()
     if step is not None:
         addresses = {i: node_address(spec.nodes[i]) for i in range(len(spec.nodes))}
         pulls = holdings.pulls(where, step, addresses)
+        copies = holdings.elsewhere(where, step, addresses)
         log.info("attempt %d resumes checkpoint step %d%s", plan.attempt, step,
                  holdings.where_from(pulls, step))
-    return settings(spec, step), pulls
+    config = settings(spec, step)
+    return config, {node: dataclasses.replace(config, pulls=pulls.get(node, ()), copies=copies)
+                    for node in set(pulls) | (set(where.values()) if copies else set())}
 
 
 def settings(spec: JobSpec, step: int | None) -> C.CheckpointConfig:

@@ -331,9 +331,9 @@ class Controller:
             master_port=port, node_indices=[n.index for n in participants],
             spec_dir=self.spec_dir, nprocs=nprocs,
             sync_tree=engine.preparer.tree().tree if self.spec.sync is not None else None)
-        checkpoint, pulls = attempt_config(self.spec, engine.holdings, plan, nprocs)
+        checkpoint, per_node = attempt_config(self.spec, engine.holdings, plan, nprocs)
         attempt = Attempt(plan, self._sink(plan.world_size), engine.hosts, self.store,
-                          self.job_id, nprocs, checkpoint, pulls)
+                          self.job_id, nprocs, checkpoint, per_node)
         engine.begin_attempt(attempt)
         prune_logs(self)
         ranks = [(w.rank, n.node_index, w.local_rank) for n in plan.nodes for w in n.workers

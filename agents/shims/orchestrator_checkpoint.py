@@ -13,10 +13,10 @@ Where a copy lives (docs/guides/checkpoints.md):
 - **Memory**: ``$ORCHESTRATOR_CHECKPOINT_MEMORY/rank-<RANK>/``, a directory on the node's
   ``/dev/shm`` that the agent made and removes. A save takes a *slot* (a file this rank
   reuses, so its pages are already there; a new one takes a blank of the node's where there
-  is one), copies the tensors' bytes into it and writes the
-  save's description (``step-<S>.meta``, renamed into place last): all the training waits
-  for. The newest save's slot is never written (one whole copy always exists); slots are
-  bounded by ``$ORCHESTRATOR_CHECKPOINT_MEMORY_BYTES``; with no room left, a save is skipped.
+  is one), copies the tensors' bytes into it and writes the save's description
+  (``step-<S>.meta``, renamed into place last): all the training waits for. The newest
+  save's slot is never written (one whole copy always exists); slots are bounded by
+  ``$ORCHESTRATOR_CHECKPOINT_MEMORY_BYTES``; with no room left, a save is skipped.
 - The agent then **seals** each save (``step-<S>.manifest``: a CRC-32 per chunk of the data
   and one of the meta) and **persists** every ``persist_every``-th one to
   ``$ORCHESTRATOR_CHECKPOINT_DIR/step-<S>/rank-<RANK>.{data,meta,manifest}``.
@@ -491,6 +491,14 @@ def persisted_copy(torch, root, step, rank=None):
              % (step, rank, base, exc))
         _mark_corrupt(base)
         return None
+
+
+def copy_at(torch, base, data_path, sealed):
+    """Another rank's copy in memory as load() maps and verifies its own (checkpoint_reshard)."""
+    meta_bytes, man = F.read_bytes(base + ".meta"), F.read_json(base + ".manifest")
+    if meta_bytes is None or os.path.exists(base + ".corrupt") or (sealed and man is None):
+        raise CheckpointError("it is gone")
+    return _restore(torch, meta_bytes, man, data_path, memory=True)
 
 
 def _mark_corrupt(base):

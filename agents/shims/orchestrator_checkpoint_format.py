@@ -34,6 +34,8 @@ BLANK_DIR = "blank"  # in the memory root: the pages of copies let go, for the n
 # of checkpoint.memory between the node's own copies and the replicas it keeps for others).
 COPIES_NAME = "copies"
 PULL_FAILED_NAME = "pull-failed"
+# In the memory root: other nodes' copies a DCP load into fewer ranks reads (agents/borrows.py).
+BORROWED_DIR = "borrowed"
 OWN_BELOW = 1 << 16  # bytes: a loaded tensor this small is a copy, not a view of the whole
 ALIGN = 64
 MEMORY_VAR = "ORCHESTRATOR_CHECKPOINT_MEMORY"

