@@ -384,10 +384,9 @@ class Store:
         return budget(self.config) - self.holdings()["bytes"] + F.blank_bytes(self.root)
 
     def _seal(self, rank: int, rank_dir: str, step: int, meta_bytes: bytes) -> None:
-        """A manifest of the save, and its persisted copy where asked; neither made once a
-        new attempt discarded the step meanwhile (the seal of a big state takes seconds: a
-        copy of the timeline no rank follows, trusted by a later load, gave a rank other
-        weights than every other rank's)."""
+        """A manifest of the save, and its persisted copy where asked; neither made once a new
+        attempt discarded the step meanwhile (a seal of a big state takes seconds: a copy of
+        the timeline no rank follows, trusted by a later load, gave a rank other weights)."""
         base = os.path.join(rank_dir, F.step_name(step))
         timeline = self._timeline
         try:
@@ -415,9 +414,10 @@ class Store:
                     disk.persist(where, rank, step, meta_bytes, manifest, view)
                     with self._lock:
                         restore = self.config.restore_step
-                        if timeline != self._timeline and restore is not None and step > restore:
+                        if timeline != self._timeline and restore is not None and \
+                                step > restore and F.read_bytes(base + ".meta") != meta_bytes:
                             disk.remove_copy(where, rank, step)  # discarded meanwhile
-                            return
+                            return  # (a Resumed keeps this attempt's own saves: so here)
                         open(base + ".persisted", "w").close()
                     F.trim(where, rank, self.config.keep)
         finally:

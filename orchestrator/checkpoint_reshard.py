@@ -61,8 +61,8 @@ class _Shape:
 
 class _Copy:
     """One old rank's copy of a step where this rank can read it: ``kind`` (MEMORY, BUDDY
-    or PERSISTED), ``base`` its path less the suffix, ``data`` its data's path (a save of
-    this node's: the slot its meta names)."""
+    or PERSISTED), ``base`` its path less the suffix; ``own``: a save of this node's (its
+    data in the slot its meta names), not a replica or a borrowed copy (``base.data``)."""
 
     def __init__(self, kind: str, base: str, own: bool = False) -> None:
         self.kind, self.base, self.own = kind, base, own

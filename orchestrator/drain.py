@@ -148,7 +148,8 @@ class Mover:
         # (monotonic time, attempt, highest step reported) where it changed: the ranks' pace.
         self._seen: deque[tuple[float, int, int]] = deque(maxlen=PACE_CHANGES)
         self._placed: tuple[int, dict[int, int]] | None = None
-        self._unsaved: dict[tuple[int, ...], float] = {}  # a drain seen before any save
+        # (attempt, leaving) -> when a drain was first seen before any save of that attempt
+        self._unsaved: dict[tuple[int, tuple[int, ...]], float] = {}
         self._lift: Lift | None = None
         self._released: dict[int, Any] = {}  # node index -> the channel it was told on
 
@@ -215,7 +216,8 @@ class Mover:
             # No save reported yet: the agents report after sealing and replicating, which
             # takes seconds for big states. Only a while without any is a script that saves
             # nothing in their memory.
-            since = self._unsaved.setdefault(leaving, time.monotonic())
+            self._unsaved = {k: v for k, v in self._unsaved.items() if k[0] == attempt.number}
+            since = self._unsaved.setdefault((attempt.number, leaving), time.monotonic())
             if time.monotonic() - since < min(within, NO_SAVES_WAIT):
                 return
             self._end(attempt, leaving, reason, "its ranks keep no checkpoint in the agents' "

@@ -882,3 +882,27 @@ def test_a_save_reports_no_step_older_than_the_one_the_file_says(tmp_path, monke
     F.report_step(13)
     assert json.loads(beat.read_text()) == {"step": 13, "total_steps": 100,
                                             "metrics": {"loss": 0.5}}
+
+
+def test_a_save_of_this_attempt_persisting_when_its_ranks_resumed_older_stays_persisted(
+        store, tmp_path, monkeypatch):
+    """Attempt 2's ranks were told step 100 and resumed 90 (C.Resumed, while the agent was
+    persisting attempt 2's own save of 95): the seal took any new timeline for a discard of
+    its step and removed 95's persisted copy, which stayed sealed in memory and so was never
+    persisted again. A Resumed keeps the attempt's own saves: so does the seal. Found by a
+    reading helper."""
+    from agents import disk
+
+    s, _ = store
+    s.configure(C.CheckpointConfig("ck", 1, 2, 64 << 20, 100), str(tmp_path), 2, 1)
+    monkeypatch.setenv("ORCHESTRATOR_ATTEMPT", "2")
+    persist = disk.persist
+
+    def told_meanwhile(*args, **kwargs):
+        persist(*args, **kwargs)
+        s.resumed(C.Resumed(90, 2))  # the ranks' loads said 90
+    monkeypatch.setattr(disk, "persist", told_meanwhile)
+    ckpt.save(95, {"w": torch.full((10,), 95.0)})
+    s._pass()
+    assert F.persisted_steps(str(tmp_path / "ck"), 1) == [95]
+    assert os.path.exists(os.path.join(s.root, "rank-1", F.step_name(95) + ".persisted"))

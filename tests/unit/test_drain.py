@@ -464,3 +464,36 @@ def test_a_drained_node_out_of_the_job_lets_go_of_its_memory_once_its_ranks_load
     Mover("j", SimpleNamespace(drains=lambda: [drain("0", "j")]),  # type: ignore[arg-type]
           {0: "n0", 1: "n1", 2: "n2"}).look(engine)  # type: ignore[arg-type]
     assert not any(isinstance(c, C.Release) for _, c in sent)
+
+
+def test_a_drain_seen_before_any_save_waits_for_a_first_save_again_in_the_next_attempt(
+        monkeypatch):
+    """A drain seen while an attempt had saved nothing waits NO_SAVES_WAIT for a first save;
+    that wait began once per set of nodes for the job's life, so the same drain in a later
+    attempt (its ranks not saved yet, 20 s on) ended that attempt at once, without a save.
+    Found by a reading helper."""
+    from orchestrator import drain as drain_module
+
+    now = [1000.0]
+    monkeypatch.setattr(drain_module.time, "monotonic", lambda: now[0])
+    sent: list[tuple[int, C.Command]] = []
+    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n,
+                                                  workers=[SimpleNamespace(rank=n)])
+                                  for n in (0, 1)])
+    engine = engine_of(nodes, Holdings(), plan, {0: 1, 1: 1}, 1, sent)  # nothing saved
+    failed: list = []
+    engine.current.fail = failed.append
+    engine.current.node_ranks = {0: 0, 1: 1}
+    mover = Mover("j", SimpleNamespace(drains=lambda: [drain("1", "j")]),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"})
+    mover.look(engine)  # type: ignore[arg-type]
+    assert mover.move is None and failed == []  # it waits for a first save
+    now[0] += 20.0  # attempt 1 ended meanwhile (another failure); attempt 2 has just started
+    engine.current = SimpleNamespace(**{**vars(engine.current), "number": 2})
+    mover.look(engine)  # type: ignore[arg-type]
+    assert failed == []  # waits again for attempt 2's first save
+    now[0] += drain_module.NO_SAVES_WAIT
+    mover.look(engine)  # type: ignore[arg-type]
+    assert len(failed) == 1 and "keep no checkpoint" in failed[0].message
