@@ -263,8 +263,9 @@ class Mover:
         again: what the move persists and who replicates may have changed (an agent that
         sealed the step already persists it then: agents/checkpoints.py)."""
         leaving = tuple(i for i in attempt.participants if i in self.drained or i in move.nodes)
-        if leaving == move.nodes and move.whole:
-            return
+        if leaving == move.nodes and (move.whole or all(i in attempt.node_plans
+                                                        for i in self.drained)):
+            return  # no one new, and no spare drained or noticed since
         shape = self._shape(engine, attempt, leaving)
         if shape is None or (leaving == move.nodes and not shape[0]):
             # The job cannot do without the new ones: the move goes on without them. The
