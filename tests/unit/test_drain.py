@@ -218,6 +218,12 @@ def test_a_noticed_node_whose_agent_attaches_again_keeps_its_notice():
     assert node.info.notice is None
 
 
+def three_nodes():
+    """Three usable nodes (n0-n2) attached, none noticed, as the mover sees them."""
+    return [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
+                            info=SimpleNamespace(notice=None)) for i in range(3)]
+
+
 def engine_of(nodes, holdings, plan, nprocs, min_nodes, sent):
     """A running attempt of two participants (node 0 and 1) as the mover sees it; what it
     sends goes to ``sent``."""
@@ -247,8 +253,7 @@ def test_a_move_of_a_job_whose_launch_names_no_rank_agrees_on_a_step():
     """torchrun-style and per-node launches name no worker's rank: a move found no rank of
     the job in memory, agreed on no step, and a whole-job stop stopped it without a save."""
     sent: list[tuple[int, C.Command]] = []
-    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
-                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    nodes = three_nodes()
     h = Holdings()
     h.update(0, held({0: [9], 1: [9]}, port=4000))
     h.update(1, held({2: [9], 3: [9]}, port=4001))
@@ -287,8 +292,7 @@ def test_a_step_every_rank_had_passed_when_told_is_agreed_again_once():
     step when told, none saved it, and the move waited for its deadline (120 s) to fall back.
     Once every rank reported a later step, another is agreed and told, once."""
     sent: list[tuple[int, C.Command]] = []
-    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
-                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    nodes = three_nodes()
     engine = one_rank_each(nodes, 1, sent)
     mover = Mover("j", SimpleNamespace(drains=lambda: [drain("1", "j")]),  # type: ignore[arg-type]
                   {0: "n0", 1: "n1", 2: "n2"})
@@ -314,8 +318,7 @@ def test_nodes_noticed_after_a_move_began_leave_with_it_and_a_whole_job_stop_per
     persists (a step it sealed already included)."""
     sent: list[tuple[int, C.Command]] = []
     notice = {"source": "SIGTERM to the agent", "deadline": time.time() + 30}
-    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
-                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    nodes = three_nodes()
     engine = one_rank_each(nodes, 2, sent)
     engine.spec.checkpoint.dir = "/ckpt"
     engine.current.fail = lambda failure: setattr(engine.current, "failure", failure)
@@ -353,8 +356,7 @@ def test_a_spare_noticed_after_a_move_began_onto_it_makes_the_move_a_whole_job_s
     whole-job stop at its step, persisted. Found by a reading helper."""
     sent: list[tuple[int, C.Command]] = []
     notice = {"source": "SIGTERM to the agent", "deadline": time.time() + 30}
-    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
-                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    nodes = three_nodes()
     engine = one_rank_each(nodes, 2, sent)
     engine.spec.checkpoint.dir = "/ckpt"
     mover = Mover("j", SimpleNamespace(drains=lambda: []),  # type: ignore[arg-type]
@@ -382,8 +384,7 @@ def test_a_controller_that_takes_over_tells_off_a_move_it_knows_nothing_of():
     ran out (their agents sending no replicas meanwhile). A controller that takes over tells
     every participant once that no step is asked, unless it begins a move of its own."""
     sent: list[tuple[int, C.Command]] = []
-    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
-                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    nodes = three_nodes()
     nodes[1].channel = None  # not attached again yet
     engine = one_rank_each(nodes, 1, sent)
     drains: list[dict] = []
@@ -416,8 +417,7 @@ def test_a_node_drained_again_after_an_undrain_lets_go_of_its_memory_again():
     channel: it was never told again, and kept the replicas for the job's life. Found by a
     reading helper."""
     sent: list[tuple[int, C.Command]] = []
-    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
-                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    nodes = three_nodes()
     engine = one_rank_each(nodes, 1, sent)
     engine.current.number, engine.current.restored_step = 2, None  # nothing to pull
     h = engine.holdings
@@ -441,8 +441,7 @@ def test_a_drained_node_out_of_the_job_lets_go_of_its_memory_once_its_ranks_load
     of shared memory on a node the operator wants back. Once every rank of the attempt that
     goes on without it loaded, it is told to let go, once."""
     sent: list[tuple[int, C.Command]] = []
-    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
-                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    nodes = three_nodes()
     engine = one_rank_each(nodes, 1, sent)  # node 2 held rank 1's copies: it was drained
     attempt = engine.current
     attempt.number, attempt.restored_step = 2, 9
@@ -477,8 +476,7 @@ def test_a_drain_seen_before_any_save_waits_for_a_first_save_again_in_the_next_a
     now = [1000.0]
     monkeypatch.setattr(drain_module.time, "monotonic", lambda: now[0])
     sent: list[tuple[int, C.Command]] = []
-    nodes = [SimpleNamespace(index=i, host=f"n{i}", channel=object(), usable=True,
-                             info=SimpleNamespace(notice=None)) for i in range(3)]
+    nodes = three_nodes()
     plan = SimpleNamespace(nodes=[SimpleNamespace(node_index=n,
                                                   workers=[SimpleNamespace(rank=n)])
                                   for n in (0, 1)])
