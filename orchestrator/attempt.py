@@ -136,6 +136,7 @@ class Attempt:
         self.stopping = False  # exits from here on are our doing, not failures
         self.ended = False  # recorded as ended in the store
         self.last_activity = time.monotonic()  # output, or a worker's heartbeat()
+        self.heard = False  # a rank printed or beat: the start is over (health.startup_timeout)
         self.launched_at = time.monotonic()
         self.first_steps: dict[int, tuple[int, float]] = {}  # rank -> (step, when) first seen
         self.last_steps: dict[int, int] = {}  # rank -> the last step it gave
@@ -175,7 +176,7 @@ class Attempt:
         not the node's to speak for), or None."""
         if isinstance(message, P.Progress):
             if message.beat:  # a sampler's report alone is no sign of progress
-                self.last_activity = time.monotonic()
+                self.last_activity, self.heard = time.monotonic(), True
             if message.attempt == self.number:
                 mine = self.ranks_of.get(node_index, set())
                 if any(rank not in mine for rank in message.ranks):
@@ -229,7 +230,7 @@ class Attempt:
         lines = list(message.lines)  # text: checked at the protocol boundary
         self.last_activity = time.monotonic()
         if rank is not None:
-            self.output_at[rank] = time.time()
+            self.output_at[rank], self.heard = time.time(), True
             self.sink.write(host, str(rank), stream, lines)
             return
         # torchrun (c10d): each worker line comes prefixed with its global rank.

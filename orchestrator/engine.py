@@ -313,10 +313,11 @@ class Engine:
                                 {n.index: n.longest_silence for n in self.nodes})
 
     def _check_hang(self, now: float) -> None:
-        hang_timeout, attempt = self.spec.health.hang_timeout, self.current
-        if not (hang_timeout and attempt is not None and self.state == JobState.RUNNING
+        attempt = self.current
+        limit, why = hang.silence_allowed(self.spec.health, attempt is not None and attempt.heard)
+        if not (limit and attempt is not None and self.state == JobState.RUNNING
                 and attempt.failure is None and not attempt.stopping and not self._collecting
-                and now - attempt.last_activity > hang_timeout):
+                and now - attempt.last_activity > limit):
             return
         # Where every rank is, and what collectives each had issued, taken before anything
         # is stopped: that is the why. (The turns inside start no second collection.)
@@ -329,10 +330,10 @@ class Engine:
         finally:
             self._collecting = False
         attempt.fail(Failure(
-            FailureCause.HUNG, f"no output or heartbeat from any rank for {hang_timeout:g}s "
-            "(health.hang_timeout)" + (f": {diagnosis}" if diagnosis else ""),
+            FailureCause.HUNG, f"no output or heartbeat from any rank for {limit:g}s {why}"
+            + (f": {diagnosis}" if diagnosis else ""),
             stacks=found.texts, diagnosis=diagnosis, flight_recorder=dumps,
-            at=time.time() - hang_timeout))
+            at=time.time() - limit))
 
     def stacks(self, flight_recorder: bool = False) -> hang.Stacks:
         """Every live rank's stack, from every reachable node."""

@@ -1,5 +1,6 @@
 """Where is each rank? Stacks from every node, the ranks' flight recorder dumps, and the
-one-line diagnosis (orchestrator/diagnosis.py): taken when ``health.hang_timeout`` fires,
+one-line diagnosis (orchestrator/diagnosis.py): taken when ``health.hang_timeout`` fires
+(``health.startup_timeout`` before an attempt's first line: ``silence_allowed``),
 before anything is stopped (that is the why), or when a reader asks (``orchestrator
 stacks``). The agents do the taking (agents/stacks.py); this module asks them all at once,
 through the controller's requests, and fetches the dumps into the attempt's log directory.
@@ -48,6 +49,15 @@ class Stacks:
     def diagnosis(self) -> str | None:
         texts = self.texts
         return diagnose({int(r): t for r, t in texts.items()}) if texts else None
+
+
+def silence_allowed(health: Any, heard: bool) -> tuple[float | None, str]:
+    """How long an attempt's ranks may all be silent (None: for ever), and what says so.
+    Before any rank's first line or heartbeat (``heard``), ``health.startup_timeout`` where
+    set: the program's start (imports, a model or a checkpoint loaded) is no hang."""
+    if not heard and health.startup_timeout is not None:
+        return health.startup_timeout, "since the attempt started (health.startup_timeout)"
+    return health.hang_timeout, "(health.hang_timeout)"
 
 
 def collect(channels: dict[int, Channel], hosts: dict[int, str], ask_all: AskAll, *,

@@ -275,6 +275,12 @@ class HealthSpec(_Model):
         default=30.0, description="a node unheard this long is LOST (its channel is dropped "
                                   "and reconnected after half of it)")
     hang_timeout: Seconds | None = Field(default=None, description="no output for this long")
+    # The silence before an attempt's first line is the program's start (imports, a model or
+    # a checkpoint loaded: minutes at scale, more on a busy node), not a hang: it gets its own
+    # allowance, as nvidia-resiliency-ext's initial_rank_heartbeat_timeout.
+    startup_timeout: Seconds | None = Field(
+        default=None, description="no output yet this long after an attempt's start is a hang "
+                                  "(null: hang_timeout)")
     flight_recorder: int = Field(
         default=2000, ge=0,
         description="collectives torch's flight recorder keeps per process group (NCCL or "

@@ -398,7 +398,9 @@ def test_ranks_held_at_a_moves_step_longer_than_hang_timeout_are_not_hung(tmp_pa
     (tmp_path / "a-file").write_text("")
     spec = whole_job_spec(tmp_path, out, steps=400)
     spec["checkpoint"]["dir"] = str(tmp_path / "a-file" / "ckpt")
-    spec["health"] = {"hang_timeout": 10}
+    # The ranks' start (4 of them importing torch on 2 cores: 9 s idle, more under load) is
+    # silent too, and no part of what this tests: startup_timeout covers it.
+    spec["health"] = {"hang_timeout": 10, "startup_timeout": 120}
     job_id = orchestrator.submit(write_spec(tmp_path, spec))
     wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
     orchestrator.drain_node("*", job=job_id, reason="maintenance", within=25)

@@ -297,6 +297,36 @@ def test_a_node_starved_for_8s_is_not_lost_at_the_defaults(home, tmp_path):
     assert_no_job_processes(job_id)
 
 
+def test_a_slow_start_is_no_hang_with_startup_timeout_and_a_start_silent_past_it_is(
+        home, tmp_path):
+    """Ranks silent for their first 4 s (imports, a model or a checkpoint loaded), then
+    printing every 0.2 s: with hang_timeout 2 and startup_timeout 30 the job succeeds (on the
+    old code, HUNG at 2 s, a failure charged); a start silent past startup_timeout is HUNG,
+    and the message names that field."""
+    script = tmp_path / "slow_start.py"
+    script.write_text("import os\nimport time\n\ntime.sleep(float(os.environ['SILENT']))\n"
+                      "for i in range(15):\n    print('step', i, flush=True)\n"
+                      "    time.sleep(0.2)\n")
+
+    def submit(silent: float, startup_timeout: float) -> str:
+        return orchestrator.submit(write_spec(tmp_path, {
+            "name": "starts", "nodes": [{"host": "local"}], "nproc_per_node": 2,
+            "command": [PYTHON, str(script)], "workdir": str(tmp_path),
+            "stop_grace_period": 2, "env": {"SILENT": str(silent)},
+            "health": {"hang_timeout": 2, "startup_timeout": startup_timeout}},
+            name=f"silent-{silent:g}.yaml"))
+
+    slow, silent = submit(4, 30), submit(600, 3)
+    result = orchestrator.wait(slow, timeout=60)
+    assert result["state"] == "SUCCEEDED", result["failure"]
+    assert sum(ln.endswith("step 14") for ln in orchestrator.logs(slow)) == 2
+    result = orchestrator.wait(silent, timeout=60)
+    assert result["state"] == "FAILED" and result["failure"]["cause"] == "HUNG", result
+    assert ("for 3s since the attempt started (health.startup_timeout)"
+            in result["failure"]["message"]), result["failure"]
+    assert_no_job_processes(silent)
+
+
 def test_an_ended_job_leaves_no_secret_in_the_store_files(home, tmp_path, monkeypatch):
     """Its env values, webhook URL, agent secret and the submitter's environment are wiped
     when it ends: not in state.db, its WAL or free pages (read as raw bytes)."""
