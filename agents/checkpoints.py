@@ -120,11 +120,11 @@ class Store:
         self._wake.set()
 
     def retain(self, keep: C.Retain) -> None:
-        """Copies from ``keep.step`` on stay while memory allows (what a node's loss resumes)."""
+        """Copies from ``keep.step`` on stay while memory allows, and those config.copies names."""
         F.write_file(os.path.join(self.root, "retain"), str(keep.step).encode())
         if self.replicas is not None:
-            self.replicas.retain = keep.step
-            self.replicas.prune()
+            self.replicas.retain_from(keep.step, {(c.rank, step) for c in self.config.copies
+                                                  for step in c.steps})
 
     def save_at(self, at: C.SaveAt) -> None:
         """Every rank of this node saves ``at.step`` and holds there (the shim reads the file

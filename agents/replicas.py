@@ -94,6 +94,7 @@ class Server:
         self._closed = False
         self._incoming = 0  # bytes the puts under way may write (_reserve)
         self.retain: int | None = None  # replicas of older steps may go
+        self.keep: frozenset[tuple[int, int]] = frozenset()  # (rank, step): never pruned
         self.attempt = 0  # the newest attempt seen: copies of older ones are of another timeline
         threading.Thread(target=self._accept, daemon=True, name="replicas").start()
 
@@ -260,6 +261,15 @@ class Server:
                     if which(F.parse_step(entry, suffix=".manifest"), base + ".meta"):
                         self._let_go(base)
 
+    def retain_from(self, step: int, keep: set[tuple[int, int]]) -> None:
+        """Replicas older than ``step`` may go, except ``keep``'s (rank, step): the copies an
+        attempt's loads into fewer ranks read (agents/borrows.py). The new ranks' first
+        copies on their buddies can make the controller retain their step while the loads
+        still read older ones, and the prune took them: every rank then failed, none of the
+        steps every old rank had was left whole."""
+        self.retain, self.keep = step, frozenset(keep)
+        self.prune()
+
     def prune(self, directory: str | None = None) -> None:
         """Replicas older than the retained step go (the newest of a rank always stays,
         unless the rank runs here now and this node holds its own copy of a step from the
@@ -275,7 +285,8 @@ class Server:
                     steps[-1:]
                 old = steps[:-KEEP] if retain is None else \
                     [s for s in steps[:-1] + newest if s < retain]
-                for step in old:
+                rank = F.parse_step(os.path.basename(rank_dir), prefix="rank-")
+                for step in [s for s in old if (rank, s) not in self.keep]:
                     self._let_go(os.path.join(rank_dir, f"step-{step}"))
 
     def _own_newest(self, rank_dir: str) -> int:

@@ -13,7 +13,7 @@ import orchestrator
 from tests.cluster.test_faults import goes_on_without_node_2
 from tests.cluster.test_ssh_jobs import cluster_spec
 from tests.helpers import PYTHON, WORKERS, assert_no_job_processes, wait_for, wait_for_output
-from tests.integration.test_checkpoints import lost_node_resumes_from_its_buddy
+from tests.integration.test_checkpoints import lost_node_resumes_from_its_buddy, replicated
 
 TRAIN = [PYTHON, str(WORKERS / "ckpt_train.py")]
 TRAIN_ENV = {"STEPS": "60", "STEP_SLEEP": "0.1", "STATE_MB": "1"}
@@ -69,6 +69,41 @@ def lost_node_2_reshards(cluster, job_id: str, out, ck) -> dict:
     # which the controller agreed on): the steps redone count from it.
     steps = {int(ln.split("resumed step ")[1].split()[0]) for ln in resumed}
     assert [result["attempts"][-1]["restored_step"]] == list(steps), (steps, result["attempts"])
+    assert (out / "final.txt").read_text() == "60.0"
+    assert_no_job_processes(job_id, within=15)
+    return result
+
+
+def test_a_dcp_job_that_lost_a_node_reshards_from_the_nodes_memory_over_ssh(cluster, home,
+                                                                          tmp_path):
+    """The same three SSH nodes with no checkpoint.dir: the 4 ranks left reshard from the
+    nodes' memory (borrowed over the namespaces' addresses) the step node 2's ranks had
+    replicated to node 0 (before: the load failed, nothing persisted, and the job)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(cluster_spec(
+        cluster, tmp_path, [PYTHON, str(WORKERS / "dcp_train.py")], nnodes="2:3",
+        max_restarts=1, restart_backoff={"initial": 0.1},
+        health={"heartbeat_interval": 0.5, "node_timeout": 2}, ssh={"connect_timeout": 2},
+        env={"OUT": str(out), **DCP_ENV}))
+    lost_node_2_reshards_from_memory(cluster, job_id, out)
+
+
+def lost_node_2_reshards_from_memory(cluster, job_id: str, out) -> dict:
+    """The job of three nodes x 2 ranks (dcp_train.py, no checkpoint.dir) goes on with 4
+    ranks once node 2's link is down, resharding from memory a step no older than node 2's
+    ranks' newest replicas on node 0 when it went; the SSH and Slurm tests run the same."""
+    wait_for_output(job_id, "rank 5 step 10 saved", 1, timeout=120)
+    wait_for(lambda: replicated(job_id, 0, (4, 5)) >= 10, 60,
+             what="node 2's ranks' step 10 replicated to node 0")
+    before = replicated(job_id, 0, (4, 5))
+    result = goes_on_without_node_2(cluster, job_id)
+    resumed = [ln for ln in orchestrator.logs(job_id, attempt=result["attempt"])
+               if "resumed step" in ln]
+    assert len(resumed) == 4 and all("in world 4" in ln for ln in resumed), resumed
+    steps = {int(ln.split("resumed step ")[1].split()[0]) for ln in resumed}
+    assert len(steps) == 1 and min(steps) >= before, (resumed, before)
+    assert [result["attempts"][-1]["restored_step"]] == list(steps), result["attempts"]
     assert (out / "final.txt").read_text() == "60.0"
     assert_no_job_processes(job_id, within=15)
     return result

@@ -149,6 +149,14 @@ def test_no_memory_is_left_after_a_cancel_or_the_agents_death(tmp_path, home):
     wait_for(lambda: memory_dirs(job_id) == [], 10, what="the memory removed")
 
 
+def replicated(job_id: str, node_index: int, ranks: tuple[int, ...]) -> int:
+    """The newest step of which ``node_index`` holds a replica of every one of ``ranks``."""
+    steps = [[int(os.path.basename(f)[5:-9]) for f in glob.glob(os.path.join(
+        SHM, f"{job_id}.{node_index}", "replicas", f"rank-{rank}", "step-*.manifest"))]
+        for rank in ranks]
+    return min(max(s, default=-1) for s in steps)
+
+
 def restored_from(shown: dict) -> dict[str, int]:
     """Ranks of the running attempt by where their load found its copy, as status has it."""
     found: dict[str, int] = {}

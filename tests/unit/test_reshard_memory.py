@@ -17,12 +17,13 @@ import torch
 from agents import borrows
 from agents import commands as C
 from agents.checkpoints import Store
-from agents.replicas import Server
+from agents.replicas import Server, push
 from agents.shims import orchestrator_checkpoint as ckpt
 from agents.shims import orchestrator_checkpoint_format as F
 from orchestrator.checkpoints import Holdings
 from tests.unit.test_checkpoint_store import Outbox, store  # noqa: F401 (a fixture)
 from tests.unit.test_drain_pull import held
+from tests.unit.test_replicas import copy_of
 
 
 def test_where_the_copies_are_is_named_only_when_the_job_goes_on_with_fewer_ranks():
@@ -113,3 +114,24 @@ def test_a_copy_that_cannot_be_borrowed_is_said_and_the_load_told_why(store, mon
     finally:
         node_a.close()
         server.close()
+
+
+def test_the_copies_a_load_into_fewer_ranks_reads_stay_when_a_newer_step_is_retained(
+        store):  # noqa: F811
+    """This node keeps replicas of rank 3 (of the lost node) at steps 1 and 2, and the loads
+    into fewer ranks read step 1 (the newest every old rank has somewhere). The new ranks'
+    first copies reach their buddies while the loads still read, and the controller retains
+    step 2: the prune took step 1's replica, and every rank then failed ("step 1 was saved
+    by 6 ranks; loading it into 4 needs every rank's copy"). What ``copies`` names stays for
+    the attempt, retained or not; the next attempt's retain prunes it."""
+    s, _ = store
+    s.replicas = Server(s.root, "s3cret", lambda: 1 << 30, lambda _: None)
+    for step in (1, 2):
+        push("127.0.0.1", s.replicas.port, "s3cret", 3, step, *copy_of(step))
+    s.configure(C.CheckpointConfig(None, 1, 2, 64 << 20, 2, (), (
+        C.Copies(3, (1,), "127.0.0.1", s.replicas.port),)), "/tmp", 2, 1)
+    s.retain(C.Retain(2))
+    assert sorted(s.replicas.holdings()[0][3]) == [1, 2]
+    s.configure(C.CheckpointConfig(None, 1, 2, 64 << 20, 2), "/tmp", 3, 1)
+    s.retain(C.Retain(2))
+    assert s.replicas.holdings()[0] == {3: [2]}
