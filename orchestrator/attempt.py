@@ -228,9 +228,11 @@ class Attempt:
     def _on_output(self, node_index: int, message: P.Output) -> None:
         host, rank, stream = self.hosts[node_index], message.rank, message.stream
         lines = list(message.lines)  # text: checked at the protocol boundary
-        self.last_activity = time.monotonic()
+        # Any line ends the start: a node's own (torchrun's, a launcher's) is often the only
+        # kind a per-node launch gives.
+        self.last_activity, self.heard = time.monotonic(), True
         if rank is not None:
-            self.output_at[rank], self.heard = time.time(), True
+            self.output_at[rank] = time.time()
             self.sink.write(host, str(rank), stream, lines)
             return
         # torchrun (c10d): each worker line comes prefixed with its global rank.

@@ -53,7 +53,7 @@ class Stacks:
 
 def silence_allowed(health: Any, heard: bool) -> tuple[float | None, str]:
     """How long an attempt's ranks may all be silent (None: for ever), and what says so.
-    Before any rank's first line or heartbeat (``heard``), ``health.startup_timeout`` where
+    Before the attempt's first line or heartbeat (``heard``), ``health.startup_timeout`` where
     set: the program's start (imports, a model or a checkpoint loaded) is no hang."""
     if not heard and health.startup_timeout is not None:
         return health.startup_timeout, "since the attempt started (health.startup_timeout)"

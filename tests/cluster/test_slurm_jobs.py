@@ -272,6 +272,22 @@ def test_a_dcp_job_that_lost_a_node_goes_on_with_fewer_ranks_resharded_on_slurm(
     wait_for(lambda: memory_dirs(job_id) == [], 15, what="every node's checkpoint memory removed")
 
 
+def test_a_dcp_job_that_lost_a_node_reshards_from_the_nodes_memory_on_slurm(sl, tmp_path):
+    """The same inside an allocation of three nodes with no checkpoint.dir: the 4 ranks left
+    reshard from the nodes' memory, and the allocation is given back."""
+    from tests.cluster.test_checkpoints_ssh import DCP_ENV, lost_node_2_reshards_from_memory
+    from tests.integration.test_checkpoints import memory_dirs
+    out = tmp_path / "out"
+    out.mkdir()
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path, [PYTHON, str(WORKERS / "dcp_train.py")], nodes=3, nnodes="2:3",
+        max_restarts=1, restart_backoff={"initial": 0.1},
+        health={"heartbeat_interval": 0.5, "node_timeout": 2}, env={"OUT": str(out), **DCP_ENV}))
+    result = lost_node_2_reshards_from_memory(sl, job_id, out)
+    assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+    wait_for(lambda: memory_dirs(job_id) == [], 15, what="every node's checkpoint memory removed")
+
+
 def test_a_drained_node_of_the_allocation_leaves_at_a_step_every_rank_saved(sl, tmp_path):
     """orchestrator drain inside a Slurm allocation (3 nodes, nnodes 2): every rank saves the
     agreed step, the spare of the allocation goes on from it, nothing redone, no restart
