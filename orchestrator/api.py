@@ -233,6 +233,7 @@ def status(job_id: str, *, home: str | os.PathLike[str] | None = None) -> dict[s
             d = held.get(node["node_index"])
             node["drained"] = None if d is None else {"since": iso(d["since"]),
                                                       "reason": d["reason"]}
+            node["spare"] = node["spare"] and d is None  # a drained node takes no place
         return shown
     finally:
         store.close()

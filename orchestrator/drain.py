@@ -154,6 +154,12 @@ class Mover:
         self._released: dict[int, Any] = {}  # node index -> the channel it was told on
 
     def look(self, engine: Engine) -> None:
+        for node in engine.nodes:  # a notice another agent took over: past its deadline,
+            notice = node.info.notice  # the node is still here (nodebook.py attach)
+            if notice is not None and notice.get("carried") and time.time() >= notice["deadline"]:
+                log.warning("%s is still here past its notice's deadline: usable again",
+                            self.hosts[node.index])
+                engine.book.note(node, replace(node.info, notice=None))
         # A notice over a drain of the same node: it goes away by its deadline whatever we
         # do (a drain's longer wait, and its memory taken to stay up, failed the next attempt).
         self.drained = {**drained(self.store.drains(), self.job_id, self.hosts),

@@ -147,9 +147,10 @@ def iso(ts: Any) -> str | None:
 
 
 def _is_spare(job: JobRecord, node: Any) -> bool:
-    """Healthy, attached and in no worker's place while the job runs: a hot spare."""
+    """Healthy, attached and in no worker's place while the job runs, and not told to go: a
+    hot spare (a drained one is none either: api.status)."""
     return (not job.state.is_at_rest() and node.node_rank is None
-            and node.state.value in ("CONNECTED", "STOPPED"))
+            and node.state.value in ("CONNECTED", "STOPPED") and not node.info.get("notice"))
 
 
 def _notice(notice: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -302,11 +302,17 @@ class NodeBook:
         if channel.launched or hello.instance != node.info.instance:
             node.received = node.acked = 0  # another agent: its messages are numbered from 1
         info = NodeInfo.from_hello(hello)
+        notice = node.info.notice
         if hello.instance is not None and hello.instance == node.info.instance:
             # The same agent, back on a new channel (a notice's SIGTERM can take its relay):
             # its notice holds until it says otherwise. Dropped here, the move under way
             # was called off and begun again at another step at the next heartbeat.
-            info = replace(info, notice=node.info.notice)
+            info = replace(info, notice=notice)
+        elif notice is not None and time.time() < notice["deadline"]:
+            # Another agent on a node told to go (the first left once its workers stopped,
+            # and the transport started this one): the host still goes away by the deadline,
+            # so the node is no spare until then (drain.py forgets it past the deadline).
+            info = replace(info, notice={**notice, "carried": True})
         in_attempt = _in_attempt(node, attempt)
         # Its workers belong to the attempt we run (a LOST node's never do: the attempt
         # failed without it). Any others go before the node runs anything: split-brain guard.

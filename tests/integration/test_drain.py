@@ -181,6 +181,37 @@ def test_a_sigterm_to_a_nodes_agent_is_a_notice_and_the_spare_goes_on(tmp_path, 
         receiver.close()
 
 
+def test_a_noticed_nodes_next_agent_is_no_spare_until_the_notices_deadline(tmp_path, home):
+    """The noticed agent leaves once the job moved off its node, and the transport starts
+    another there at once (0.2 s here). That host still goes away by the notice's deadline:
+    the node was a spare again, shown so, and the next failure could place ranks on it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = train_spec(tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=60)
+    spec["env"]["STEPS"] = "400"  # long enough to look at it after the move
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    try:
+        wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
+        node = next(n for n in orchestrator.status(job_id)["nodes"] if n["node_rank"] == 1)
+        os.kill(node["agent_pid"], signal.SIGTERM)
+        leaving, first = node["node_index"], node["agent_pid"]
+
+        def back() -> dict | None:
+            shown = orchestrator.status(job_id)
+            n = shown["nodes"][leaving]
+            again = n["agent_pid"] not in (None, first) and n["state"] == "CONNECTED"
+            return shown if again and shown["attempt"] == 2 else None
+        shown = wait_for(back, 60, what="the noticed node's next agent attached")
+        n = shown["nodes"][leaving]
+        assert (n["notice"] or {}).get("source") == "SIGTERM to the agent", n
+        assert not n["spare"], n
+        assert [x["spare"] for x in shown["nodes"]].count(True) == 0, shown["nodes"]
+        assert shown["state"] == "RUNNING" and leaving not in {
+            r["node_index"] for r in shown["ranks"]}
+    finally:
+        orchestrator.cancel(job_id, wait_seconds=30)
+
+
 def preemption_check(tmp_path) -> dict:
     """``health`` with a preemption_check that says a node goes in 30 s once its file is
     there (standing in for a cloud's metadata service): the script runs from its agent's

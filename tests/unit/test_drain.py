@@ -214,8 +214,41 @@ def test_a_noticed_node_whose_agent_attaches_again_keeps_its_notice():
     node.info = dataclasses.replace(node.info, notice=notice)  # its heartbeat said so
     attach("agent-1")  # its channel went, and came back
     assert node.info.notice == notice
-    attach("agent-2")  # another agent: it says its own
+    node.info = dataclasses.replace(node.info, notice={**notice, "deadline": time.time() - 1})
+    attach("agent-2")  # another agent, after the deadline: the host stayed; it says its own
     assert node.info.notice is None
+
+
+def test_a_noticed_nodes_next_agent_keeps_the_notice_until_its_deadline():
+    """A noticed node's agent leaves once its workers stop, and its transport starts another
+    there: that one knew nothing of the notice, and the node, whose host still goes away by
+    the deadline, was an ordinary spare again (the next failure could place ranks on it).
+    Another agent keeps it until its deadline; past it, a look finds the node still here and
+    usable again."""
+    from orchestrator.nodebook import NodeBook
+
+    spec = parse_jobspec("nodes: [{host: a}, {host: b}, {host: c}]\ncommand: [x]\n")
+    book = NodeBook("j", spec, None, SimpleNamespace(adopt=lambda node, channel: None))  # type: ignore[arg-type]
+    node = book.nodes[2]
+    hello = P.Hello(P.VERSION, 7, 0, instance="agent-1")
+    book.attach(node, SimpleNamespace(hello=hello, launched=False), None,  # type: ignore[arg-type]
+                resuming=False, needs_prep=False)
+    notice = {"source": "SIGTERM to the agent", "deadline": time.time() + 60}
+    node.info = dataclasses.replace(node.info, notice=notice)
+    hello = P.Hello(P.VERSION, 8, 0, instance="agent-2")  # relaunched: a new agent
+    book.attach(node, SimpleNamespace(hello=hello, launched=True), None,  # type: ignore[arg-type]
+                resuming=False, needs_prep=False)
+    assert node.info.notice is not None and node.info.notice["deadline"] == notice["deadline"]
+    store = SimpleNamespace(drains=lambda: [])
+    mover = Mover("j", store, {0: "a", 1: "b", 2: "c"})  # type: ignore[arg-type]
+    engine = SimpleNamespace(nodes=book.nodes, book=book, holdings=Holdings(), current=None,
+                             state=JobState.RUNNING)
+    mover.look(engine)  # type: ignore[arg-type]
+    assert list(mover.drained) == [2] and mover.drained[2]["notice"]  # no spare
+    node.info = dataclasses.replace(node.info, notice={**node.info.notice,
+                                                       "deadline": time.time() - 1})
+    mover.look(engine)  # type: ignore[arg-type]
+    assert node.info.notice is None and mover.drained == {}
 
 
 def three_nodes():
