@@ -219,6 +219,7 @@ def _resume_preempted(store: Store, job: JobRecord) -> None:
         hosts = [n.host for n in slurm.spec_with_nodes(spec, allocation).nodes] \
             if allocation else None
         store.set_slurm(job.job_id, record, hosts)
+    store.end_notices(job.job_id)  # fresh agents, where the user says the job goes on
     store.set_state(job.job_id, JobState.RESTARTING, ended_at=None, failure=None)
 
 

@@ -192,6 +192,15 @@ class Store:
         with self._transaction() as db:
             storenodes.set_nodes(db, job_id, changes, time.time(), _BATCH)
 
+    def end_notices(self, job_id: str) -> None:
+        """The notices the nodes' last agents had are over (a PREEMPTED job resumed: it goes
+        on on fresh agents). Each would pass to the node's next agent until its deadline
+        (nodebook.py attach), and the resumed job find every node told to go and stop
+        PREEMPTED again."""
+        self.set_nodes(job_id, [(n.node_index, n.state, None, {"info": {**n.info,
+                                                                        "notice": None}})
+                                for n in self.get_job(job_id).nodes if n.info.get("notice")])
+
     def set_slurm(self, job_id: str, allocation: dict[str, Any],
                   hosts: list[str] | None = None) -> None:
         """Record the job's Slurm allocation and, once granted, its nodes' host names."""
