@@ -180,7 +180,9 @@ class Mover:
                                                                              highest)):
             self._seen.append((time.monotonic(), attempt.number, highest))  # when it changed
         move = self.move
-        if move is not None and move.attempt == attempt.number:
+        if move is not None and move.attempt != attempt.number:
+            self.move = move = None  # its attempt ended otherwise (a rank failed meanwhile)
+        if move is not None:
             if all(i in self.drained for i in move.nodes):
                 attempt.held()
                 self._widen(engine, attempt, move)
@@ -269,11 +271,14 @@ class Mover:
         again: what the move persists and who replicates may have changed (an agent that
         sealed the step already persists it then: agents/checkpoints.py)."""
         leaving = tuple(i for i in attempt.participants if i in self.drained or i in move.nodes)
-        if leaving == move.nodes and (move.whole or all(i in attempt.node_plans
-                                                        for i in self.drained)):
+        # A drained node noticed since: it goes away by the notice's deadline, its memory
+        # serves no pull, and its copies must go elsewhere first.
+        noticed = move.pull and any(self.drained[i].get("notice") for i in move.nodes)
+        if leaving == move.nodes and not noticed and (move.whole or all(
+                i in attempt.node_plans for i in self.drained)):
             return  # no one new, and no spare drained or noticed since
         shape = self._shape(engine, attempt, leaving)
-        if shape is None or (leaving == move.nodes and not shape[0]):
+        if shape is None or (leaving == move.nodes and not shape[0] and not noticed):
             # The job cannot do without the new ones: the move goes on without them. The
             # same nodes: unless the spares it moves onto were noticed too (a whole stop).
             return
@@ -283,7 +288,7 @@ class Mover:
         deadline = min(move.deadline, time.monotonic() + within)
         persist = whole and engine.spec.checkpoint.dir is not None
         pull = move.pull and not whole and \
-            not any(self.drained[i].get("notice") for i in joined) and \
+            not any(self.drained[i].get("notice") for i in leaving) and \
             engine.holdings.serving(joined)
         self.move = replace(move, nodes=leaving, reason=reason, deadline=deadline,
                             within=deadline - began, whole=whole, persist=persist, pull=pull,

@@ -320,6 +320,59 @@ def test_a_notice_on_a_drained_node_moves_by_the_notices_deadline():
     assert 1 not in h._up  # its memory serves no pull: it goes away
 
 
+def test_a_notice_during_a_drains_move_moves_by_the_notices_deadline():
+    """A drain's move under way (120 s; the node to stay up for the next attempt's pulls,
+    nothing replicated), then the host SIGTERMs the node's agent: the move kept the drain's
+    time and its pull, though the node goes away by the notice's deadline (its workers
+    stopped then: a failure charged; or the next attempt pulled from a node gone). Found by a
+    reading helper."""
+    sent: list[tuple[int, C.Command]] = []
+    nodes = three_nodes()
+    engine = one_rank_each(nodes, 2, sent)
+    drains = [{**drain("1", "j"), "within": 120.0, "reason": "maintenance"}]
+    mover = Mover("j", SimpleNamespace(drains=lambda: drains),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"})
+    mover.look(engine)  # type: ignore[arg-type]
+    move = mover.move
+    assert move is not None and move.pull and move.within == 120.0
+    sent.clear()
+    nodes[1].info.notice = {"source": "SIGTERM to the agent", "deadline": time.time() + 20}
+    mover.look(engine)  # type: ignore[arg-type]
+    noticed = mover.move
+    assert noticed is not None and noticed.nodes == (1,) and noticed.step == move.step
+    assert not noticed.pull and noticed.deadline < move.deadline - 90
+    assert 1 not in engine.holdings._up  # its memory serves no pull: it goes away
+    assert sorted((i, c.step, c.replicate) for i, c in sent) == [
+        (0, move.step, False), (1, move.step, True)]  # its copies go elsewhere now
+    sent.clear()
+    mover.look(engine)  # type: ignore[arg-type]
+    assert sent == [] and mover.move is noticed  # told once
+
+
+def test_a_move_whose_attempt_failed_otherwise_ends_with_it():
+    """A drain's move under way, and a rank fails: the attempt ends without the move, whose
+    Move stayed for good (its attempt gone), and the drained node out of the next attempt
+    was never told to let go of its checkpoint memory. Found by a reading helper."""
+    sent: list[tuple[int, C.Command]] = []
+    nodes = three_nodes()
+    engine = one_rank_each(nodes, 2, sent)
+    engine.holdings.update(1, P.Held(1, {1: (9,)}, {}, 1 << 20, None, {}, 4001))
+    mover = Mover("j", SimpleNamespace(drains=lambda: [drain("1", "j")]),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"})
+    mover.look(engine)  # type: ignore[arg-type]
+    assert mover.move is not None and mover.move.attempt == 1
+    engine.current.failure = Failure(FailureCause.WORKER_FAILED, "rank 0 exited 1")
+    mover.look(engine)  # type: ignore[arg-type]
+    sent.clear()
+    engine.current = SimpleNamespace(**{**vars(engine.current), "number": 2,
+                                        "participants": [0, 2], "failure": None,
+                                        "node_plans": {0: None, 2: None},
+                                        "restored_step": None, "last_steps": {}})
+    mover.look(engine)  # type: ignore[arg-type]
+    assert mover.move is None
+    assert [(i, type(c).__name__) for i, c in sent] == [(1, "Release")]
+
+
 def test_a_step_every_rank_had_passed_when_told_is_agreed_again_once():
     """Fast steps just after a start (no pace known yet): every rank was past the agreed
     step when told, none saved it, and the move waited for its deadline (120 s) to fall back.
