@@ -102,6 +102,7 @@ class Agent:
         self.cgroups = containment.Cgroups(self.job_id, self.node_index, self.instance)
         self._reaped_at = 0.0
         self.notice: P.Notice | None = None  # a SIGTERM the controller plans a move for
+        self._ran_under_notice = False  # its workers ran since: it leaves once they stopped
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
@@ -243,11 +244,15 @@ class Agent:
         True: the agent gave up."""
         _keep_listening(self)
         busy = running(self.workers)
-        if self.notice is not None and (not busy or time.time() > self.notice.deadline):
-            if busy:  # the deadline passed: the grace is spent
-                self.stop_grace = min(self.stop_grace, 1.0)
-            self.finish(f"signal SIGTERM ({self.notice.source})")
-            return True
+        if self.notice is not None:
+            # A spare (no workers since) stays until the deadline, its heartbeats saying so:
+            # gone at once, its transport started another agent there, an ordinary spare.
+            self._ran_under_notice = self._ran_under_notice or busy
+            if time.time() > self.notice.deadline or (self._ran_under_notice and not busy):
+                if busy:  # the deadline passed: the grace is spent
+                    self.stop_grace = min(self.stop_grace, 1.0)
+                self.finish(f"signal SIGTERM ({self.notice.source})")
+                return True
         # Here, on the main thread: a child's PDEATHSIG fires when its parent thread ends.
         self.standbys.refill_due(now, all(w.heartbeat_seen for w in self.workers))
         if now - self._reaped_at > REAP_EVERY:
@@ -471,10 +476,12 @@ def _notice(agent: Agent, signum: int) -> P.Notice | None:
     heartbeats say so (once a controller is attached again, if its channel went with the
     same shutdown), and the controller moves the job off this node at a step every rank
     saves (orchestrator/drain.py) within the job's stop_grace_period, after which the agent
-    leaves (``Agent._tick``). Any other signal, or a second one, stops them at once, as
-    does a SIGTERM with ``on_sigterm: worker`` (it goes on to them, as from torchrun)."""
+    leaves (``Agent._tick``). A spare's (no workers, a controller attached) is one too: it
+    takes no place meanwhile. Any other signal, or a second one, stops them at once, as
+    does a SIGTERM with ``on_sigterm: worker`` (it goes on to them, as from torchrun) and
+    one with neither workers nor a controller to tell."""
     if signum != signal.SIGTERM or agent.config.sigterm_to_workers or \
-            not running(agent.workers):
+            not (running(agent.workers) or agent.outbox.current() is not None):
         return None
     return P.Notice("SIGTERM to the agent", time.time() + agent.stop_grace)
 

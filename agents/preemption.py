@@ -1,7 +1,8 @@
 """A cloud's preemption notice, asked on the node (``health.preemption_check``).
 
 The user's script (a spot instance's metadata service, read with curl) runs every
-``preemption_check_interval`` seconds while the node has workers: exit 0 means that the node
+``preemption_check_interval`` seconds while the node has workers or a controller (a hot spare
+too: one the job moved onto would go away with the rest of a reclaim): exit 0 means that the node
 is to go, and the first line of its output, where it is a number of seconds or an ISO 8601
 time (AWS's ``spot/instance-action`` gives ``"time": "2026-11-26T17:00:00Z"``), says when.
 The agent then has a notice, as from a SIGTERM (agents/agent.py): its heartbeats carry it,
@@ -39,7 +40,8 @@ def watch(agent: Any, script: str, interval: float) -> None:
         f.write(script)
     while not agent.outbox.closed:
         time.sleep(interval)
-        if agent.notice is not None or not running(agent.workers):
+        if agent.notice is not None or not (running(agent.workers) or
+                                            agent.outbox.current() is not None):
             continue
         said = ask(path, interval, agent.token)
         if said is not None and agent.notice is None:

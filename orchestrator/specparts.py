@@ -308,10 +308,10 @@ class HealthSpec(_Model):
         "with the defaults); null: off")
     preemption_check: str | None = Field(
         default=None, max_length=1 << 16, description="a /bin/sh script each node's agent "
-        "runs every preemption_check_interval while workers run (a cloud's metadata "
-        "service): exit 0 means the node is to go, and the first line of its output, if "
-        "seconds or an ISO 8601 time, when; the job then moves off the node at a saved step "
-        "(docs/guides/faults.md)")
+        "runs every preemption_check_interval while workers run or a controller is "
+        "attached (a cloud's metadata service): exit 0 means the node is to go, and the "
+        "first line of its output, if seconds or an ISO 8601 time, when; the job then "
+        "moves off the node at a saved step (docs/guides/faults.md)")
     preemption_check_interval: Seconds = 5.0
 
     @field_validator("network_check", mode="before")

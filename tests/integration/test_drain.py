@@ -212,6 +212,35 @@ def test_a_noticed_nodes_next_agent_is_no_spare_until_the_notices_deadline(tmp_p
         orchestrator.cancel(job_id, wait_seconds=30)
 
 
+def test_a_sigterm_to_a_spares_agent_is_a_notice_and_the_spare_is_none(tmp_path, home):
+    """A host shutdown (or a reclaim) that reaches a hot spare: its agent, without workers,
+    left at once, the transport started another there, and the node was a spare again, the
+    one a participant's move would go onto though it goes away. It is a notice too: the
+    agent stays up until its deadline, its heartbeats saying so, and the node is no spare."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = train_spec(tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=60)
+    spec["env"]["STEPS"] = "400"
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    try:
+        wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
+        spare = next(n for n in orchestrator.status(job_id)["nodes"] if n["spare"])
+        os.kill(spare["agent_pid"], signal.SIGTERM)
+
+        def noticed() -> dict | None:
+            n = orchestrator.status(job_id)["nodes"][spare["node_index"]]
+            return n if n["notice"] else None
+        n = wait_for(noticed, 10, what="the spare shown noticed")
+        assert n["notice"]["source"] == "SIGTERM to the agent" and not n["spare"], n
+        time.sleep(2)  # it stays: the same agent, no spare, the job undisturbed
+        shown = orchestrator.status(job_id)
+        n = shown["nodes"][spare["node_index"]]
+        assert n["agent_pid"] == spare["agent_pid"] and n["notice"] and not n["spare"], n
+        assert (shown["state"], shown["attempt"]) == ("RUNNING", 1), shown["failure"]
+    finally:
+        orchestrator.cancel(job_id, wait_seconds=30)
+
+
 def preemption_check(tmp_path) -> dict:
     """``health`` with a preemption_check that says a node goes in 30 s once its file is
     there (standing in for a cloud's metadata service): the script runs from its agent's
