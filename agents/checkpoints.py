@@ -123,8 +123,7 @@ class Store:
         """Copies from ``keep.step`` on stay while memory allows, and those config.copies names."""
         F.write_file(os.path.join(self.root, "retain"), str(keep.step).encode())
         if self.replicas is not None:
-            self.replicas.retain_from(keep.step, {(c.rank, step) for c in self.config.copies
-                                                  for step in c.steps})
+            self.replicas.retain_from(keep.step, _loads_read(self.config))
 
     def save_at(self, at: C.SaveAt) -> None:
         """Every rank of this node saves ``at.step`` and holds there (the shim reads the file
@@ -224,8 +223,8 @@ class Store:
                 (before is None or _attempt_of(meta) < before)
         _discard_own(_rank_dirs(self.root), self.persist_dir if step is not None else None,
                      later)
-        if self.replicas is not None:
-            self.replicas.retain = None
+        if self.replicas is not None:  # (what the loads read stays: Server._reserve)
+            self.replicas.retain, self.replicas.keep = None, _loads_read(self.config)
             self.replicas.discard(later)
 
     def report_now(self) -> None:
@@ -478,6 +477,12 @@ def _discard_own(ranks: list[tuple[int, str]], persisted: str | None,
         for old in F.persisted_steps(persisted, rank):
             if later(old, os.path.join(F.persisted_dir(persisted, old), f"rank-{rank}.meta")):
                 disk.remove_copy(persisted, rank, old)
+
+
+def _loads_read(config: C.CheckpointConfig) -> frozenset[tuple[int, int]]:
+    """The (rank, step) of the copies an attempt's loads into fewer ranks read
+    (agents/borrows.py): replicas that stay whatever else comes (agents/replicas.py)."""
+    return frozenset((c.rank, step) for c in config.copies for step in c.steps)
 
 
 def _attempt_of(meta: str) -> int:

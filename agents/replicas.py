@@ -38,7 +38,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from agents.fields import MAX_COUNT, MAX_RANK, Fields, ProtocolError
@@ -181,6 +181,12 @@ class Server:
         if attempt < self.attempt:
             raise ReplicaError(f"a copy of attempt {attempt}, before this node's {self.attempt}")
         self.attempt = max(self.attempt, attempt)  # two puts at once: never back
+        data = header.text("data", 64, True)
+        if not self._closed and data is not None and data == self._held_data(rank, step):
+            # The same bytes: nothing to send, and no room made for them (it evicted).
+            _send_line(conn, {"ok": True, "have": True})
+            self.kept()
+            return
         if not self._reserve(size):
             raise ReplicaError(f"no room for a {size}-byte replica in checkpoint.memory")
         reserved = [size]
@@ -197,11 +203,6 @@ class Server:
         size = reserved[0]
         if self._closed:  # said before the bytes come: a refusal with bytes unread is a reset
             raise ReplicaError("this node's checkpoint store is closing")
-        data = header.text("data", 64, True)
-        if data is not None and data == self._held_data(rank, step):
-            _send_line(conn, {"ok": True, "have": True})  # the same bytes: nothing to send
-            self.kept()
-            return
         _send_line(conn, {"ok": True})  # go on: the sender does not send what is refused
         meta, manifest = _read_exact(conn, meta_len), _read_exact(conn, manifest_len)
         man = _manifest(meta, manifest, size)
@@ -261,7 +262,7 @@ class Server:
                     if which(F.parse_step(entry, suffix=".manifest"), base + ".meta"):
                         self._let_go(base)
 
-    def retain_from(self, step: int, keep: set[tuple[int, int]]) -> None:
+    def retain_from(self, step: int, keep: Iterable[tuple[int, int]]) -> None:
         """Replicas older than ``step`` may go, except ``keep``'s (rank, step): the copies an
         attempt's loads into fewer ranks read (agents/borrows.py). The new ranks' first
         copies on their buddies can make the controller retain their step while the loads
@@ -303,7 +304,9 @@ class Server:
         Replicas older than their rank's newest go, the oldest first, until they fit. Kept
         from the retained step on, they filled the room while the nodes' pushes met on no
         common step, and from then on no copy came (measured: a job at step 200 whose
-        buddies held step 8)."""
+        buddies held step 8). Never ``keep``'s: the copies this attempt's loads into fewer
+        ranks read (the new ranks' first copies made room by evicting them, and the loads
+        found nothing to read)."""
         with self._lock:
             if size > self.room() - self._incoming:
                 older = sorted(
@@ -311,7 +314,8 @@ class Server:
                     for name in entries(self.root)
                     for step in sorted(s for s in (F.parse_step(n, suffix=".manifest")
                                        for n in entries(os.path.join(self.root, name)))
-                                       if s is not None)[:-1])
+                                       if s is not None)[:-1]
+                    if (F.parse_step(name, prefix="rank-"), step) not in self.keep)
                 for _, base in older:
                     if size <= self.room() - self._incoming:
                         break

@@ -103,6 +103,47 @@ def test_puts_at_once_never_take_more_than_the_room_left_between_them(tmp_path):
         room.close()
 
 
+def sorted_holdings(server: Server) -> tuple[dict[int, list[int]], int]:
+    held, used = server.holdings()
+    return {rank: sorted(steps) for rank, steps in held.items()}, used
+
+
+def test_room_for_a_put_never_takes_a_copy_the_loads_into_fewer_ranks_read(tmp_path):
+    """A put makes room by evicting replicas older than their rank's newest: it took the
+    copies an attempt's loads into fewer ranks read (the new ranks' first copies evicted the
+    old ranks' step), and every load found nothing. Those stay (``keep``, set at the
+    attempt's configure: agents/checkpoints.py); a put that finds no other room is refused."""
+    limit = 250_000  # two copies of 100,000 bytes fit, not three
+    room = Server(str(tmp_path), "s3cret", lambda: limit - room.holdings()[1], lambda _: None)
+    try:
+        push("127.0.0.1", room.port, "s3cret", 3, 10, *copy_of(10))  # what the loads read
+        push("127.0.0.1", room.port, "s3cret", 3, 11, *copy_of(11))  # rank 3's newest
+        room.keep = frozenset({(3, 10)})
+        with pytest.raises(ReplicaError, match="no room"):
+            push("127.0.0.1", room.port, "s3cret", 5, 12, *copy_of(12))
+        assert sorted_holdings(room) == ({3: [10, 11]}, 200_000)
+        room.keep = frozenset()  # the loads are done: the older copy may go for a new one
+        push("127.0.0.1", room.port, "s3cret", 5, 12, *copy_of(12))
+        assert sorted_holdings(room) == ({3: [11], 5: [12]}, 200_000)
+    finally:
+        room.close()
+
+
+def test_a_copy_held_already_is_not_sent_and_makes_no_room(tmp_path):
+    """A second node sending the copy this one holds (a spare's and the leaving node's) is
+    told so: the put reserved its room first, and that evicted an older replica for bytes
+    that never came."""
+    limit = 250_000
+    room = Server(str(tmp_path), "s3cret", lambda: limit - room.holdings()[1], lambda _: None)
+    try:
+        push("127.0.0.1", room.port, "s3cret", 3, 10, *copy_of(10))
+        push("127.0.0.1", room.port, "s3cret", 3, 11, *copy_of(11))
+        push("127.0.0.1", room.port, "s3cret", 3, 11, *copy_of(11))  # the same bytes again
+        assert sorted_holdings(room) == ({3: [10, 11]}, 200_000)
+    finally:
+        room.close()
+
+
 def test_a_replica_of_a_rank_that_now_runs_here_goes_once_the_node_holds_its_own(server,
                                                                                   tmp_path):
     """A spare that took a node's place kept its last replica of each rank it now runs for

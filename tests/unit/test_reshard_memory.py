@@ -135,3 +135,25 @@ def test_the_copies_a_load_into_fewer_ranks_reads_stay_when_a_newer_step_is_reta
     s.configure(C.CheckpointConfig(None, 1, 2, 64 << 20, 2), "/tmp", 3, 1)
     s.retain(C.Retain(2))
     assert s.replicas.holdings()[0] == {3: [2]}
+
+
+def test_the_copies_a_load_into_fewer_ranks_reads_stay_from_the_attempts_start(
+        store):  # noqa: F811
+    """Before any retain: a put of a new rank's first copy made room by evicting step 1 of
+    rank 3, which the loads read (only a retain named what they read). The attempt's
+    configure names it at once; the put finds no other room and is refused."""
+    import pytest
+
+    from agents.transfers import ReplicaError
+
+    s, _ = store
+    limit = 250_000  # two copies fit, not three
+    s.replicas = Server(s.root, "s3cret", lambda: limit - s.replicas.holdings()[1],
+                        lambda _: None)
+    for step in (1, 2):
+        push("127.0.0.1", s.replicas.port, "s3cret", 3, step, *copy_of(step))
+    s.configure(C.CheckpointConfig(None, 1, 2, 64 << 20, 2, (), (
+        C.Copies(3, (1,), "127.0.0.1", s.replicas.port),)), "/tmp", 2, 1)
+    with pytest.raises(ReplicaError, match="no room"):
+        push("127.0.0.1", s.replicas.port, "s3cret", 5, 2, *copy_of(2), attempt=2)
+    assert sorted(s.replicas.holdings()[0][3]) == [1, 2]
