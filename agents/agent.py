@@ -384,7 +384,7 @@ class Agent:
                                                workdir)
         self.checkpoints.install(start.checkpoint.pulls)  # before a worker can load()
         for key, value in self.checkpoints.configure(start.checkpoint, workdir, attempt,
-                                                     len(start.workers)).items():
+                                                     start.ranks or len(start.workers)).items():
             if value is None:
                 base_env.pop(key, None)
             else:

@@ -196,6 +196,9 @@ class Start(Command):
     flight_recorder: int = 0
     warm: WarmImports | None = None
     checkpoint: CheckpointConfig = NO_CHECKPOINT
+    # The ranks it runs (0: one a worker): c10d's torchrun and a per-node process, one
+    # worker, run them all, and each rank's share of checkpoint.memory is of them all.
+    ranks: int = 0
 
     @classmethod
     def read(cls, f: _Read) -> Start:
@@ -212,7 +215,8 @@ class Start(Command):
                    WarmImports(_Read(warm, f"{f.kind}.warm").words("imports"))
                    if "warm" in f.raw and f.raw["warm"] is not None else None,
                    CheckpointConfig.read(_Read(f.mapping("checkpoint"), f"{f.kind}.checkpoint"))
-                   if f.raw.get("checkpoint") is not None else NO_CHECKPOINT)
+                   if f.raw.get("checkpoint") is not None else NO_CHECKPOINT,
+                   f.integer("ranks", 0, P.MAX_LOCAL, optional=True) or 0)
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ def start_command(number: int, node_plan: NodePlan, stop_grace: float, flight_re
                 node_plan.route_to, node_plan.workers,
                 stop_grace, flight_recorder,
                 None if warm_imports is None else C.WarmImports(tuple(warm_imports)),
-                checkpoint)
+                checkpoint, node_plan.ranks)
 
 
 @dataclass

@@ -45,6 +45,7 @@ class NodePlan:
     # The master's address when the attempt spans several nodes: the agent then sets
     # GLOO/NCCL_SOCKET_IFNAME to the interface that routes there, unless set.
     route_to: str | None = None
+    ranks: int = 0  # the ranks it runs (0: one a worker; torchrun or the node's process: all)
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ def plan_attempt(
         elif spec.sync is not None:  # the synced copy, at the workdir's place inside it
             workdir = synced_workdir(spec, spec_dir, sync_tree or "<tree>")
         nodes.append(NodePlan(index, node_rank, node.host, workdir, env, workers, defaults,
-                              master_addr if nnodes > 1 else None))
+                              master_addr if nnodes > 1 else None, nproc))
 
     return LaunchPlan(job_id, attempt, restart_count, spec.rendezvous.backend, master_addr,
                       master_port, world_size, tuple(nodes), spec.secret_names, spec.launch)

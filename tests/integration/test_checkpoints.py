@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 
+import pytest
 import torch
 
 import orchestrator
@@ -399,3 +400,24 @@ def test_a_dcp_checkpoint_goes_on_in_a_job_of_fewer_ranks_and_then_of_more(tmp_p
         # not the step the controller found among the new ranks' copies (none for 3 ranks).
         restored = [a["restored_step"] for a in orchestrator.status(job_id)["attempts"]]
         assert restored == [19 if ranks == 2 else 39], (name, restored)
+
+
+@pytest.mark.parametrize("how", [{"launch": "per-node"}, {"rendezvous": {"backend": "c10d"}}])
+def test_each_rank_of_a_process_that_runs_a_nodes_ranks_gets_its_share_of_the_memory(
+        home, tmp_path, how):
+    """One process runs a node's 4 ranks (torchrun under c10d, the user's under per-node):
+    the agent took it for one rank, gave each rank the whole of checkpoint.memory, and
+    a node's ranks together kept four times what it allows."""
+    memory = 64 << 20
+    script = tmp_path / "budget.py"  # (torchrun runs a script, not -c)
+    script.write_text("import os\n"
+                      "print('budget', os.environ['ORCHESTRATOR_CHECKPOINT_MEMORY_BYTES'])\n")
+    job_id = orchestrator.submit(write_spec(tmp_path, {
+        "name": "share", "nodes": [{"host": "local"}], "nproc_per_node": 4,
+        "command": [PYTHON, str(script)],
+        "workdir": str(tmp_path), "checkpoint": {"memory": memory}, **how}))
+    result = orchestrator.wait(job_id, timeout=120)
+    lines = list(orchestrator.logs(job_id))
+    assert result["state"] == "SUCCEEDED", (result["failure"], lines[-10:])
+    budgets = {ln.rsplit(" ", 1)[1] for ln in lines if " budget " in ln}
+    assert budgets == {str(memory // 4)}, lines
