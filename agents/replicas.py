@@ -306,9 +306,12 @@ class Server:
         common step, and from then on no copy came (measured: a job at step 200 whose
         buddies held step 8). Never ``keep``'s: the copies this attempt's loads into fewer
         ranks read (the new ranks' first copies made room by evicting them, and the loads
-        found nothing to read)."""
+        found nothing to read). One of the retained step on going is said (once: the step a
+        node's loss would resume from may then be in no memory but the disk's)."""
+        retained_went = False
         with self._lock:
-            if size > self.room() - self._incoming:
+            fits = size <= self.room() - self._incoming
+            if not fits:
                 older = sorted(
                     (step, os.path.join(self.root, name, f"step-{step}"))
                     for name in entries(self.root)
@@ -316,14 +319,20 @@ class Server:
                                        for n in entries(os.path.join(self.root, name)))
                                        if s is not None)[:-1]
                     if (F.parse_step(name, prefix="rank-"), step) not in self.keep)
-                for _, base in older:
-                    if size <= self.room() - self._incoming:
-                        break
+                for step, base in older:
                     self._let_go(base)
-                if size > self.room() - self._incoming:
-                    return False
-            self._incoming += size
-            return True
+                    retained_went = retained_went or (self.retain is not None
+                                                      and step >= self.retain)
+                    fits = size <= self.room() - self._incoming
+                    if fits:
+                        break
+            if fits:
+                self._incoming += size
+        if retained_went:  # (outside the lock: the problem goes to the outbox)
+            self.problem("checkpoint.memory is full: replicas of the retained step went for "
+                         "newer copies (a node's loss may resume from an older step; a "
+                         "larger checkpoint.memory keeps them)")
+        return fits
 
     def _let_go(self, base: str) -> None:
         """A replica goes; its data's pages stay for the next copy (a blank)."""

@@ -129,6 +129,28 @@ def test_room_for_a_put_never_takes_a_copy_the_loads_into_fewer_ranks_read(tmp_p
         room.close()
 
 
+def test_a_retained_replica_given_up_for_room_is_said(tmp_path):
+    """A full memory gives up replicas of the retained step for newer copies (else no copy
+    came again): the step a node's loss resumes may then be in no memory, and the guide
+    says the agent says so (in the same words each time: the agent says each problem once).
+    An older step's going is no news."""
+    limit = 250_000
+    problems: list[str] = []
+    room = Server(str(tmp_path), "s3cret", lambda: limit - room.holdings()[1], problems.append)
+    try:
+        for step in (9, 10, 11):  # 9 goes for 11
+            push("127.0.0.1", room.port, "s3cret", 3, step, *copy_of(step))
+        room.retain = 11
+        push("127.0.0.1", room.port, "s3cret", 3, 12, *copy_of(12))  # 10 goes: older
+        assert problems == []
+        push("127.0.0.1", room.port, "s3cret", 3, 13, *copy_of(13))  # 11 goes: retained
+        assert sorted_holdings(room) == ({3: [12, 13]}, 200_000)
+        assert len(problems) == 1, problems
+        assert "checkpoint.memory is full: replicas of the retained step" in problems[0]
+    finally:
+        room.close()
+
+
 def test_a_copy_held_already_is_not_sent_and_makes_no_room(tmp_path):
     """A second node sending the copy this one holds (a spare's and the leaving node's) is
     told so: the put reserved its room first, and that evicted an older replica for bytes
