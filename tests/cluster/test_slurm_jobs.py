@@ -305,6 +305,42 @@ def test_a_drained_node_of_the_allocation_leaves_at_a_step_every_rank_saved(sl, 
     assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
 
 
+def test_a_sigterm_to_one_nodes_steps_is_a_notice_and_the_allocations_spare_goes_on(
+        sl, tmp_path):
+    """One node's part of the allocation ends: ``scancel --signal=TERM`` of its holder step
+    (Slurm then ends the step, SIGTERM to its task now, SIGKILL to every process of it after
+    KillWait, as when its slurmd shuts down). The holder tells its agent: a notice on that
+    node alone. Every rank saves the agreed step, the allocation's spare goes on from it,
+    nothing redone, no restart charged."""
+    from tests.integration.test_drain import drain_moves_to_the_spare, train_spec
+    out = tmp_path / "out"
+    out.mkdir()
+    data = train_spec(tmp_path, [], out, stop_grace_period=30)
+    job_id = orchestrator.submit(slurm_spec(
+        tmp_path, data.pop("command"), nodes=3,
+        **{k: v for k, v in data.items() if k not in ("nodes", "name", "workdir")},
+        health={"heartbeat_interval": 0.5, "node_timeout": 2}))
+    signalled: list[str] = []
+
+    def sigterm_its_steps(job, node):
+        shown = orchestrator.status(job)
+        host = shown["nodes"][node]["host"]
+        steps = slurm(sl, "squeue", "-h", "-s", "-j", str(shown["slurm"]["job_id"]),
+                      "-o", "%i %j %N").stdout
+        signalled.extend(i for i, name, on in (ln.split() for ln in steps.splitlines())
+                         if on == host and name == "orchestrator-holder")
+        assert len(signalled) == 1, steps
+        # (It says "Invalid job id specified" of a step it signals and ends all the same.)
+        slurm(sl, "scancel", "--signal=TERM", signalled[0], check=False)
+
+    def noticed(node):
+        return (node["notice"] or {}).get("source") == "SIGTERM to the agent"
+
+    result = drain_moves_to_the_spare(job_id, out, sigterm_its_steps, shown=noticed)
+    assert "SIGTERM to the agent" in result["attempts"][0]["failure"]["message"]
+    assert settled_state(sl, result["slurm"]["job_id"]) in ("CANCELLED", "COMPLETED")
+
+
 def test_cancel_releases_the_allocation(sl, tmp_path):
     spec = slurm_spec(tmp_path, [PYTHON, str(WORKERS / "sleeper.py")], nodes=2)
     job_id = orchestrator.submit(spec)
