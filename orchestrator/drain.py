@@ -216,7 +216,7 @@ class Mover:
         shape = self._shape(engine, attempt, leaving) if leaving else None
         if shape is None:
             return
-        whole, reason, within = shape
+        leaving, whole, reason, within = shape
         drains = [self.drained[i] for i in leaving]
         placement = self._placement(engine, attempt)
         step = self._agreed_step(engine, attempt, placement)
@@ -241,26 +241,40 @@ class Mover:
                     self._names(leaving), reason, step, " and persists it" if persist else "",
                     "stops PREEMPTED" if whole else "goes on without it")
 
-    def _shape(self, engine: Engine, attempt: Attempt,
-               leaving: tuple[int, ...]) -> tuple[bool, str, float] | None:
-        """(whole, reason, within) of a move of ``leaving`` off the attempt; None where a
-        drain keeps them running (said once)."""
+    def _shape(self, engine: Engine, attempt: Attempt, leaving: tuple[int, ...]
+               ) -> tuple[tuple[int, ...], bool, str, float] | None:
+        """(leaving, whole, reason, within) of a move of ``leaving`` off the attempt (fewer
+        where drains wait beside notices); None where a drain keeps them running (said
+        once)."""
         spares = [n for n in engine.nodes if n.usable and n.index not in attempt.node_plans
                   and n.index not in self.drained]
+
+        def stuck(going: tuple[int, ...]) -> bool:
+            return len(attempt.participants) - len(going) + len(spares) < engine.spec.min_nodes
+
+        def keeps_running(nodes: tuple[int, ...]) -> None:
+            self._say_once(nodes, "%s drained, but the job cannot go on without it (nnodes "
+                           "MIN %d, %d spare(s)): it keeps running there", self._names(nodes),
+                           engine.spec.min_nodes, len(spares))
+
+        noticed = tuple(i for i in leaving if self.drained[i].get("notice"))
+        if noticed != leaving and stuck(leaving) and noticed and not stuck(noticed):
+            # Drains the job cannot do without beside noticed nodes it can: those go, the
+            # drains wait, as alone (it was a whole stop, for the user to resume, though
+            # the noticed nodes had spares to go to).
+            keeps_running(tuple(i for i in leaving if i not in noticed))
+            leaving = noticed
         staying = len(attempt.participants) - len(leaving)
-        stuck = staying + len(spares) < engine.spec.min_nodes
         # Nowhere to go on: a drain leaves the job running there (a drain stops new work),
         # but when every node leaves, or one goes away whatever we do (a notice), the job
         # stops at a saved step (persisted), until resumed.
-        whole = stuck and (staying == 0 or any(self.drained[i].get("notice") for i in leaving))
-        if stuck and not whole:
-            self._say_once(leaving, "%s drained, but the job cannot go on without it "
-                           "(nnodes MIN %d, %d spare(s)): it keeps running there",
-                           self._names(leaving), engine.spec.min_nodes, len(spares))
+        whole = stuck(leaving) and (staying == 0 or bool(noticed))
+        if stuck(leaving) and not whole:
+            keeps_running(leaving)
             return None
         drains = [self.drained[i] for i in leaving]
         reason = "; ".join(sorted({d["reason"] for d in drains if d["reason"]})) or "drained"
-        return whole, reason, min(float(d["within"]) for d in drains)
+        return leaving, whole, reason, min(float(d["within"]) for d in drains)
 
     def _widen(self, engine: Engine, attempt: Attempt, move: Move) -> None:
         """Participants drained or noticed since the move began leave with it, at its step:
@@ -278,11 +292,11 @@ class Mover:
                 i in attempt.node_plans for i in self.drained)):
             return  # no one new, and no spare drained or noticed since
         shape = self._shape(engine, attempt, leaving)
-        if shape is None or (leaving == move.nodes and not shape[0] and not noticed):
+        if shape is None or (shape[0] == move.nodes and not shape[1] and not noticed):
             # The job cannot do without the new ones: the move goes on without them. The
             # same nodes: unless the spares it moves onto were noticed too (a whole stop).
             return
-        whole, reason, within = shape
+        leaving, whole, reason, within = shape
         joined = tuple(i for i in leaving if i not in move.nodes)
         began = move.deadline - move.within
         deadline = min(move.deadline, time.monotonic() + within)

@@ -464,6 +464,43 @@ def test_a_spare_noticed_after_a_move_began_onto_it_makes_the_move_a_whole_job_s
     assert sent == [] and mover.move is whole  # told once
 
 
+@pytest.mark.parametrize("drained_first", [False, True])
+def test_a_drain_the_job_cannot_do_without_beside_a_notice_waits_and_the_notice_moves(
+        caplog, drained_first):
+    """Node 0 noticed (its host goes away), node 1 drained by an operator, one spare, nnodes
+    MIN 2: both leaving leaves one node, so the move became a whole-job stop (PREEMPTED,
+    the user to resume) though the noticed node had a spare to go to. The noticed node goes
+    onto the spare; the drain, which the job cannot do without, keeps running there and says
+    so, as a drain alone does. Either order. Found by a reading helper."""
+    sent: list[tuple[int, C.Command]] = []
+    notice = {"source": "SIGTERM to the agent", "deadline": time.time() + 30}
+    nodes = three_nodes()
+    engine = one_rank_each(nodes, 2, sent)
+    drains: list[dict] = []
+    mover = Mover("j", SimpleNamespace(drains=lambda: drains),  # type: ignore[arg-type]
+                  {0: "n0", 1: "n1", 2: "n2"})
+    def notice_0():
+        nodes[0].info.notice = notice
+
+    def drain_1():
+        drains.append(drain("1", "j"))
+
+    first, second = (drain_1, notice_0) if drained_first else (notice_0, drain_1)
+    first()
+    mover.look(engine)  # type: ignore[arg-type]
+    assert mover.move is not None and not mover.move.whole
+    assert mover.move.nodes == ((1,) if drained_first else (0,))
+    second()
+    with caplog.at_level("WARNING", logger="orchestrator.controller"):
+        mover.look(engine)  # type: ignore[arg-type]
+        mover.look(engine)  # type: ignore[arg-type]
+    move = mover.move
+    assert move is not None and move.nodes == (0,) and not move.whole and not move.pull
+    said = [r.getMessage() for r in caplog.records if "cannot go on without it" in r.getMessage()]
+    assert said == ["node 1 (n1) drained, but the job cannot go on without it (nnodes MIN 2, 1 "
+                    "spare(s)): it keeps running there"], said
+
+
 def test_a_controller_that_takes_over_tells_off_a_move_it_knows_nothing_of():
     """A move undrained while its controller was being replaced: the new one knew no move,
     so nothing told the ranks held at the step to go on, and they held until the move's time
