@@ -117,9 +117,12 @@ class Holdings:
         return steps
 
     def _replicated(self, rank: int) -> dict[int, int]:
-        """Step -> a node index that keeps a replica of ``rank`` at that step (and serves)."""
+        """Step -> a node index that keeps a replica of ``rank`` at that step (and serves),
+        never a noticed one (it goes away, and its replicas with it)."""
+        gone = self._leaving - self._up
         return {step: index for index, held in sorted(self._nodes.items())
-                if held.port is not None for step in held.replicas.get(rank, ())}
+                if held.port is not None and index not in gone
+                for step in held.replicas.get(rank, ())}
 
     def _sources(self, rank: int) -> dict[int, int]:
         """Step -> a node index that serves a copy of ``rank`` at that step: a replica, else a
@@ -213,9 +216,12 @@ class Holdings:
 
     def _served(self, rank: int) -> dict[int, int]:
         """Step -> a node index whose replica server hands out ``rank``'s copy of it: a save
-        of its own in its memory, else a replica."""
+        of its own in its memory, else a replica; never a noticed node's (the loads borrow
+        once it has gone: nothing there)."""
+        gone = self._leaving - self._up
         out = {step: index for index, held in sorted(self._nodes.items())
-               if held.port is not None for step in held.memory.get(rank, ())}
+               if held.port is not None and index not in gone
+               for step in held.memory.get(rank, ())}
         for step, index in self._replicated(rank).items():
             out.setdefault(step, index)
         return out

@@ -43,6 +43,23 @@ def test_where_the_copies_are_is_named_only_when_the_job_goes_on_with_fewer_rank
     assert h.elsewhere({**where, 4: 1, 5: 1}, 10, addresses) == ()
 
 
+def test_a_noticed_node_is_named_as_no_source_of_copies_it_goes_away_with():
+    """Node 1 noticed (its host goes away) and the job goes on without it, with fewer ranks:
+    its ranks' copies were named from its own memory, where the loads found nothing once it
+    had gone (that step no candidate, the load from disk or failed), though node 0 keeps
+    replicas of them. A drained node stays up for it, and is a source."""
+    h = Holdings()
+    h.update(0, held({0: [9, 10], 1: [9, 10]}, {2: [9, 10], 3: [9, 10]}, port=4000))
+    h.update(1, held({2: [9, 10], 3: [9, 10]}, {0: [9, 10], 1: [9, 10]}, port=4001))
+    where = {0: 0, 1: 0}
+    h.set_leaving({1})  # noticed
+    assert {(c.rank, c.address) for c in h.elsewhere(where, 10, {0: "a", 1: "b"})} == {
+        (0, "a"), (1, "a"), (2, "a"), (3, "a")}
+    h.set_leaving({1}, staying_up={1})  # drained: it stays up
+    assert {(c.rank, c.address) for c in h.elsewhere(where, 10, {0: "a", 1: "b"})} == {
+        (0, "a"), (1, "a"), (2, "b"), (3, "b")}
+
+
 def _wait(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while not predicate():
