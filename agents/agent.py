@@ -58,6 +58,9 @@ ATTACH_TIMEOUT = 10.0  # seconds a new connection has to prove the secret
 # many seconds: not while the attempt's own workers start, which they would slow down.
 REFILL_AFTER = 5.0
 REAP_EVERY = 2.0  # seconds between reaping the exited orphans the agent adopted
+# A controller detached this long ago is still told of a notice: the shutdown that SIGTERMs
+# the agent can take its relay first (a Slurm allocation's signal reaches every step).
+RECENTLY = 5.0
 
 
 def _file_id(path: str) -> tuple[int, int] | None:
@@ -102,7 +105,7 @@ class Agent:
         self.cgroups = containment.Cgroups(self.job_id, self.node_index, self.instance)
         self._reaped_at = 0.0
         self.notice: P.Notice | None = None  # a SIGTERM the controller plans a move for
-        self._ran_under_notice = False  # its workers ran since: it leaves once they stopped
+        self._ran_under_notice = False  # its workers ran (or were there): leave once stopped
 
     # --- start ---------------------------------------------------------------------------
     def listen(self) -> None:
@@ -213,7 +216,7 @@ class Agent:
                 continue
             if kind == "signal":
                 if self.notice is None and (notice := _notice(self, msg)) is not None:
-                    self.notice = notice
+                    self.notice, self._ran_under_notice = notice, bool(self.workers)
                     continue
                 self.finish(f"signal {signal_name(msg)}")
                 return 128 + msg
@@ -481,7 +484,7 @@ def _notice(agent: Agent, signum: int) -> P.Notice | None:
     does a SIGTERM with ``on_sigterm: worker`` (it goes on to them, as from torchrun) and
     one with neither workers nor a controller to tell."""
     if signum != signal.SIGTERM or agent.config.sigterm_to_workers or \
-            not (running(agent.workers) or agent.outbox.current() is not None):
+            not (running(agent.workers) or agent.outbox.attached(within=RECENTLY)):
         return None
     return P.Notice("SIGTERM to the agent", time.time() + agent.stop_grace)
 

@@ -67,6 +67,7 @@ class Outbox:
         self._spool_offset = 0  # replayed up to here
         self._dropped: collections.Counter[tuple[Any, str, int]] = collections.Counter()
         self.detached_since: float | None = time.monotonic()
+        self._attached_once = False
         # The attached controller cannot write (its disk is full): spool as while detached,
         # but stay attached (no controller_grace runs) until a controller attaches again.
         self._holding = False
@@ -153,6 +154,12 @@ class Outbox:
 
     def current(self) -> socket.socket | None:
         return self._conn
+
+    def attached(self, within: float = 0.0) -> bool:
+        """Whether a controller is attached, or was until less than ``within`` seconds ago."""
+        since = self.detached_since
+        return self._conn is not None or (self._attached_once and since is not None
+                                          and time.monotonic() - since < within)
 
     def spool_while_attached(self, conn: socket.socket) -> None:
         """The controller on ``conn`` cannot write: sequenced messages go to the spool from
@@ -313,7 +320,7 @@ class Outbox:
         """A controller proved the secret: hello, then everything it has not kept, in order."""
         with self._cond:
             old, self._conn = self._conn, conn
-            self._holding = False
+            self._holding, self._attached_once = False, True
             self.detached_since = None
             self._forget(ack)
             replay = list(self._unacked)

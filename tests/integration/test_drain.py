@@ -241,6 +241,32 @@ def test_a_sigterm_to_a_spares_agent_is_a_notice_and_the_spare_is_none(tmp_path,
         orchestrator.cancel(job_id, wait_seconds=30)
 
 
+def test_a_shutdown_that_ends_the_workers_with_the_agent_lets_the_agent_leave_at_once(
+        tmp_path, home):
+    """A host shutdown SIGTERMs the whole session: the agent and its workers. The workers die
+    before the agent's next look (two a second), which then took itself for a spare told to
+    go and stayed until the deadline (stop_grace_period: 60 s here), holding up the
+    shutdown. Its workers ran when the notice came: it leaves once they are gone."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = train_spec(tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=60)
+    spec["env"]["STEPS"] = "400"
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    try:
+        wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
+        shown = orchestrator.status(job_id)
+        node = next(n for n in shown["nodes"] if n["node_rank"] == 1)
+        workers = [r["pid"] for r in shown["ranks"] if r["node_index"] == node["node_index"]]
+        assert len(workers) == 2 and all(workers), shown["ranks"]
+        for pid in workers:  # (first: gone before the agent reads its SIGTERM)
+            os.kill(pid, signal.SIGKILL)
+        os.kill(node["agent_pid"], signal.SIGTERM)
+        wait_for(lambda: not os.path.exists(f"/proc/{node['agent_pid']}"), 10,
+                 what="the agent gone with its workers")
+    finally:
+        orchestrator.cancel(job_id, wait_seconds=30)
+
+
 def preemption_check(tmp_path) -> dict:
     """``health`` with a preemption_check that says a node goes in 30 s once its file is
     there (standing in for a cloud's metadata service): the script runs from its agent's

@@ -144,3 +144,22 @@ def test_a_stop_not_yet_ticked_counts_up_to_now():
     time.sleep(0.2)  # no ticks any more: the ticker itself is "late"
     now = time.monotonic()
     assert ticker.stopped(now - 10.0, now + 1.0) >= 1.0
+
+
+def test_a_sigterm_just_after_the_relay_went_is_still_a_notice(tmp_path):
+    """A Slurm allocation's signal reaches every step at once: the relay's dies, and its
+    channel can be gone before the agent reads the SIGTERM. A hot spare's agent then took
+    no notice and left at once (its transport started another: an ordinary spare). A
+    controller attached a moment ago still counts; one never attached, or long gone, not."""
+    from agents.agent import _notice
+    from agents.outbox import Outbox
+
+    outbox = Outbox(str(tmp_path / "spool"), None)
+    agent = SimpleNamespace(config=SimpleNamespace(sigterm_to_workers=False), workers=[],
+                            outbox=outbox, stop_grace=30.0)
+    assert _notice(agent, signal.SIGTERM) is None  # never attached: it leaves at once
+    outbox._attached_once, outbox.detached_since = True, time.monotonic() - 1.0
+    notice = _notice(agent, signal.SIGTERM)
+    assert notice is not None and notice.source == "SIGTERM to the agent"
+    outbox.detached_since = time.monotonic() - 60.0
+    assert _notice(agent, signal.SIGTERM) is None
