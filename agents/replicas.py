@@ -319,6 +319,9 @@ class Server:
                                        for n in entries(os.path.join(self.root, name)))
                                        if s is not None)[:-1]
                     if (F.parse_step(name, prefix="rank-"), step) not in self.keep)
+                evictable = sum(_size(base + ".data") for _, base in older)
+                if size > self.room() - self._incoming + evictable:
+                    older = []  # none goes for a copy that would not fit all the same
                 for step, base in older:
                     self._let_go(base)
                     retained_went = retained_went or (self.retain is not None
@@ -446,6 +449,13 @@ def _connection(address: str, port: int, secret: str,
         if transfers is not None:
             transfers.discard(conn)
         conn.close()
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def push(address: str, port: int, secret: str, rank: int, step: int, meta: bytes,

@@ -151,6 +151,24 @@ def test_a_retained_replica_given_up_for_room_is_said(tmp_path):
         room.close()
 
 
+def test_a_put_that_would_not_fit_all_the_same_evicts_nothing(tmp_path):
+    """Room for a copy larger than every older replica frees: each went (the retained step's
+    among them, said as given up for newer copies), and then the put was refused all the
+    same. Nothing goes for a copy that does not fit."""
+    limit = 250_000
+    problems: list[str] = []
+    room = Server(str(tmp_path), "s3cret", lambda: limit - room.holdings()[1], problems.append)
+    try:
+        push("127.0.0.1", room.port, "s3cret", 3, 10, *copy_of(10))
+        push("127.0.0.1", room.port, "s3cret", 3, 11, *copy_of(11))
+        room.retain = 10
+        with pytest.raises(ReplicaError, match="no room"):
+            push("127.0.0.1", room.port, "s3cret", 5, 12, *copy_of(12, size=200_000))
+        assert sorted_holdings(room) == ({3: [10, 11]}, 200_000) and problems == []
+    finally:
+        room.close()
+
+
 def test_a_copy_held_already_is_not_sent_and_makes_no_room(tmp_path):
     """A second node sending the copy this one holds (a spare's and the leaving node's) is
     told so: the put reserved its room first, and that evicted an older replica for bytes
