@@ -181,17 +181,28 @@ def test_a_sigterm_to_a_nodes_agent_is_a_notice_and_the_spare_goes_on(tmp_path, 
         receiver.close()
 
 
+def long_job_at_step_10(tmp_path) -> str:
+    """Two local nodes and a spare training 400 steps (long enough to look at the job after
+    a move), stop_grace_period 60; returns once rank 3 saved step 10."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = train_spec(tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=60)
+    spec["env"]["STEPS"] = "400"
+    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    try:
+        wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
+    except BaseException:
+        orchestrator.cancel(job_id, wait_seconds=30)
+        raise
+    return job_id
+
+
 def test_a_noticed_nodes_next_agent_is_no_spare_until_the_notices_deadline(tmp_path, home):
     """The noticed agent leaves once the job moved off its node, and the transport starts
     another there at once (0.2 s here). That host still goes away by the notice's deadline:
     the node was a spare again, shown so, and the next failure could place ranks on it."""
-    out = tmp_path / "out"
-    out.mkdir()
-    spec = train_spec(tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=60)
-    spec["env"]["STEPS"] = "400"  # long enough to look at it after the move
-    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    job_id = long_job_at_step_10(tmp_path)
     try:
-        wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
         node = next(n for n in orchestrator.status(job_id)["nodes"] if n["node_rank"] == 1)
         os.kill(node["agent_pid"], signal.SIGTERM)
         leaving, first = node["node_index"], node["agent_pid"]
@@ -217,13 +228,8 @@ def test_a_sigterm_to_a_spares_agent_is_a_notice_and_the_spare_is_none(tmp_path,
     left at once, the transport started another there, and the node was a spare again, the
     one a participant's move would go onto though it goes away. It is a notice too: the
     agent stays up until its deadline, its heartbeats saying so, and the node is no spare."""
-    out = tmp_path / "out"
-    out.mkdir()
-    spec = train_spec(tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=60)
-    spec["env"]["STEPS"] = "400"
-    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    job_id = long_job_at_step_10(tmp_path)
     try:
-        wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
         spare = next(n for n in orchestrator.status(job_id)["nodes"] if n["spare"])
         os.kill(spare["agent_pid"], signal.SIGTERM)
 
@@ -247,13 +253,8 @@ def test_a_shutdown_that_ends_the_workers_with_the_agent_lets_the_agent_leave_at
     before the agent's next look (two a second), which then took itself for a spare told to
     go and stayed until the deadline (stop_grace_period: 60 s here), holding up the
     shutdown. Its workers ran when the notice came: it leaves once they are gone."""
-    out = tmp_path / "out"
-    out.mkdir()
-    spec = train_spec(tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=60)
-    spec["env"]["STEPS"] = "400"
-    job_id = orchestrator.submit(write_spec(tmp_path, spec))
+    job_id = long_job_at_step_10(tmp_path)
     try:
-        wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
         shown = orchestrator.status(job_id)
         node = next(n for n in shown["nodes"] if n["node_rank"] == 1)
         workers = [r["pid"] for r in shown["ranks"] if r["node_index"] == node["node_index"]]
