@@ -15,7 +15,8 @@ thread of its own, woken so, the store then, for every save it finds:
   (``replicate_to``; agents/replicas.py), and keeps its buddy's replicas in turn;
 - **keeps pages**: a replica it lets go leaves its data as a *blank* that the next copy the
   node writes whole takes by a rename (orchestrator_checkpoint_format.py: new pages are most
-  of a copy's cost); blanks count as memory in use, and go while that is over
+  of a copy's cost), and a rank whose next save would need new pages is given one made
+  ahead (agents/pages.py); blanks count as memory in use, and go while that is over
   ``checkpoint.memory``;
 - **shares** ``checkpoint.memory`` between its ranks' own copies and its buddy's replicas:
   the copies each rank may keep (``share``; a file in the memory root its saves obey);
@@ -47,6 +48,7 @@ from agents import protocol as P
 from agents.holds import hold_save, mapped
 from agents.memshare import budget, copies_for
 from agents.outbox import Outbox
+from agents.pages import Maker
 from agents.paths import entries, memory_root, own_memory, remove, sweep_memory
 from agents.pulls import install
 from agents.replicas import Server
@@ -84,6 +86,7 @@ class Store:
         self.attempt = 0
         self._lock = threading.Lock()
         self._wake = Wake()
+        self._pages = Maker(self.root, lambda: budget(self.config) - self.holdings()["bytes"])
         self._closed = False
         self._last: dict[str, Any] | None = None
         self._sent_to: object = None
@@ -149,7 +152,7 @@ class Store:
             shutil.rmtree(rank_dir, ignore_errors=True)  # a copy being sent is held open
         if self.replicas is not None:
             self.replicas.discard(lambda step, _: step is not None)
-        F.drop_blanks(self.root, F.blank_bytes(self.root))
+        self._pages.stop(made=True)
         remove(os.path.join(self.root, F.SAVE_AT_NAME))
         borrows.end(self.root)
         self._wake.set()  # the report: nothing held
@@ -235,6 +238,7 @@ class Store:
         """The workers are gone: a copy going to a buddy stops (of no use now), what they
         saved and marked is persisted (a last pass), then the memory goes."""
         self._closed = True
+        self._pages.stop()
         self._sending.end()
         self._wake.set()
         if self._thread is not None:
@@ -277,8 +281,7 @@ class Store:
         if final:  # the job ends: its buddy's copy is of no use any more
             return
         self._share(ranks)
-        if F.blanks(self.root):  # they go while the memory held is over its bound
-            F.drop_blanks(self.root, self.holdings()["bytes"] - budget(self.config))
+        self._pages.tend([r for r, _ in ranks])  # over the bound they go; asked, made
         # What memory holds is news at once: a planned move waits for every rank's save
         # there, and replicating a big state takes seconds (measured: 5 s of a drain's 11 s
         # at 512 MiB per rank went to waiting for this report).
@@ -378,8 +381,7 @@ class Store:
             self._copies = copies
 
     def _room(self) -> int:
-        """Bytes of checkpoint.memory not in use (for a buddy's replica): blanks are, as
-        the replica takes one."""
+        """Bytes of checkpoint.memory not in use, blanks too (a buddy's replica takes one)."""
         return budget(self.config) - self.holdings()["bytes"] + F.blank_bytes(self.root)
 
     def _seal(self, rank: int, rank_dir: str, step: int, meta_bytes: bytes) -> None:
