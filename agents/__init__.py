@@ -41,6 +41,12 @@ MODULES = ("agents", "agents.fields", "agents.protocol", "agents.commandbase",
            "agents.relay", "agents.main")
 
 
+#: Modules the agent never imports, only writes out for workers (agents/shims): shipped as
+#: source alone (their code objects were 4% of what every node's login carries).
+TEXT_ONLY = frozenset(f"agents.shims.{n}" for n in (
+    "sitecustomize", "orchestrator_worker", "orchestrator_checkpoint", "standby_boot"))
+
+
 def source(name: str) -> str:
     """The text of one of ``MODULES``: from what was shipped (the bootstrap keeps it as
     ``__shipped__``), else from the installed file."""

@@ -1,19 +1,5 @@
-"""Pages made ahead: the blanks a node's checkpoint store writes while its ranks train, for
-the saves that would otherwise clear new pages themselves.
-
-A save into a file whose pages exist is a copy; into a new one, most of its time is the
-kernel clearing pages (measured on these machines: 512 MiB a rank, 1.6 s of a 1.7 s save
-into a new file, 0.08 s into one whose pages exist; docs/benchmarks.md). A rank asks
-(``F.ask_blank``: a file among the blanks, under a name no blank has) where it knows a save
-will find no such slot: after its first save (the newest copy is never written, so the
-second needs a slot of its own) and when a load maps a slot (the save that would write it
-writes a new file instead); the store makes the blank in the background, where
-checkpoint.memory has room for it, and that save waits for one being made rather than
-write new pages beside it. Blanks count as memory held and go where it is short
-(agents/checkpoints.py).
-
-Stdlib only; calls nothing of the agent's.
-"""
+"""Blanks made ahead, for the saves that would otherwise write new pages (their cost, and
+when a rank asks: docs/guides/checkpoints.md, "Pages kept"; F.ask_blank). Stdlib only."""
 
 from __future__ import annotations
 
@@ -23,12 +9,47 @@ from collections.abc import Callable
 
 from agents.shims import orchestrator_checkpoint_format as F
 
-CHUNK = 1 << 22  # bytes of zeros a write
+
+class Maker:
+    """The blanks ranks asked for, each on a thread of its own (the store's seals and pushes
+    wait for none), one a rank at a time, within ``room()`` less those under way."""
+
+    def __init__(self, memory: str, room: Callable[[], int]):
+        self.memory, self._room = memory, room
+        self._lock = threading.Lock()
+        self._making: dict[int, int] = {}  # rank -> bytes
+        self._round = 0  # one more at stop(): those under way go
+
+    def tend(self, ranks: list[int]) -> None:
+        """Blanks go while memory is over its bound; those ``ranks`` asked for start."""
+        if F.blanks(self.memory):
+            drop(self.memory, -self._room())
+        for rank in ranks:
+            with self._lock:
+                size = None if rank in self._making else asked(
+                    self.memory, rank, self._room() - sum(self._making.values()))
+                if size is None:
+                    continue
+                self._making[rank], round_ = size, self._round
+            threading.Thread(target=self._make, args=(rank, size, round_), daemon=True).start()
+
+    def _make(self, rank: int, size: int, round_: int) -> None:
+        try:
+            make(self.memory, rank, size, lambda: self._round != round_)
+        finally:
+            with self._lock:
+                self._making.pop(rank, None)
+
+    def stop(self, made: bool = False) -> None:
+        """Those under way go; with ``made``, those made too (the memory is released)."""
+        with self._lock:
+            self._round += 1
+        if made:
+            drop(self.memory, F.blank_bytes(self.memory))
 
 
 def asked(memory: str, rank: int, limit: int) -> int | None:
-    """The bytes of the blank ``rank`` asked for (the request goes), or None; a request for
-    none, or for more than ``limit``, is none."""
+    """The bytes ``rank`` asked a blank of (the request goes); none past ``limit``."""
     path = F.blank_asked(memory, rank)
     size = F.int_file(path)
     try:
@@ -36,6 +57,33 @@ def asked(memory: str, rank: int, limit: int) -> int | None:
     except OSError:
         pass
     return size if size is not None and 0 < size <= limit else None
+
+
+def make(memory: str, rank: int, size: int, going: Callable[[], bool]) -> bool:
+    """A blank of ``size`` bytes for ``rank`` whose pages exist (zeros written: allocated
+    pages are cleared at the first write), hidden until whole; none once ``going()``."""
+    name = os.urandom(8).hex()
+    path = os.path.join(memory, F.BLANK_DIR, F.making_prefix(rank) + name)
+    zeros = memoryview(bytes(min(size, 1 << 22)))
+    try:
+        if not F.blank_dir(memory):
+            return False  # the memory is gone
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            for offset in range(0, size, len(zeros)):
+                if going():
+                    raise OSError("stopped")
+                os.pwrite(fd, zeros[:size - offset], offset)
+        finally:
+            os.close(fd)
+        os.rename(path, os.path.join(memory, F.BLANK_DIR, name))
+        return True
+    except OSError:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+        return False
 
 
 def drop(memory: str, excess: int) -> None:
@@ -48,79 +96,3 @@ def drop(memory: str, excess: int) -> None:
         except OSError:
             continue  # taken meanwhile
         excess -= length
-
-
-def make(memory: str, rank: int, size: int, going: Callable[[], bool]) -> bool:
-    """A blank of ``size`` bytes in ``memory`` for ``rank``, whose pages exist (zeros
-    written: a file only allocated leaves its pages to be cleared at the first copy into
-    it), named as a blank once whole (until then the rank's save waits for it rather than
-    write new pages beside it); none when ``going()`` turns true or memory is full. Whether
-    it was made."""
-    directory = os.path.join(memory, F.BLANK_DIR)
-    if not F.blank_dir(memory):
-        return False  # the memory is gone (the store closed)
-    name = os.urandom(8).hex()
-    path = os.path.join(directory, F.making_prefix(rank) + name)  # no taker sees it yet
-    zeros = memoryview(bytes(min(size, CHUNK)))
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            for offset in range(0, size, len(zeros)):
-                if going():
-                    raise OSError("the store closes")
-                os.pwrite(fd, zeros[:size - offset], offset)
-        finally:
-            os.close(fd)
-        os.rename(path, os.path.join(directory, name))
-        return True
-    except OSError:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
-        return False
-
-
-class Maker:
-    """Blanks the node's ranks asked for, each made on a thread of its own (the store's seals
-    and pushes, which protect the training against a node's loss, are not held up: measured,
-    two ranks' blanks of 512 MiB delayed a seal by 2.8 s), one a rank at a time, within
-    ``room()`` (bytes of checkpoint.memory not held) less those being made."""
-
-    def __init__(self, memory: str, room: Callable[[], int]):
-        self.memory, self._room = memory, room
-        self._lock = threading.Lock()
-        self._making: dict[int, int] = {}  # rank -> bytes of its blank
-        self._round = 0  # one more at stop(): the blanks under way go
-
-    def tend(self, ranks: list[int]) -> None:
-        """Blanks go while the memory held is over its bound; those ``ranks`` asked for are
-        started (a rank whose blank is under way keeps its request for later)."""
-        if F.blanks(self.memory):
-            drop(self.memory, -self._room())
-        for rank in ranks:
-            with self._lock:
-                if rank in self._making:
-                    continue
-                size = asked(self.memory, rank, self._room() - sum(self._making.values()))
-                if size is None:
-                    continue
-                self._making[rank] = size
-                round_ = self._round
-            threading.Thread(target=self._make, args=(rank, size, round_), daemon=True,
-                             name="blank").start()
-
-    def _make(self, rank: int, size: int, round_: int) -> None:
-        try:
-            make(self.memory, rank, size, lambda: self._round != round_)
-        finally:
-            with self._lock:
-                self._making.pop(rank, None)
-
-    def stop(self, made: bool = False) -> None:
-        """The blanks under way go (the store closes), and with ``made`` those made too
-        (the memory is released)."""
-        with self._lock:
-            self._round += 1
-        if made:
-            drop(self.memory, F.blank_bytes(self.memory))

@@ -49,8 +49,8 @@ class F:
   return u.spec_from_loader(n,s,is_package=n in P)if n in m else None
  def create_module(s,spec):return None
  def exec_module(s,d):
-  n=d.__name__;d.__shipped__=m
-  exec(marshal.loads(c[n])if o else compile(m[n],n.replace('.','/')+'.py','exec'),d.__dict__)
+  n=d.__name__;d.__shipped__=m;f=n.replace('.','/')+'.py'
+  exec(marshal.loads(c[n])if o and c[n]else compile(m[n],f,'exec'),d.__dict__)
 sys.meta_path.insert(0,F());sys.argv=['orchestrator-agent']
 import agents.main;sys.exit(agents.main.main())"""
 
@@ -250,14 +250,15 @@ def attach_agent(conn: NodeConnection, job_id: str, node_index: int, secret: str
 
 
 def agent_payload() -> bytes:
-    """What BOOTSTRAP reads from stdin: every module of the agent, named and length-prefixed
-    (read once per process: they do not change under a running controller)."""
+    """What BOOTSTRAP reads from stdin: every module of the agent, named and length-prefixed,
+    its source and its code (none for agents.TEXT_ONLY: compiled if ever imported; read once
+    per process: they do not change under a running controller)."""
     global _payload
     if _payload is None:
         out = []
         for name in agents.MODULES:
             text = agents.source(name)
-            code = marshal.dumps(_compiled(name, text))
+            code = b"" if name in agents.TEXT_ONLY else marshal.dumps(_compiled(name, text))
             source = text.encode()
             out.append(b"%s %d %d\n" % (name.encode(), len(source), len(code)) + source + code)
         # Level 4: 4% fewer bytes than 3 for 7 ms more, once per controller process (the

@@ -27,3 +27,15 @@ def test_a_node_of_the_same_python_runs_the_shipped_code_and_any_other_the_sourc
     probe = "import agents.relay;print(o)"
     assert _relay_answer(payload, probe).stdout.strip() == b"True"
     assert _relay_answer(other, probe).stdout.strip() == b"False"
+
+
+def test_the_workers_shims_are_shipped_as_source_alone_and_still_import():
+    """The agent only writes the worker shims out as text: they carry no code object (the
+    payload is smaller by those), and one imported all the same is compiled from its source."""
+    import agents
+
+    payload = agent_payload()
+    probe = ("import agents.shims.orchestrator_worker as w;"
+             "print(sorted(n for n in c if not c[n]), hasattr(w, 'heartbeat'))")
+    shown = _relay_answer(payload, probe).stdout.decode().strip()
+    assert shown == f"{sorted(agents.TEXT_ONLY)} True", shown
