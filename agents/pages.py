@@ -26,10 +26,9 @@ class Maker:
             drop(self.memory, -self._room())
         for rank in ranks:
             with self._lock:
-                size = None if rank in self._making else asked(
-                    self.memory, rank, self._room() - sum(self._making.values()))
-                if size is None:
-                    continue
+                size = None if rank in self._making else asked(self.memory, rank)
+                if size is None or size > self._room() - sum(self._making.values()):
+                    continue  # (what memory holds is looked at only for a request)
                 self._making[rank], round_ = size, self._round
             threading.Thread(target=self._make, args=(rank, size, round_), daemon=True).start()
 
@@ -48,15 +47,15 @@ class Maker:
             drop(self.memory, F.blank_bytes(self.memory))
 
 
-def asked(memory: str, rank: int, limit: int) -> int | None:
-    """The bytes ``rank`` asked a blank of (the request goes); none past ``limit``."""
+def asked(memory: str, rank: int) -> int | None:
+    """The bytes ``rank`` asked a blank of (the request goes), or None."""
     path = F.blank_asked(memory, rank)
     size = F.int_file(path)
     try:
         os.unlink(path)
     except OSError:
         pass
-    return size if size is not None and 0 < size <= limit else None
+    return size if size is not None and size > 0 else None
 
 
 def make(memory: str, rank: int, size: int, going: Callable[[], bool]) -> bool:

@@ -129,14 +129,15 @@ def test_a_blank_asked_for_past_checkpoint_memory_or_not_a_size_is_none(store): 
     s, _ = store
     room = s.config.memory - s.holdings()["bytes"]
     os.makedirs(os.path.join(s.root, F.BLANK_DIR), exist_ok=True)
-    for asked in (str(room + 1), "-5", "0", "lots"):
+    for asked in ("-5", "0", "lots"):
         F.write_file(F.blank_asked(s.root, 3), asked.encode())
-        assert pages.asked(s.root, 3, room) is None
+        assert pages.asked(s.root, 3) is None
         assert not os.path.exists(F.blank_asked(s.root, 3))  # the request went all the same
-    maker = pages.Maker(s.root, lambda: 1 << 20)
-    F.write_file(F.blank_asked(s.root, 3), str(2 << 20).encode())
+    maker = pages.Maker(s.root, lambda: room)
+    F.write_file(F.blank_asked(s.root, 3), str(room + 1).encode())
     maker.tend([3])  # more than the room it has
     assert maker._making == {} and F.blanks(s.root) == []
+    assert not os.path.exists(F.blank_asked(s.root, 3))
 
 
 def test_a_save_waits_for_the_blank_being_made_for_it_and_withdraws_its_request(
