@@ -179,16 +179,6 @@ def _take_slot(rank_dir, size, budget, metas):
     return candidates[0], slot
 
 
-def _ask_pages(rank_dir, size):
-    """After a rank's first save here (the newest copy is never written: the second needs a
-    slot of its own), ask the agent for its pages made ahead, while the rank trains: new
-    pages were most of that save (1.6 s of 1.7 s, 512 MiB a rank, docs/benchmarks.md). Not
-    for slots past the second: a blank beside what the memory's share lets a rank grow to
-    took a node past checkpoint.memory."""
-    if sum(1 for n in os.listdir(rank_dir) if n.startswith("slot-") and n[5:].isdigit()) == 1:
-        F.ask_blank(os.path.dirname(rank_dir), _rank(), size)
-
-
 def _let_go(rank_dir, number, step):
     """Slot ``number`` (holding ``step``, if any) into the memory's blanks, unless a reader
     holds it (the agent sending it): whether it went."""
@@ -310,7 +300,10 @@ def save(step, state, every=None):
                    json.dumps(meta).encode("utf-8"))
     finally:
         fcntl.flock(slot.fd, fcntl.LOCK_UN)
-    _ask_pages(rank_dir, size)
+    if not metas:  # its first save here: the next needs a slot of its own (the newest copy
+        # is never written), its pages made ahead by the agent while the rank trains (they
+        # were most of that save: 1.6 s of 1.7 s, 512 MiB a rank, docs/benchmarks.md)
+        F.ask_blank(memory, _rank(), size)
     F.poke(memory)
     held = time.perf_counter() - started
     F.hold(memory, step)  # where a planned move asked for this step
