@@ -238,7 +238,6 @@ class Store:
         """The workers are gone: a copy going to a buddy stops (of no use now), what they
         saved and marked is persisted (a last pass), then the memory goes."""
         self._closed = True
-        self._pages.stop()
         self._sending.end()
         self._wake.set()
         if self._thread is not None:
@@ -247,6 +246,7 @@ class Store:
                 self._pass(final=True)
             except Exception as exc:
                 self._problem(f"checkpoint store: {exc!r}")
+        self._pages.stop()  # after the store's passes (one could start a blank), before rmtree
         if self.replicas is not None:
             self.replicas.close()
             self.replicas = None

@@ -18,6 +18,7 @@ class Maker:
         self.memory, self._room = memory, room
         self._lock = threading.Lock()
         self._making: dict[int, int] = {}  # rank -> bytes
+        self._threads: dict[int, threading.Thread] = {}  # rank -> the one making its blank
         self._round = 0  # one more at stop(): those under way go
 
     def tend(self, ranks: list[int]) -> None:
@@ -30,7 +31,9 @@ class Maker:
                 if size is None or size > self._room() - sum(self._making.values()):
                     continue  # (what memory holds is looked at only for a request)
                 self._making[rank], round_ = size, self._round
-            threading.Thread(target=self._make, args=(rank, size, round_), daemon=True).start()
+                thread = self._threads[rank] = threading.Thread(
+                    target=self._make, args=(rank, size, round_), daemon=True)
+            thread.start()
 
     def _make(self, rank: int, size: int, round_: int) -> None:
         try:
@@ -38,11 +41,17 @@ class Maker:
         finally:
             with self._lock:
                 self._making.pop(rank, None)
+                self._threads.pop(rank, None)
 
     def stop(self, made: bool = False) -> None:
-        """Those under way go; with ``made``, those made too (the memory is released)."""
+        """Those under way go (waited for: one finishing beside the store's close left the
+        memory behind, a file in it); with ``made``, those made too (the memory is
+        released)."""
         with self._lock:
             self._round += 1
+            threads = list(self._threads.values())
+        for thread in threads:
+            thread.join(timeout=10.0)  # it looks at its round every 4 MiB
         if made:
             drop(self.memory, F.blank_bytes(self.memory))
 
@@ -75,6 +84,8 @@ def make(memory: str, rank: int, size: int, going: Callable[[], bool]) -> bool:
                 os.pwrite(fd, zeros[:size - offset], offset)
         finally:
             os.close(fd)
+        if going():
+            raise OSError("stopped")
         os.rename(path, os.path.join(memory, F.BLANK_DIR, name))
         return True
     except OSError:
