@@ -83,7 +83,10 @@ def maybe_crash(args: argparse.Namespace, rank: int, epoch: int) -> None:
         with open(args.crash_marker, "w") as f:
             f.write(str(os.getpid()))
     print(f"rank {rank}: injected crash in epoch {epoch}", file=sys.stderr, flush=True)
-    sys.exit(args.crash_code)
+    sys.stdout.flush()
+    # Not sys.exit: the interpreter's shutdown with the gloo process group alive aborts now
+    # and then (see the end of this file), and the crash is to be this exit code.
+    os._exit(args.crash_code)
 
 
 @record
