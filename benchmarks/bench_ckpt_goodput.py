@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -240,6 +241,11 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
         victim = next(n["node_index"] for n in shown["nodes"] if n["node_rank"] == 1)
         cluster.link_down(victim)
         cut = time.time()
+        # What each node held as the cable went (as last reported): how far the replicas of
+        # the cut node's ranks (the spare's newest: the oldest rank's) were behind its saves.
+        held_at_cut = {n["node_index"]: {k: (n.get("checkpoint") or {}).get(k)
+                                         for k in ("newest_in_memory", "replicas")}
+                       for n in orchestrator.status(job)["nodes"]}
         sources: dict[str, int] = {}
         try:
             deadline = time.monotonic() + 120
@@ -255,6 +261,25 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
         orchestrator.cancel(job)
         orchestrator.wait(job, timeout=120)
         got = rows()
+        log = Path(tmp) / "home" / "jobs" / job / "controller.log"
+        resumed = [ln.split(" INFO ", 1)[-1] for ln in log.read_text().splitlines()
+                   if "resumes checkpoint step" in ln]
+        if args.keep_home:  # the controller's log and every rank's
+            shutil.copytree(Path(tmp) / "home", args.keep_home, dirs_exist_ok=True)
+        # Where the time went: when the cut was known, and when the next attempt's slowest
+        # rank started, joined its world, allocated its state and loaded it.
+        lines = list(orchestrator.logs(job))
+        starts: dict[str, float] = {}
+        for m in filter(None, map(PHASE_RE.search, lines)):
+            starts[m[2]] = max(starts.get(m[2], 0.0), float(m[3]))
+        failure = shown["attempts"][0]["failure"] or {}
+        detected = failure.get("detected_at")
+        # What the next attempt's first save held each rank (its first step's line waits
+        # for it).
+        holds: dict[int, float] = {}
+        for m in filter(None, map(SAVED_RE.search, lines)):
+            if m[1] == "1" and int(m[2]) not in holds:
+                holds[int(m[2])] = float(m[4])
         before = [s for _, s, t in got if t <= cut]
         firsts: dict[int, tuple[float, int]] = {}
         for r, s, t in got:
@@ -263,6 +288,12 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
         again = round(max(t for t, _ in firsts.values()) - cut, 2) \
             if len(firsts) == ranks else None
         return {"recover_s": again, "node_timeout": NODE_TIMEOUT, "sources": sources,
+                "held_at_cut": held_at_cut, "victim": victim, "last_step": max(before),
+                "resumed": resumed,
+                "first_save_held_s": holds,
+                "detected_s": None if detected is None else round(detected - cut, 2),
+                "restart_phases": {k: round(v - cut, 2) for k, v in starts.items()},
+                "timeline": [t for t in shown.get("timeline") or [] if t.get("attempt") == 2],
                 "redone": max(before) + 1 - min(s for _, s in firsts.values())
                 if firsts else None, "attempt": shown["attempt"]}
 
@@ -325,6 +356,8 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
         # The agreed step, every rank's save in memory, then everywhere it must be.
         phases = [ln.split(": ", 1)[-1] for ln in log.read_text().splitlines()
                   if "after the move began" in ln or "agreed step" in ln]
+        if args.keep_home:  # the controller's log and every rank's, to read the move in
+            shutil.copytree(Path(tmp) / "home", args.keep_home, dirs_exist_ok=True)
     before = [(s, t) for a, _, s, t in got if a == 0]
     after: dict[int, tuple[float, int]] = {}
     for a, r, s, t in got:
@@ -404,6 +437,7 @@ def main() -> int:
     p.add_argument("--drain", action="store_true",
                    help="instead: a participant drained once, with a hot spare (local)")
     p.add_argument("--ckpt-every", type=int, default=1)
+    p.add_argument("--keep-home", help="--drain, --cut: copy the job's home (its logs) here")
     p.add_argument("--memory", default=CUT_MEMORY,
                    help="checkpoint.memory per node of --cut and --drain (they share the machine)")
     args = p.parse_args()
@@ -450,7 +484,13 @@ def main() -> int:
                 f"- cut -> every rank training again: {result['recover_s']} s "
                 f"(node_timeout {NODE_TIMEOUT:g} s)\n"
                 f"- steps redone: {result['redone']}\n"
-                f"- restored from: {result['sources']}\n")
+                f"- restored from: {result['sources']}\n"
+                f"- held as the cable went (node index: newest step in its memory, replicas "
+                f"of other nodes' ranks; as last reported): {result['held_at_cut']}\n"
+                f"- the controller: {'; '.join(result['resumed'])}\n"
+                f"- cut known after {result['detected_s']} s; the next attempt's slowest rank, "
+                f"seconds after the cut: {result['restart_phases']}; its first save held each rank "
+                f"(s): {result['first_save_held_s']}\n")
         _write(args, "-cut", text, result)
         return 0
     variants = {"orchestrator warm, memory": run_orchestrator,
