@@ -260,6 +260,8 @@ class Cluster:
             # Whatever still runs in our namespaces was started through them (ssh sessions,
             # agents, workers, exec()): ours to end.
             _end_netns_processes([h.netns for h in self.hosts])
+        with contextlib.suppress(Exception):
+            _release_stale_rehash_lock()
         for h in self.hosts:
             with contextlib.suppress(Exception):
                 _run("ip", "netns", "del", h.netns, check=False)
@@ -678,6 +680,7 @@ def cleanup_stale(prefix: str = "orc", *, include_detached: bool = False) -> lis
     script would not have generated, a symlink, ...) is reported on stderr and left alone.
     """
     removed: list[str] = []
+    _release_stale_rehash_lock()  # a run that died mid-login left it: every login waits
     if not os.path.lexists(REGISTRY):
         return removed
     _registry()  # refuses a registry that is not root's alone
@@ -1160,6 +1163,25 @@ def _end_netns_processes(namespaces: list[str], grace: float = 1.0) -> None:
         time.sleep(0.05)
     for netns in namespaces:
         _kill_pids(_netns_pids(netns))
+
+
+REHASH_STALE = 30.0  # seconds after which pyenv's rehash lock is no live rehash's
+
+
+def _release_stale_rehash_lock() -> None:
+    """pyenv's rehash lock, where a login shell that took it is gone: rehash holds it for a
+    moment and lets go of it in an EXIT trap, which a session ended before it set the trap
+    (or SIGKILLed after the grace above, or in a namespace deleted under it) never runs.
+    Every later login of the user then waits 60 s for it (``PYENV_REHASH_TIMEOUT``): seen
+    twice in a day of cut-node benchmarks despite the SIGTERM first, and every job after
+    failed "agent did not answer". Only one older than REHASH_STALE seconds goes."""
+    root = Path(os.environ.get("PYENV_ROOT") or Path.home() / ".pyenv")
+    lock = root / "shims" / ".pyenv-shim"
+    try:
+        if time.time() - lock.stat().st_mtime > REHASH_STALE:
+            lock.unlink()
+    except OSError:
+        pass  # none (most machines), or gone meanwhile
 
 
 _SSHD_VERSION: tuple[int, int] | None = None

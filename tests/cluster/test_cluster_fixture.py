@@ -415,3 +415,19 @@ def test_down_lets_what_runs_in_the_namespaces_clean_up_after_itself(tmp_path):
         c.down()
     shell.wait(timeout=10)
     assert left.exists()
+
+
+def test_a_stale_pyenv_rehash_lock_goes_and_a_live_ones_stays(tmp_path, monkeypatch):
+    """A login ended mid-rehash left pyenv's lock, and every later login waited 60 s for it
+    (every job after a day's cut-node benchmarks failed "agent did not answer"): the cluster
+    script lets go of one no rehash holds any more, never of a fresh one."""
+    monkeypatch.setenv("PYENV_ROOT", str(tmp_path))
+    lock = tmp_path / "shims" / ".pyenv-shim"
+    lock.parent.mkdir()
+    lock.touch()
+    local_cluster._release_stale_rehash_lock()
+    assert lock.exists()  # a rehash under way holds it
+    old = time.time() - local_cluster.REHASH_STALE - 1
+    os.utime(lock, (old, old))
+    local_cluster.cleanup_stale(prefix="none-of-ours")
+    assert not lock.exists()
