@@ -260,15 +260,14 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
             cluster.link_up(victim)
         orchestrator.cancel(job)
         orchestrator.wait(job, timeout=120)
-        got = rows()
+        lines = list(orchestrator.logs(job))  # read once: the rows, phases and holds below
+        got = _rows(lines)
         log = Path(tmp) / "home" / "jobs" / job / "controller.log"
         resumed = [ln.split(" INFO ", 1)[-1] for ln in log.read_text().splitlines()
                    if "resumes checkpoint step" in ln]
-        if args.keep_home:  # the controller's log and every rank's
-            shutil.copytree(Path(tmp) / "home", args.keep_home, dirs_exist_ok=True)
+        _keep_home(args, tmp)
         # Where the time went: when the cut was known, and when the next attempt's slowest
         # rank started, joined its world, allocated its state and loaded it.
-        lines = list(orchestrator.logs(job))
         starts: dict[str, float] = {}
         for m in filter(None, map(PHASE_RE.search, lines)):
             starts[m[2]] = max(starts.get(m[2], 0.0), float(m[3]))
@@ -356,8 +355,7 @@ def run_drain(args: argparse.Namespace) -> dict[str, Any]:
         # The agreed step, every rank's save in memory, then everywhere it must be.
         phases = [ln.split(": ", 1)[-1] for ln in log.read_text().splitlines()
                   if "after the move began" in ln or "agreed step" in ln]
-        if args.keep_home:  # the controller's log and every rank's, to read the move in
-            shutil.copytree(Path(tmp) / "home", args.keep_home, dirs_exist_ok=True)
+        _keep_home(args, tmp)
     before = [(s, t) for a, _, s, t in got if a == 0]
     after: dict[int, tuple[float, int]] = {}
     for a, r, s, t in got:
@@ -410,6 +408,12 @@ def _write(args: argparse.Namespace, suffix: str, text: str, result: dict[str, A
     Path(args.out + suffix + ".md").write_text(text)
     Path(args.out + suffix + ".json").write_text(json.dumps({"args": vars(args), **result},
                                                            indent=1))
+
+
+def _keep_home(args: argparse.Namespace, tmp: str) -> None:
+    """The job's home (the controller's log, every rank's) copied to ``--keep-home``."""
+    if args.keep_home:
+        shutil.copytree(Path(tmp) / "home", args.keep_home, dirs_exist_ok=True)
 
 
 def _until_trained(job: str, reached: Any, what: str) -> None:
