@@ -55,6 +55,7 @@ from agents.replicas import Server
 from agents.replicas import push as push_replica
 from agents.shims import orchestrator_checkpoint_format as F
 from agents.storewake import Wake
+from agents.stride import Strides
 from agents.transfers import ReplicaError, Transfers
 
 MAX_REPORTED = 64  # steps per rank in one report (the newest)
@@ -71,6 +72,7 @@ class Store:
         # Where this node's copies go: a hot spare's replica server, then its buddy's.
         self.targets: list[tuple[str, int]] = []
         self._pushed: dict[tuple[tuple[str, int], int], int] = {}  # (target, rank) -> step
+        self._strides = Strides()  # which steps go to each target (agents/stride.py)
         self._sending = Transfers()  # ended by close: no cut-off buddy holds the agent's end
         self._timeline = 0  # one more at each attempt that resumes: a push under way is of the last
         self._saves: dict[int, list[int | float]] = {}  # rank -> [step, bytes, block_s]
@@ -120,6 +122,7 @@ class Store:
             first = [(buddy.address, buddy.port)] if buddy.port else []
             self.targets = [t for t in buddy.also if t not in first] + first
             self._pushed = {k: v for k, v in self._pushed.items() if k[0] in self.targets}
+            self._strides.targets(self.targets)
         self._wake.set()
 
     def retain(self, keep: C.Retain) -> None:
@@ -296,16 +299,20 @@ class Store:
 
     def _replicate(self, ranks: list[tuple[int, str]],
                    left: dict[str, set[int]]) -> None:
-        """Each rank's newest sealed save, to each target that lacks it, one target at a
-        time: every rank's copy on some other node is what a move waits for. Only the newest
-        (sent oldest first, copies elsewhere fell ever further behind: measured, 512 MiB
-        saved every second, a cut node's job started again from scratch). Only the step a
-        planned move asked for while it lasts, none older than the step the attempt resumed
-        (measured: a leaving node pushing an older step slowed every rank's save of the asked
-        one fourfold; the next attempt's nodes pushing steps it will never resume held its
-        first save for 7 s). A new save is sealed first."""
-        if self._still_loading(ranks):
-            return
+        """Each rank's newest sealed save whose step is a multiple of the node's stride
+        (agents/stride.py: so that the nodes' copies meet on common steps), to each target
+        that lacks it, one target at a time: every rank's copy on some other node is what a
+        move waits for. Never a queue of older ones (sent oldest first, copies elsewhere fell
+        ever further behind: measured, 512 MiB saved every second, a cut node's job started
+        again from scratch). Only the step a planned move asked for while it lasts, none
+        older than the step the attempt resumed (measured: a leaving node pushing an older
+        step slowed every rank's save of the asked one fourfold; the next attempt's nodes
+        pushing steps it will never resume held its first save for 7 s). A new save is
+        sealed first."""
+        if self._loading is not None:
+            if _still_loading(self._loading, self.attempt, ranks):
+                return
+            self._loading = None
         asked = F.asked(self.root)[0]
         floor = self.config.restore_step
         for target in list(self.targets):
@@ -315,6 +322,12 @@ class Store:
             # second's: measured, rank 1 had none anywhere after 30 s).
             if any(set(_unsealed(d)) - left.get(d, set()) for _, d in ranks):
                 return  # a new save: sealed first, by the next pass
+            sealed = {rank: [s for s in _steps(rank_dir, ".manifest")
+                             if (asked is None or s == asked) and (floor is None or s >= floor)]
+                      for rank, rank_dir in ranks}
+            pushed = {rank: self._pushed[(target, rank)] for rank in sealed
+                      if (target, rank) in self._pushed}
+            picked = self._strides.pick(target, sealed, pushed, aligned=asked is None)
             # Every rank's copy held (a shared lock: no save writes over it) before the first
             # is sent: while one rank's went, the next rank's newest sealed copy was written
             # over, its push found it gone, and that rank's copies went nowhere (measured:
@@ -323,12 +336,8 @@ class Store:
             held = []
             try:
                 for rank, rank_dir in ranks:
-                    names = set(entries(rank_dir))
-                    steps = [s for s in (F.parse_step(n, suffix=".manifest") for n in names)
-                             if s is not None and (asked is None or s == asked)
-                             and (floor is None or s >= floor)]
-                    step = max(steps, default=-1)
-                    if step > self._pushed.get((target, rank), -1):
+                    step = picked[rank]
+                    if step > pushed.get(rank, -1):
                         copy = hold_save(rank_dir, step)
                         if copy is not None:
                             held.append((rank, step, copy))
@@ -336,23 +345,15 @@ class Store:
                     if self.deferred or self._closed or target not in self.targets:
                         return  # a move in which this node stays, a target no more
                     if not self._push(rank, step, copy, target):
+                        self._strides.refused(target)
                         break  # this target is behind: the next pass tries again
+                    self._strides.went(target, step)
             finally:
                 for _, _, (_, _, fd, _) in held:
                     os.close(fd)
-
-    def _still_loading(self, ranks: list[tuple[int, str]]) -> bool:
-        """Whether a resuming attempt's ranks are loading yet (up to LOAD_FIRST seconds): sending
-        copies takes the cores the restart waits for (measured: a move's nodes sent 1 GiB)."""
-        if self._loading is None:
-            return False
-        until, expected = self._loading
-        loaded = sum(1 for _, d in ranks if (_restored(os.path.join(d, "restored.json"))
-                                             or [None])[0] == self.attempt)
-        if loaded < expected and time.monotonic() < until:
-            return True
-        self._loading = None
-        return False
+        if asked is None:
+            self._strides.passed(max((s for _, d in ranks for s in _steps(d, ".meta")),
+                                     default=-1))
 
     def _push(self, rank: int, step: int, copy: tuple[bytes, bytes, int, int],
               buddy: tuple[str, int]) -> bool:
@@ -548,6 +549,23 @@ def _restored(path: str) -> list[Any] | None:
     if source not in P.RESTORE_SOURCES or type(seconds) not in (int, float):
         return None
     return values if 0 <= seconds < 1e9 else None
+
+
+def _still_loading(loading: tuple[float, int], attempt: int,
+                   ranks: list[tuple[int, str]]) -> bool:
+    """Whether a resuming attempt's ranks are loading yet (``loading``: until when at most,
+    how many): sending copies takes the cores the restart waits for (measured: a move's
+    nodes sent 1 GiB)."""
+    until, expected = loading
+    loaded = sum(1 for _, d in ranks
+                 if (_restored(os.path.join(d, "restored.json")) or [None])[0] == attempt)
+    return loaded < expected and time.monotonic() < until
+
+
+def _steps(rank_dir: str, suffix: str) -> list[int]:
+    """The steps of a rank's saves (".meta") or of its sealed ones (".manifest")."""
+    return [s for s in (F.parse_step(n, suffix=suffix) for n in entries(rank_dir))
+            if s is not None]
 
 
 def _unsealed(rank_dir: str) -> dict[int, bytes]:

@@ -301,7 +301,9 @@ class Server:
         """Room for ``size`` more bytes, kept for one put until it ends (whether there is):
         puts at once each found the room free that the others were about to fill (a spare
         takes every node's copies), and the node's memory went past checkpoint.memory.
-        Replicas older than their rank's newest go, the oldest first, until they fit. Kept
+        Replicas older than their rank's newest go, the oldest first but the retained step
+        last, until they fit (it went for another rank's copy of a step the other ranks had
+        not sent yet, and a node's loss then found no step of every rank there). Kept
         from the retained step on, they filled the room while the nodes' pushes met on no
         common step, and from then on no copy came (measured: a job at step 200 whose
         buddies held step 8). Never ``keep``'s: the copies this attempt's loads into fewer
@@ -312,20 +314,21 @@ class Server:
         with self._lock:
             fits = size <= self.room() - self._incoming
             if not fits:
-                older = sorted(
+                older = sorted((
                     (step, os.path.join(self.root, name, f"step-{step}"))
                     for name in entries(self.root)
                     for step in sorted(s for s in (F.parse_step(n, suffix=".manifest")
                                        for n in entries(os.path.join(self.root, name)))
                                        if s is not None)[:-1]
-                    if (F.parse_step(name, prefix="rank-"), step) not in self.keep)
+                    if (F.parse_step(name, prefix="rank-"), step) not in self.keep),
+                    key=lambda old: (old[0] == self.retain, old))
                 evictable = sum(_size(base + ".data") for _, base in older)
                 if size > self.room() - self._incoming + evictable:
                     older = []  # none goes for a copy that would not fit all the same
                 for step, base in older:
                     self._let_go(base)
                     retained_went = retained_went or (self.retain is not None
-                                                      and step >= self.retain)
+                                                      and step == self.retain)
                     fits = size <= self.room() - self._incoming
                     if fits:
                         break

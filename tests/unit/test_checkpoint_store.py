@@ -94,11 +94,17 @@ def test_the_agent_seals_persists_reports_and_a_corrupt_copy_is_skipped(store, c
     state = {"w": torch.randn(1 << 16), "step": 5}
     ckpt.save(5, state)
     s._pass()
+    # The blank its next save will take, made on a thread meanwhile, counts too: once made
+    # (a report before or after it came: a race that failed this test 2 runs in 5).
+    for thread in list(s._pages._threads.values()):
+        thread.join(10)
+    s._pass()
     rank_dir = os.path.join(s.root, "rank-1")
     assert os.path.exists(os.path.join(rank_dir, "step-5.manifest"))
     held = P.parse(outbox.sent[-1])
     assert isinstance(held, P.Held) and held.memory == {1: (5,)} and held.persisted == {1: (5,)}
-    assert held.bytes == os.path.getsize(os.path.join(rank_dir, "slot-0")) and held.store
+    assert held.bytes == os.path.getsize(os.path.join(rank_dir, "slot-0")) + \
+        F.blank_bytes(s.root) and held.store
     # A byte of the memory copy flipped: named, skipped, the persisted copy used.
     with open(os.path.join(rank_dir, "slot-0"), "r+b") as f:
         f.seek(1000)
@@ -906,3 +912,33 @@ def test_a_save_of_this_attempt_persisting_when_its_ranks_resumed_older_stays_pe
     s._pass()
     assert F.persisted_steps(str(tmp_path / "ck"), 1) == [95]
     assert os.path.exists(os.path.join(s.root, "rank-1", F.step_name(95) + ".persisted"))
+
+
+def test_two_nodes_behind_their_saves_send_copies_that_meet_on_common_steps(
+        store, tmp_path, monkeypatch):
+    """Two nodes send to one spare, each too slow for every save and out of phase: node A
+    finds two new saves at each of its passes (steps 1 and 2, 3 and 4, ...), node B too
+    (2 and 3, 4 and 5, ...). Each sending its newest, A sent the even steps and B the odd
+    ones: no step of both ranks was on the spare, and a cut node's job resumed far back
+    (measured: up to 9 steps of 2 s where the copies were 2 steps behind). Sent at
+    multiples of a stride (agents/stride.py), they meet on the newest step B sent."""
+    from agents.replicas import Server
+
+    a, _ = store  # its rank 1
+    b = Store(f"unit-{secrets.token_hex(4)}", 1, Outbox(), "s3cret")  # type: ignore[arg-type]
+    b.configure(C.CheckpointConfig(memory=64 << 20), str(tmp_path / "b"), 1, 1)
+    spare = Server(str(tmp_path / "spare"), "s3cret", lambda: 1 << 30, lambda _: None)
+    try:
+        for node in (a, b):
+            node.replicate_to(C.ReplicateTo("127.0.0.1", spare.port))
+        for step in range(1, 13):
+            for node, rank in ((a, "1"), (b, "0")):
+                monkeypatch.setenv(F.MEMORY_VAR, node.root)
+                monkeypatch.setenv("RANK", rank)
+                ckpt.save(step, {"w": torch.full((10,), float(step))})
+            (b if step % 2 else a)._pass()
+        kept = spare.holdings()[0]
+        assert max(set(kept[0]) & set(kept[1])) == max(kept[0]) == 10, kept
+    finally:
+        spare.close()
+        b.close()

@@ -151,6 +151,25 @@ def test_a_retained_replica_given_up_for_room_is_said(tmp_path):
         room.close()
 
 
+def test_a_full_memory_gives_up_the_retained_step_last(tmp_path):
+    """Room for a new copy comes from the older replicas, the oldest first, but the retained
+    step's last: the newest step every rank has here is what a node's loss resumes, and a
+    copy of a step not every rank has sent yet is worth less. The retained step went first
+    (it was the oldest), and the spare held no step of every rank."""
+    limit = 500_000
+    problems: list[str] = []
+    room = Server(str(tmp_path), "s3cret", lambda: limit - room.holdings()[1], problems.append)
+    try:
+        for rank, step in ((3, 10), (5, 10), (5, 11), (3, 12), (5, 12)):
+            push("127.0.0.1", room.port, "s3cret", rank, step, *copy_of(step))
+        room.retain = 10
+        push("127.0.0.1", room.port, "s3cret", 3, 13, *copy_of(13))
+        assert sorted_holdings(room) == ({3: [10, 12, 13], 5: [10, 12]}, 500_000)
+        assert problems == []
+    finally:
+        room.close()
+
+
 def test_a_put_that_would_not_fit_all_the_same_evicts_nothing(tmp_path):
     """Room for a copy larger than every older replica frees: each went (the retained step's
     among them, said as given up for newer copies), and then the put was refused all the
