@@ -11,8 +11,10 @@ thread of its own, woken so, the store then, for every save it finds:
 - **persists** each one its worker marked (every ``persist_every``-th save) to
   ``checkpoint.dir``, checking the bytes it wrote against the manifest, synced, the manifest
   last; and keeps the ``keep`` newest persisted steps of each of its ranks;
-- **replicates** each rank's newest sealed save to the buddy the controller named
-  (``replicate_to``; agents/replicas.py), and keeps its buddy's replicas in turn;
+- **replicates** each rank's newest sealed save whose step is a multiple of the target's
+  stride (agents/stride.py: so that two nodes' copies on one spare meet on common steps) to
+  the buddy and spare the controller named (``replicate_to``; agents/replicas.py), and keeps
+  its buddy's replicas in turn;
 - **keeps pages**: a replica it lets go leaves its data as a *blank* that the next copy the
   node writes whole takes by a rename (orchestrator_checkpoint_format.py: new pages are most
   of a copy's cost), and a rank whose next save would need new pages is given one made
