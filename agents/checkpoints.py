@@ -51,7 +51,7 @@ from agents.holds import hold_save, mapped
 from agents.memshare import budget, copies_for
 from agents.outbox import Outbox
 from agents.pages import Maker
-from agents.paths import entries, memory_root, own_memory, remove, sweep_memory
+from agents.paths import entries, memory_root, own_memory, remove, steps_in, sweep_memory
 from agents.pulls import install
 from agents.replicas import Server
 from agents.replicas import push as push_replica
@@ -324,7 +324,7 @@ class Store:
             # second's: measured, rank 1 had none anywhere after 30 s).
             if any(set(_unsealed(d)) - left.get(d, set()) for _, d in ranks):
                 return  # a new save: sealed first, by the next pass
-            sealed = {rank: [s for s in _steps(rank_dir, ".manifest")
+            sealed = {rank: [s for s in steps_in(rank_dir, ".manifest")
                              if (asked is None or s == asked) and (floor is None or s >= floor)]
                       for rank, rank_dir in ranks}
             pushed = {rank: self._pushed[(target, rank)] for rank in sealed
@@ -354,7 +354,7 @@ class Store:
                 for _, _, (_, _, fd, _) in held:
                     os.close(fd)
         if asked is None:
-            self._strides.passed(max((s for _, d in ranks for s in _steps(d, ".meta")),
+            self._strides.passed(max((s for _, d in ranks for s in steps_in(d, ".meta")),
                                      default=-1))
 
     def _push(self, rank: int, step: int, copy: tuple[bytes, bytes, int, int],
@@ -562,12 +562,6 @@ def _still_loading(loading: tuple[float, int], attempt: int,
     loaded = sum(1 for _, d in ranks
                  if (_restored(os.path.join(d, "restored.json")) or [None])[0] == attempt)
     return loaded < expected and time.monotonic() < until
-
-
-def _steps(rank_dir: str, suffix: str) -> list[int]:
-    """The steps of a rank's saves (".meta") or of its sealed ones (".manifest")."""
-    return [s for s in (F.parse_step(n, suffix=suffix) for n in entries(rank_dir))
-            if s is not None]
 
 
 def _unsealed(rank_dir: str) -> dict[int, bytes]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from agents import commands as C
-from agents.paths import entries
+from agents.paths import entries, steps_in
 from agents.shims import orchestrator_checkpoint_format as F
 
 
@@ -46,8 +46,8 @@ def replica_bytes(root: str, own: dict[int, str]) -> int:
     for name in entries(root):
         rank = F.parse_step(name, prefix="rank-")
         directory = os.path.join(root, name)
-        steps = [s for s in (F.parse_step(n, suffix=".manifest") for n in entries(directory))
-                 if s is not None] if rank is not None and rank not in own else []
+        steps = steps_in(directory, ".manifest") if rank is not None and rank not in own \
+            else []
         if steps:
             try:
                 total += os.path.getsize(os.path.join(directory, f"step-{max(steps)}.data"))

@@ -22,6 +22,8 @@ import stat
 import time
 from collections.abc import Iterator
 
+from agents.shims import orchestrator_checkpoint_format as F
+
 JOB_ID_RE = re.compile(r"^[a-z0-9][a-z0-9-]{0,63}$")
 
 
@@ -318,6 +320,13 @@ def entries(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
+
+
+def steps_in(directory: str, suffix: str) -> list[int]:
+    """The steps of the files in ``directory`` named ``step-<n><suffix>`` (a rank's saves:
+    ".meta", its sealed ones and replicas: ".manifest"); none when it is gone."""
+    return [s for s in (F.parse_step(n, suffix=suffix) for n in entries(directory))
+            if s is not None]
 
 
 def remove(path: str) -> None:

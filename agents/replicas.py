@@ -43,7 +43,7 @@ from typing import TypeVar
 
 from agents.fields import MAX_COUNT, MAX_RANK, Fields, ProtocolError
 from agents.holds import hold_save, open_shared
-from agents.paths import close_socket, entries, remove
+from agents.paths import close_socket, entries, remove, steps_in
 from agents.replicawire import (
     BLOCK,
     MAX_MANIFEST,
@@ -279,8 +279,7 @@ class Server:
         for rank_dir in [directory] if directory else [
                 os.path.join(self.root, n) for n in entries(self.root)]:
             with self._lock:
-                steps = sorted(s for s in (F.parse_step(n, suffix=".manifest")
-                                           for n in entries(rank_dir)) if s is not None)
+                steps = sorted(steps_in(rank_dir, ".manifest"))
                 retain = self.retain
                 newest = [] if retain is None or self._own_newest(rank_dir) < retain else \
                     steps[-1:]
@@ -294,8 +293,7 @@ class Server:
         """The newest step of the node's own sealed saves of the rank whose replicas
         ``rank_dir`` holds (-1: none: the rank does not run here)."""
         own = os.path.join(self.memory, os.path.basename(rank_dir))
-        return max((s for s in (F.parse_step(n, suffix=".manifest") for n in entries(own))
-                    if s is not None), default=-1)
+        return max(steps_in(own, ".manifest"), default=-1)
 
     def _reserve(self, size: int) -> bool:
         """Room for ``size`` more bytes, kept for one put until it ends (whether there is):
@@ -317,9 +315,8 @@ class Server:
                 older = sorted((
                     (step, os.path.join(self.root, name, f"step-{step}"))
                     for name in entries(self.root)
-                    for step in sorted(s for s in (F.parse_step(n, suffix=".manifest")
-                                       for n in entries(os.path.join(self.root, name)))
-                                       if s is not None)[:-1]
+                    for step in sorted(steps_in(os.path.join(self.root, name),
+                                                ".manifest"))[:-1]
                     if (F.parse_step(name, prefix="rank-"), step) not in self.keep),
                     key=lambda old: (old[0] == self.retain, old))
                 evictable = sum(_size(base + ".data") for _, base in older)
