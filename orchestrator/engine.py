@@ -549,7 +549,8 @@ def judge(engine: Engine, result: AttemptResult, margin: float,
 def linger(engine: Engine) -> None:
     """After the end: agents we could not reach may still hold workers. Keep trying to
     reach them (never launching one) and shut them down; they give up by themselves
-    after controller_grace, so trying longer than that is pointless."""
+    after controller_grace, so trying longer than that is pointless, and so is trying
+    once told to exit (a SIGTERM: before, it waited out the 605 s all the same)."""
     grace = engine.spec.health.controller_grace
     # Also nodes whose connector is still out: what it reaches is shut down on arrival.
     targets = [n for n in engine.nodes if n.state in (NodeState.UNREACHABLE, NodeState.LOST)
@@ -557,9 +558,18 @@ def linger(engine: Engine) -> None:
     for node in targets:
         engine.pool.connect(node, launch=False, retry=node.state != NodeState.PENDING)
         engine.pool.hurry(node)  # one already out may be waiting seconds to try again
+    def still_out() -> list[Node]:
+        return [n for n in targets if n.connecting or n.channel is not None]
+
     # With no grace the agents keep the workers forever: then so must we keep trying.
-    engine.wait(lambda: not any(n.connecting or n.channel is not None for n in targets),
+    engine.wait(lambda: engine.exit_requested or not still_out(),
                 grace + 5 if grace is not None else None, interruptible=False)
+    if engine.exit_requested and (out := still_out()):
+        log.warning("told to exit while still trying to reach %s: %s",
+                    ", ".join(n.host for n in out),
+                    "the agents there stop their workers after controller_grace"
+                    if grace is not None else "with no controller_grace their agents keep "
+                    "their workers")
     for node in targets:
         engine.pool.give_up(node)
         engine.pool.drop_channel(node)

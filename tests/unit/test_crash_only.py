@@ -417,3 +417,50 @@ def test_the_attempt_a_controller_takes_over_keeps_the_step_its_ranks_resume(tmp
     assert attempt is not None and attempt.restored_step == 42
     assert attempt.checkpoint.restore_step == 42
     assert attempt.checkpoint.keep == spec.checkpoint.keep
+
+
+def test_a_controller_lingering_for_an_unreachable_agent_exits_when_told(tmp_path):
+    """After the job's end the controller keeps trying to reach an agent it lost, to stop
+    its workers, for controller_grace + 5 s (605 s by default). A SIGTERM then only set a
+    flag that wait never looked at: `kill` did nothing for ten minutes (the cut-node
+    benchmark's two controllers). Told to exit, it leaves them: the agent it cannot reach
+    stops its own workers after controller_grace."""
+    import threading
+    import time
+
+    from orchestrator.state import JobState
+    from orchestrator.transport.fake import FakeCluster
+
+    spec = parse_jobspec("name: cut\nnodes: [{host: a}, {host: b}]\ncommand: [train]\n"
+                         "max_restarts: 0\nlaunch_timeout: 1\n"
+                         "health: {heartbeat_interval: 0.5, node_timeout: 2, "
+                         "controller_grace: 30}\n")
+    store = Store(tmp_path / "home")
+    store.create_job("cut-000001", "cut", spec.model_dump_json(), str(tmp_path), 0,
+                     ["a", "b"])
+    cluster = FakeCluster(heartbeat_interval=0.5, run=True)
+    controller = Controller(store, "cut-000001", spec, str(tmp_path), cluster)
+    told: list[float] = []
+
+    def drive() -> None:
+        deadline = time.monotonic() + 30
+        while not (controller.current is not None and controller.current.all_started) and \
+                time.monotonic() < deadline:
+            time.sleep(0.02)
+        cluster.kill("b")  # lost after node_timeout: the job fails, then lingers for b
+        while not controller.engine.lingering and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.5)  # inside linger's wait
+        told.append(time.monotonic())
+        controller.request_exit()  # what the supervisor's SIGTERM handler calls
+
+    threading.Thread(target=drive, daemon=True).start()
+    try:
+        state = controller.run()
+    finally:
+        cluster.close()
+    assert told, "the job never lingered"
+    took = time.monotonic() - told[0]
+    assert state == JobState.FAILED, state
+    assert store.get_job("cut-000001").state == JobState.FAILED
+    assert took < 3, f"{took:.1f}s from the request to the controller's return"
