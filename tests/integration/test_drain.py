@@ -389,6 +389,7 @@ def whole_job_spec(tmp_path, out, steps=STEPS) -> dict:
     spec = train_spec(tmp_path, [{"host": "local"}] * 2, out, stop_grace_period=30,
                       checkpoint={"dir": str(tmp_path / "ckpt"), "persist_every": 1000})
     spec["env"]["STEPS"] = str(steps)
+    spec["env"]["STEP_SLEEP_LATER"] = "0.01"  # the resumed attempt only has to finish
     return spec
 
 

@@ -6,7 +6,9 @@ a run that never failed when no step is lost or done twice with other weights.
 Env: STEPS (default 12); CRASH_AT / CRASH_RANK: in the first attempt, that rank SIGKILLs
 itself right after saving that step; STATE_MB: extra state per rank (a tensor of that size);
 OUT: a directory where each rank writes ``final-<rank>.pt`` and ``resumed-<attempt>-<rank>``;
-STAMPS: print the wall clock at the kill and at the first step after a resume (benchmarks);
+STEP_SLEEP: seconds each step sleeps (default 0.05), STEP_SLEEP_LATER: in later attempts (a
+resumed run has only to finish: the tests that wait out a scheduler's notice need long first
+attempts); STAMPS: print the wall clock at the kill and at the first step after a resume (benchmarks);
 POISON_AT: in the first attempt (every attempt, with POISON_ALWAYS=1), the weights turn NaN
 at that step and are saved so (a copy that verifies but is bad), then every rank raises the
 error a NaN model raises, as it does right after loading that copy again.
@@ -34,6 +36,9 @@ def healthy(model):
         raise FloatingPointError("the model's weights are NaN")
 
 
+step_sleep = float(os.environ.get("STEP_SLEEP", "0.05"))
+if attempt != "1":
+    step_sleep = float(os.environ.get("STEP_SLEEP_LATER", step_sleep))
 start = 0
 restored = ckpt.load()
 if restored is not None:
@@ -73,6 +78,6 @@ for step in range(start, int(os.environ.get("STEPS", "12"))):
         if os.environ.get("STAMPS"):
             print(f"rank {rank} killing at {time.time()}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(float(os.environ.get("STEP_SLEEP", "0.05")))
+    time.sleep(step_sleep)
 torch.save(model.state_dict(), os.path.join(out, f"final-{rank}.pt"))
 dist.barrier()
