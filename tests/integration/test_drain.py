@@ -25,8 +25,9 @@ def train_spec(tmp_path, nodes, out, **extra):
     return {"name": "drain", "nodes": nodes, "nnodes": 2, "nproc_per_node": 2,
             "command": [PYTHON, str(WORKERS / "ckpt_train.py")], "workdir": str(tmp_path),
             "max_restarts": 0, "restart": {"warm": True}, "stop_grace_period": 2,
+            # A second attempt (after the move, or resumed) has only to finish.
             "env": {"OUT": str(out), "STEPS": str(STEPS), "STEP_SLEEP": "0.1",
-                    "STATE_MB": "1"}, **extra}
+                    "STEP_SLEEP_LATER": "0.01", "STATE_MB": "1"}, **extra}
 
 
 def shown_drained(node: dict) -> bool:
@@ -116,6 +117,7 @@ def test_after_a_move_the_drained_node_and_the_former_spare_keep_nothing_they_ne
     out.mkdir()
     spec = train_spec(tmp_path, [{"host": "local"}] * 3, out)
     spec["env"]["STEPS"] = "400"
+    del spec["env"]["STEP_SLEEP_LATER"]  # the job after the move is looked at
     job_id = orchestrator.submit(write_spec(tmp_path, spec))
     wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
     nodes = orchestrator.status(job_id)["nodes"]
@@ -188,6 +190,7 @@ def long_job_at_step_10(tmp_path) -> str:
     out.mkdir()
     spec = train_spec(tmp_path, [{"host": "local"}] * 3, out, stop_grace_period=60)
     spec["env"]["STEPS"] = "400"
+    del spec["env"]["STEP_SLEEP_LATER"]  # the job after the move is looked at
     job_id = orchestrator.submit(write_spec(tmp_path, spec))
     try:
         wait_for_output(job_id, "rank 3 step 10 saved", 1, timeout=120)
@@ -389,7 +392,6 @@ def whole_job_spec(tmp_path, out, steps=STEPS) -> dict:
     spec = train_spec(tmp_path, [{"host": "local"}] * 2, out, stop_grace_period=30,
                       checkpoint={"dir": str(tmp_path / "ckpt"), "persist_every": 1000})
     spec["env"]["STEPS"] = str(steps)
-    spec["env"]["STEP_SLEEP_LATER"] = "0.01"  # the resumed attempt only has to finish
     return spec
 
 
