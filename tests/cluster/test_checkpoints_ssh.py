@@ -29,7 +29,7 @@ def test_a_lost_nodes_ranks_resume_from_their_buddy_over_ssh(cluster, home, tmp_
     lost_node_resumes_from_its_buddy(job_id, out)
 
 
-DCP_ENV = {"STEPS": "60", "STEP_SLEEP": "0.15"}
+DCP_ENV = {"STEPS": "60", "STEP_SLEEP": "0.15", "STEP_SLEEP_LATER": "0.01"}  # 2nd: finish
 # Enough kept that the nodes saving on until they are stopped do not trim the last step the
 # lost node's ranks persisted.
 DCP_CHECKPOINT = {"persist_every": 1, "keep": 30}

@@ -8,7 +8,8 @@ itself right after saving that step; STATE_MB: extra state per rank (a tensor of
 OUT: a directory where each rank writes ``final-<rank>.pt`` and ``resumed-<attempt>-<rank>``;
 STEP_SLEEP: seconds each step sleeps (default 0.05), STEP_SLEEP_LATER: in later attempts (a
 resumed run has only to finish: the tests that wait out a scheduler's notice need long first
-attempts); STAMPS: print the wall clock at the kill and at the first step after a resume (benchmarks);
+attempts); STAMPS: print the wall clock at the kill and at the first step after a resume
+(benchmarks);
 POISON_AT: in the first attempt (every attempt, with POISON_ALWAYS=1), the weights turn NaN
 at that step and are saved so (a copy that verifies but is bad), then every rank raises the
 error a NaN model raises, as it does right after loading that copy again.

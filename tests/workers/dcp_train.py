@@ -3,8 +3,9 @@ parameters) that saves every step with torch.distributed.checkpoint through
 ``orchestrator.checkpoint_dcp`` and resumes with ``dcp.load`` in whatever world size its
 attempt has. Deterministic: after step s every element is s + 1, whatever the sharding.
 
-Env: STEPS (default 40), STEP_SLEEP (0.1), OUT: rank 0 writes ``final.txt``, the distinct
-values of the whole tensor at the end. Each rank prints "rank R resumed step S in world W".
+Env: STEPS (default 40), STEP_SLEEP (0.1), STEP_SLEEP_LATER (in later attempts; default the
+same), OUT: rank 0 writes ``final.txt``, the distinct values of the whole tensor at the end.
+Each rank prints "rank R resumed step S in world W".
 """
 import os
 import sys
@@ -22,6 +23,9 @@ dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 mesh = init_device_mesh("cpu", (world,))
 state = {"w": distribute_tensor(torch.zeros(24, 4), mesh, [Shard(0)])}
+step_sleep = float(os.environ.get("STEP_SLEEP", "0.1"))
+if os.environ["ORCHESTRATOR_ATTEMPT"] != "1":
+    step_sleep = float(os.environ.get("STEP_SLEEP_LATER", step_sleep))
 reader = checkpoint_dcp.StorageReader()
 start = 0
 if reader.step is not None:
@@ -32,7 +36,7 @@ for step in range(start, int(os.environ.get("STEPS", "40"))):
     state["w"].to_local().add_(1.0)
     dcp.save(state, storage_writer=checkpoint_dcp.StorageWriter(step))
     print(f"rank {rank} step {step} saved", flush=True)
-    time.sleep(float(os.environ.get("STEP_SLEEP", "0.1")))
+    time.sleep(step_sleep)
 full = state["w"].full_tensor()
 if rank == 0:
     with open(os.path.join(os.environ["OUT"], "final.txt"), "w") as f:
