@@ -16,7 +16,8 @@ from tests.helpers import PYTHON, WORKERS, assert_no_job_processes, wait_for, wa
 from tests.integration.test_checkpoints import lost_node_resumes_from_its_buddy, replicated
 
 TRAIN = [PYTHON, str(WORKERS / "ckpt_train.py")]
-TRAIN_ENV = {"STEPS": "60", "STEP_SLEEP": "0.1", "STATE_MB": "1"}
+# The attempt after the loss has only to finish.
+TRAIN_ENV = {"STEPS": "60", "STEP_SLEEP": "0.1", "STEP_SLEEP_LATER": "0.01", "STATE_MB": "1"}
 
 
 def test_a_lost_nodes_ranks_resume_from_their_buddy_over_ssh(cluster, home, tmp_path):
