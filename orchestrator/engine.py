@@ -558,6 +558,7 @@ def linger(engine: Engine) -> None:
     for node in targets:
         engine.pool.connect(node, launch=False, retry=node.state != NodeState.PENDING)
         engine.pool.hurry(node)  # one already out may be waiting seconds to try again
+
     def still_out() -> list[Node]:
         return [n for n in targets if n.connecting or n.channel is not None]
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import errno
 import sqlite3
+import time
+from collections.abc import Callable
 
 import pytest
 
@@ -16,8 +18,30 @@ from orchestrator.spec import parse_jobspec
 from orchestrator.state import NodeState
 from orchestrator.store import Store, unwritable
 from orchestrator.supervisor import BACKOFF, Deaths
-from orchestrator.transport.fake import FakeAgent
+from orchestrator.transport.fake import FakeAgent, FakeCluster
 from tests.unit.test_controller import SPEC
+
+
+def fake_job(tmp_path, job_id: str, spec_yaml: str) -> tuple[Store, FakeCluster, Controller]:
+    """A job of ``spec_yaml`` recorded in a fresh home, its FakeCluster (workers run until
+    stopped) and its controller, not yet run."""
+    spec = parse_jobspec(spec_yaml)
+    store = Store(tmp_path / "home")
+    store.create_job(job_id, spec.name, spec.model_dump_json(), str(tmp_path),
+                     spec.max_restarts, [n.host for n in spec.nodes])
+    cluster = FakeCluster(heartbeat_interval=0.5, run=True)
+    return store, cluster, Controller(store, job_id, spec, str(tmp_path), cluster)
+
+
+def until(done: Callable[[], bool], deadline: float, every: float = 0.02) -> None:
+    """A driver thread's wait: until ``done()`` or the monotonic ``deadline`` (the test
+    asserts what came of it afterwards)."""
+    while not done() and time.monotonic() < deadline:
+        time.sleep(every)
+
+
+def all_started(controller: Controller) -> Callable[[], bool]:
+    return lambda: controller.current is not None and controller.current.all_started
 
 
 def test_an_error_of_ours_handling_a_nodes_message_stops_no_worker_and_blames_no_node(
@@ -149,7 +173,6 @@ def test_a_controller_that_dies_as_the_job_ends_leaves_it_ended_not_run_again(
     over acts on it. Found by a reading helper."""
     from orchestrator.engine import Engine, Phase
     from orchestrator.state import JobState
-    from orchestrator.transport.fake import FakeCluster
 
     spec = parse_jobspec(SPEC.replace("max_restarts: 2", "max_restarts: 0"))
     store = Store(tmp_path / "home")
@@ -179,7 +202,6 @@ def died_deciding_a_restart(tmp_path, monkeypatch, job_id: str):
     writes the restart (RESTARTING): the store, and the cluster its agents live on."""
     from orchestrator.engine import Engine
     from orchestrator.state import JobState
-    from orchestrator.transport.fake import FakeCluster
 
     spec = parse_jobspec(SPEC)  # max_restarts 2
     store = Store(tmp_path / "home")
@@ -216,9 +238,6 @@ def test_a_channel_that_ends_during_a_pause_is_reached_again(tmp_path, monkeypat
     cost the user their training. Its agent is reached again (never launched). Found by a
     reading helper."""
     import threading
-    import time
-
-    from orchestrator.transport.fake import FakeCluster
 
     spec = parse_jobspec(SPEC)
     store = Store(tmp_path / "home")
@@ -243,9 +262,7 @@ def test_a_channel_that_ends_during_a_pause_is_reached_again(tmp_path, monkeypat
 
     def drive() -> None:
         deadline = time.monotonic() + 30
-        while not (controller.current is not None and controller.current.all_started) and \
-                time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(all_started(controller), deadline)
         full.set()  # the home is full: the controller pauses
         watch = Store(tmp_path / "home")  # a connection of its own: not the controller's
         while watch.get_job("hold-000001").paused is None and time.monotonic() < deadline:
@@ -274,21 +291,15 @@ def test_a_node_unreachable_when_its_controller_died_fails_the_attempt_once_lost
     in their collectives (30 min), and the job then failed as the user's. Now restored with
     where it was, it fails the attempt as NODE_FAIL once lost. Found by a reading helper."""
     import threading
-    import time
 
     from orchestrator.engine import Engine
     from orchestrator.state import JobState
-    from orchestrator.transport.fake import FakeCluster
 
-    spec = parse_jobspec("name: gone\nnodes: [{host: a}, {host: b}]\ncommand: [train]\n"
-                         "max_restarts: 0\nlaunch_timeout: 1\n"
-                         "health: {heartbeat_interval: 0.5, node_timeout: 4, "
-                         "controller_grace: 1}\n")
-    store = Store(tmp_path / "home")
-    store.create_job("gone-000001", "gone", spec.model_dump_json(), str(tmp_path), 0,
-                     ["a", "b"])
-    cluster = FakeCluster(heartbeat_interval=0.5, run=True)
-    controller = Controller(store, "gone-000001", spec, str(tmp_path), cluster)
+    store, cluster, controller = fake_job(
+        tmp_path, "gone-000001", "name: gone\nnodes: [{host: a}, {host: b}]\n"
+        "command: [train]\nmax_restarts: 0\nlaunch_timeout: 1\n"
+        "health: {heartbeat_interval: 0.5, node_timeout: 4, controller_grace: 1}\n")
+    spec = controller.spec
     crash = threading.Event()
     checkpoint = Engine.checkpoint
 
@@ -300,9 +311,7 @@ def test_a_node_unreachable_when_its_controller_died_fails_the_attempt_once_lost
 
     def drive() -> None:
         deadline = time.monotonic() + 30
-        while not (controller.current is not None and controller.current.all_started) and \
-                time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(all_started(controller), deadline)
         cluster.kill("b")
         watch = Store(tmp_path / "home")  # a connection of its own: not the controller's
         while watch.get_job("gone-000001").nodes[1].state != NodeState.UNREACHABLE and \
@@ -426,30 +435,20 @@ def test_a_controller_lingering_for_an_unreachable_agent_exits_when_told(tmp_pat
     benchmark's two controllers). Told to exit, it leaves them: the agent it cannot reach
     stops its own workers after controller_grace."""
     import threading
-    import time
 
     from orchestrator.state import JobState
-    from orchestrator.transport.fake import FakeCluster
 
-    spec = parse_jobspec("name: cut\nnodes: [{host: a}, {host: b}]\ncommand: [train]\n"
-                         "max_restarts: 0\nlaunch_timeout: 1\n"
-                         "health: {heartbeat_interval: 0.5, node_timeout: 2, "
-                         "controller_grace: 30}\n")
-    store = Store(tmp_path / "home")
-    store.create_job("cut-000001", "cut", spec.model_dump_json(), str(tmp_path), 0,
-                     ["a", "b"])
-    cluster = FakeCluster(heartbeat_interval=0.5, run=True)
-    controller = Controller(store, "cut-000001", spec, str(tmp_path), cluster)
+    store, cluster, controller = fake_job(
+        tmp_path, "cut-000001", "name: cut\nnodes: [{host: a}, {host: b}]\n"
+        "command: [train]\nmax_restarts: 0\nlaunch_timeout: 1\n"
+        "health: {heartbeat_interval: 0.5, node_timeout: 2, controller_grace: 30}\n")
     told: list[float] = []
 
     def drive() -> None:
         deadline = time.monotonic() + 30
-        while not (controller.current is not None and controller.current.all_started) and \
-                time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(all_started(controller), deadline)
         cluster.kill("b")  # lost after node_timeout: the job fails, then lingers for b
-        while not controller.engine.lingering and time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(lambda: controller.engine.lingering, deadline)
         time.sleep(0.5)  # inside linger's wait
         told.append(time.monotonic())
         controller.request_exit()  # what the supervisor's SIGTERM handler calls

@@ -792,29 +792,19 @@ def test_a_node_lost_to_silence_is_forgotten_as_a_holder_of_copies(tmp_path):
     import threading
     import time
 
-    from orchestrator.controller import Controller
-    from orchestrator.spec import parse_jobspec
     from orchestrator.state import NodeState
-    from orchestrator.store import Store
-    from orchestrator.transport.fake import FakeCluster
+    from tests.unit.test_crash_only import all_started, fake_job, until
 
-    spec = parse_jobspec("name: gone\nnodes: [{host: n0}, {host: n1}, {host: n2}]\n"
-                         "nnodes: 2\ncommand: [train]\nmax_restarts: 0\n"
-                         "health: {heartbeat_interval: 0.5, node_timeout: 2, "
-                         "controller_grace: 1}\n")
-    store = Store(tmp_path / "home")
-    store.create_job("gone-000001", "gone", spec.model_dump_json(), str(tmp_path), 0,
-                     ["n0", "n1", "n2"])
-    cluster = FakeCluster(heartbeat_interval=0.5, run=True)
-    controller = Controller(store, "gone-000001", spec, str(tmp_path), cluster)
+    _, cluster, controller = fake_job(
+        tmp_path, "gone-000001", "name: gone\nnodes: [{host: n0}, {host: n1}, {host: n2}]\n"
+        "nnodes: 2\ncommand: [train]\nmax_restarts: 0\n"
+        "health: {heartbeat_interval: 0.5, node_timeout: 2, controller_grace: 1}\n")
     spare = controller.nodes[2]
     seen: list[object] = []
 
     def drive() -> None:
         deadline = time.monotonic() + 30
-        while not (controller.current is not None and controller.current.all_started) and \
-                time.monotonic() < deadline:
-            time.sleep(0.02)
+        until(all_started(controller), deadline)
         controller.engine.loop.call_later(0.0, lambda: controller.engine.holdings.update(
             2, held({}, {0: [9], 1: [9]}, port=4002)))  # the spare holds both ranks' step 9
         while controller.engine.holdings.summary(2) is None and time.monotonic() < deadline:
