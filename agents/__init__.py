@@ -31,6 +31,8 @@ MODULES = ("agents", "agents.fields", "agents.protocol", "agents.commandbase",
            "agents.rankfiles", "agents.shims",
            "agents.shims.sitecustomize", "agents.shims.orchestrator_worker",
            "agents.shims.orchestrator_checkpoint_format",
+           "agents.shims.orchestrator_checkpoint_slots",
+           "agents.shims.orchestrator_checkpoint_inflight",
            "agents.shims.orchestrator_checkpoint", "agents.transfers", "agents.holds",
            "agents.disk",
            "agents.replicawire", "agents.replicas",
@@ -45,7 +47,8 @@ MODULES = ("agents", "agents.fields", "agents.protocol", "agents.commandbase",
 #: Modules the agent never imports, only writes out for workers (agents/shims): shipped as
 #: source alone (their code objects were 4% of what every node's login carries).
 TEXT_ONLY = frozenset(f"agents.shims.{n}" for n in (
-    "sitecustomize", "orchestrator_worker", "orchestrator_checkpoint", "standby_boot"))
+    "sitecustomize", "orchestrator_worker", "orchestrator_checkpoint",
+    "orchestrator_checkpoint_slots", "orchestrator_checkpoint_inflight", "standby_boot"))
 
 
 def source(name: str) -> str:

@@ -10,6 +10,10 @@ the background, verified on load (docs/guides/checkpoints.md)::
     checkpoint.save(step, {"model": model.state_dict(), "optim": opt.state_dict()},
                     every=100)          # every 100 steps, and where the controller asks
 
+A save beside the training: ``checkpoint.save(step, state, wait=False)`` returns once the copy
+is set up; call ``checkpoint.wait()`` before anything writes to the state (the optimizer's
+step). The copy runs meanwhile on a thread (from a GPU, on a stream of its own).
+
 On nodes where this package is not installed, the agent puts the same module on every
 worker's PYTHONPATH as ``orchestrator_checkpoint``. Under plain ``torchrun`` the same calls
 read and write files in ``$ORCHESTRATOR_CHECKPOINT_DIR``.
@@ -19,9 +23,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from agents.shims.orchestrator_checkpoint import CheckpointError, due, load, save
+from agents.shims.orchestrator_checkpoint import CheckpointError, due, load, save, wait
 
-__all__ = ["CheckpointError", "due", "load", "load_saved_by", "save"]
+__all__ = ["CheckpointError", "due", "load", "load_saved_by", "save", "wait"]
 
 
 def load_saved_by(key: str, version: Any, writer: str) -> tuple[int, dict[str, Any]] | None:

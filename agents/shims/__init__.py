@@ -11,7 +11,8 @@ import os
 from agents import source
 
 FILES = ("sitecustomize", "orchestrator_worker", "orchestrator_checkpoint",
-         "orchestrator_checkpoint_format")
+         "orchestrator_checkpoint_format", "orchestrator_checkpoint_slots",
+         "orchestrator_checkpoint_inflight")
 
 
 def install(agent_dir: str) -> str:

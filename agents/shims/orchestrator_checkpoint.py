@@ -33,215 +33,26 @@ lists, tuples, tensors and small values (int, float, str, bool, None). It is sto
 no pickle, so loading a copy runs no code. Torch is imported at a save or a load, not before.
 """
 
-import ctypes
 import fcntl
 import json
 import mmap
 import os
-import sys
 import time
 
 # On a worker's PYTHONPATH the format is a module beside this one; in the package, a sibling.
 if __package__:
     from agents.shims import orchestrator_checkpoint_format as F
+    from agents.shims import orchestrator_checkpoint_slots as M
+    from agents.shims.orchestrator_checkpoint_inflight import InFlight
 else:
     import orchestrator_checkpoint_format as F  # type: ignore[no-redef]
+    import orchestrator_checkpoint_slots as M  # type: ignore[no-redef]
+    from orchestrator_checkpoint_inflight import InFlight  # type: ignore[no-redef]
 
 CheckpointError = F.CheckpointError
-
-
-# --- memory slots (the worker's side) -------------------------------------------------------
-
-class _Slot:
-    """One reused file of this rank's memory directory, mapped once per process."""
-
-    def __init__(self, path, fd):
-        self.path, self.fd = path, fd
-        self.map = None
-        self.size = 0
-        self.registered = False
-
-    def ensure(self, size):
-        if self.size >= size and self.map is not None:
-            return
-        if self.map is not None:
-            self._unregister()
-            self.map.close()
-            self.map, self.size = None, 0  # not one closed, should the growth fail
-        if os.fstat(self.fd).st_size < size:  # its pages now: a full /dev/shm is an OSError
-            os.posix_fallocate(self.fd, 0, size)  # here, not a SIGBUS in the copy
-        self.size = os.fstat(self.fd).st_size
-        # Its page tables filled in one call, not a fault a page at the first copy into it
-        # (512 MiB into existing pages: 0.10 s so, 0.16 s page by page).
-        self.map = mmap.mmap(self.fd, self.size, flags=mmap.MAP_SHARED | _POPULATE,
-                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
-
-    def register_cuda(self, torch):
-        """Pin the mapping for the GPU's copy engine (DMA straight into shared memory)."""
-        if self.registered:
-            return
-        try:
-            ptr = ctypes.addressof(ctypes.c_char.from_buffer(self.map))
-            if torch.cuda.cudart().cudaHostRegister(ptr, self.size, 0) == 0:
-                self.registered = ptr
-        except Exception:  # pageable memory still works, only slower
-            self.registered = False
-
-    def _unregister(self):
-        if self.registered:
-            import torch
-            torch.cuda.cudart().cudaHostUnregister(self.registered)
-            self.registered = False
-
-
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux, Python 3.10 on
-_slots = {}  # type: dict[str, _Slot]  # path -> slot, for this process
+_in_flight = InFlight()  # a save(..., wait=False) still copying
 _saves = [0]  # saves this process made: every persist_every-th is persisted
 _skipped = [0]  # copies this process found not good (named on stderr)
-_loaded = set()  # type: set[tuple[int, int]]  # (device, inode) of slot files a load mapped
-
-
-def _rank():
-    return F.int_env("RANK", 0)
-
-
-def _metas(rank_dir, corrupt=False):
-    """``{step: meta}`` of this rank's saves in memory (with those found corrupt: all)."""
-    out = {}
-    try:
-        names = os.listdir(rank_dir)
-    except OSError:
-        return out
-    for name in names:
-        step = F.parse_step(name, suffix=".meta")
-        if step is not None:
-            meta = F.read_json(os.path.join(rank_dir, name))
-            if meta is not None and (corrupt or not os.path.exists(
-                    os.path.join(rank_dir, F.step_name(step) + ".corrupt"))):
-                out[step] = meta
-    return out
-
-
-def _take_slot(rank_dir, size, budget, metas):
-    """A slot to write, locked exclusively. Never the newest save's, nor one the agent is
-    reading (it holds a shared lock); and, while memory allows, not one holding a save still
-    to persist, nor one of the steps the agent retains (``retain``: from the newest step that
-    every rank's buddy holds, what the ranks would resume if a node were lost). Free slots
-    first, then the oldest save's. No more copies than the agent's share gives each rank
-    (``F.COPIES_NAME``): past it, the oldest no reader holds become blanks (for the replicas
-    of other nodes' ranks, which the node's own copies once crowded out for good)."""
-    if 2 * size > budget:
-        raise CheckpointError(
-            "checkpoint memory for this rank is %d bytes: fewer than two copies of a %d-byte "
-            "state (raise checkpoint.memory)" % (budget, size))
-    copies = F.int_file(os.path.join(os.path.dirname(rank_dir), F.COPIES_NAME))
-    cap = budget if copies is None else min(budget, copies * size)
-    newest = max(metas) if metas else None
-    step_of = {m.get("slot"): s for s, m in metas.items()}
-    names = sorted(n for n in os.listdir(rank_dir) if n.startswith("slot-")
-                   and n[5:].isdigit())
-    keep = {metas[newest].get("slot")} if newest is not None else set()
-    pending = {m.get("slot") for s, m in metas.items() if m.get("persist") and
-               not os.path.exists(os.path.join(rank_dir, F.step_name(s) + ".persisted"))}
-    retain = F.int_file(os.path.join(os.path.dirname(rank_dir), "retain"))
-    retained = {m.get("slot") for s, m in metas.items() if retain is not None and s >= retain}
-    candidates = sorted((int(n[5:]) for n in names if int(n[5:]) not in keep),
-                        key=lambda k: step_of.get(k, -1))
-    sizes = {int(n[5:]): os.stat(os.path.join(rank_dir, n)).st_size for n in names}
-    total = sum(sizes.values())
-    reusable = [n for n in candidates if n not in pending]
-    while total > cap and len(reusable) > 1:  # one left to write into
-        number = reusable.pop(0)
-        if _let_go(rank_dir, number, step_of.get(number)):
-            total -= sizes[number]
-            candidates.remove(number)
-    taken = _lock_first(rank_dir, [n for n in candidates if n not in pending | retained])
-    if taken:
-        return taken
-    if not candidates or total + size <= cap:
-        number = max([int(n[5:]) for n in names], default=-1) + 1
-        path = os.path.join(rank_dir, "slot-%d" % number)
-        if path not in _slots:  # pages that exist, if any (a file of its own otherwise)
-            F.take_blank(os.path.dirname(rank_dir), path, size, _rank())
-        slot = _open_slot(path)
-        fcntl.flock(slot.fd, fcntl.LOCK_EX)
-        return number, slot
-    # Memory is full: a retained copy goes first (a node's loss may then cost more steps),
-    # and only then does the training wait, for the oldest (saves come faster than the
-    # disk or the buddy take them).
-    taken = _lock_first(rank_dir, [n for n in candidates if n not in pending])
-    if taken:
-        _say_once("checkpoint.memory is full: older copies are given up before the buddy "
-                  "or the disk has them")
-        return taken
-    slot = _open_slot(os.path.join(rank_dir, "slot-%d" % candidates[0]))
-    fcntl.flock(slot.fd, fcntl.LOCK_EX)
-    return candidates[0], slot
-
-
-def _let_go(rank_dir, number, step):
-    """Slot ``number`` (holding ``step``, if any) into the memory's blanks, unless a reader
-    holds it (the agent sending it): whether it went."""
-    path = os.path.join(rank_dir, "slot-%d" % number)
-    slot = _open_slot(path)
-    try:
-        fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        return False
-    if step is not None:
-        F.drop(rank_dir, step)  # no copy any more: nothing reads it from here on
-    del _slots[path]
-    if slot.map is not None:
-        slot._unregister()
-        slot.map.close()
-    st = os.fstat(slot.fd)
-    os.close(slot.fd)  # its lock with it: the blank is taken under a lock of its own
-    if (st.st_dev, st.st_ino) in _loaded:  # a load of this process maps it: written by
-        _loaded.discard((st.st_dev, st.st_ino))  # nobody again (a blank's next copy would)
-        os.unlink(path)
-    else:
-        F.give_blank(os.path.dirname(rank_dir), path)
-    return True
-
-
-def _lock_first(rank_dir, numbers):
-    for number in numbers:
-        slot = _open_slot(os.path.join(rank_dir, "slot-%d" % number))
-        try:
-            fcntl.flock(slot.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue
-        return number, slot
-    return None
-
-
-_said = set()  # type: set[str]
-
-
-def _say_once(text, key=None):
-    if (key or text) not in _said:
-        _said.add(key or text)
-        _say(text)
-
-
-def release():
-    """Unmap this process's slots (and unpin them from CUDA): a pinned range that outlives
-    its mapping breaks later copies into whatever memory takes its place."""
-    for slot in _slots.values():
-        if slot.map is not None:
-            slot._unregister()
-            slot.map.close()
-            slot.map = None
-        os.close(slot.fd)
-    _slots.clear()
-
-
-def _open_slot(path):
-    slot = _slots.get(path)
-    if slot is None:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        slot = _slots[path] = _Slot(path, fd)
-    return slot
 
 
 def due(step, every=None):
@@ -252,14 +63,20 @@ def due(step, every=None):
         F.asked(os.environ.get(F.MEMORY_VAR))[0] == step
 
 
-def save(step, state, every=None):
+def save(step, state, every=None, wait=True):
     """Checkpoint ``state`` as of ``step`` (an int, the same on every rank); with ``every``,
     only where ``due(step, every)``: call it at every step. Returns the seconds the training
-    was held (the copy into memory; with no agent, the whole write), 0.0 when not due."""
+    was held (the copy into memory; with no agent, the whole write), 0.0 when not due.
+
+    With ``wait=False`` the copy goes on beside the training (orchestrator_checkpoint_
+    inflight.py) and this returns once it is set up: nothing may write to the state's
+    tensors until ``wait()`` returns (call it before the optimizer's step); the next save
+    and a load wait for it too."""
     if type(step) is not int or not 0 <= step < F.MAX_STEP:
         raise CheckpointError("step must be an integer from 0 to 2**62, not %r" % (step,))
     if every is not None and (type(every) is not int or every < 1):
         raise CheckpointError("every must be a positive integer, not %r" % (every,))
+    _in_flight.wait()  # one save at a time, in order
     F.report_step(step)  # where the ranks are: a planned move agrees on a step ahead
     if not due(step, every):
         return 0.0
@@ -270,85 +87,49 @@ def save(step, state, every=None):
     entries, size = F.layout(tensors)
     _saves[0] += 1
     persist = F.int_env(F.PERSIST_VAR, 0)
-    meta = {"format": F.FORMAT, "step": step, "rank": _rank(), "tensors": entries,
+    meta = {"format": F.FORMAT, "step": step, "rank": M.rank(), "tensors": entries,
             "world_size": F.int_env("WORLD_SIZE", 1), "tree": tree, "size": size,
             "attempt": F.int_env("ORCHESTRATOR_ATTEMPT", 0),
             "saved_at": time.time(), "persist": bool(persist) and _saves[0] % persist == 0}
     memory = os.environ.get(F.MEMORY_VAR)
-    if not memory:
-        F.save_files(step, meta, views, size)
-        return time.perf_counter() - started
-    rank_dir = _rank_dir(memory)
-    budget = F.int_env(F.BUDGET_VAR, 1 << 62)
-    metas = _metas(rank_dir)
-    number, slot = _take_slot(rank_dir, size, budget, metas)
-    try:
-        slot = _unshared(slot, size)
-        try:
-            slot.ensure(max(size, 1))
-        except OSError as exc:  # the node's shared memory is full: the training goes on
-            _say_once("no room in %s for a %d-byte save (%s): step %d and later ones it cannot "
-                      "hold skipped" % (memory, size, exc.strerror, step), "room")
+    stream = None if wait else M.side_stream(torch, views)
+    if wait or stream is False:  # asked to, or tensors on several GPUs: copied right here
+        if not memory:
+            F.save_files(step, meta, views, size)
+            return time.perf_counter() - started
+        if not M.to_memory(torch, memory, step, meta, views, entries, size,
+                          lambda: time.perf_counter() - started):
             return 0.0
-        for s, m in _metas(rank_dir, corrupt=True).items():
-            if m.get("slot") == number or s == step:
-                F.drop(rank_dir, s)  # its bytes are about to go: it is no longer a copy
-        _copy_in(torch, slot, views, entries)
-        meta["slot"] = number
-        meta["block_s"] = round(time.perf_counter() - started, 6)  # shown in status
-        F.write_file(os.path.join(rank_dir, F.step_name(step) + ".meta"),
-                   json.dumps(meta).encode("utf-8"))
-    finally:
-        fcntl.flock(slot.fd, fcntl.LOCK_UN)
-    if not metas:  # its first save here: the next needs a slot of its own (the newest copy
-        # is never written), its pages made ahead by the agent while the rank trains (they
-        # were most of that save: 1.6 s of 1.7 s, 512 MiB a rank, docs/benchmarks.md)
-        F.ask_blank(memory, _rank(), size)
-    F.poke(memory)
-    held = time.perf_counter() - started
-    F.hold(memory, step)  # where a planned move asked for this step
-    return held
+        held = time.perf_counter() - started
+        F.hold(memory, step)  # where a planned move asked for this step
+        return held
+    if not memory:
+        work = lambda: F.save_files(step, meta, views, size)  # noqa: E731
+    else:
+        def work():
+            M.to_memory(torch, memory, step, meta, views, entries, size, _in_flight.held, stream)
+    _in_flight.start(work, time.perf_counter() - started,
+                     (lambda: F.hold(memory, step)) if memory else None)
+    return time.perf_counter() - started
 
 
-def _rank_dir(memory):
-    """This rank's directory in the agent's memory, made if need be; never the memory itself
-    (the agent makes it, and removes it when it ends: a directory made again would outlive
-    it). Raises CheckpointError when the agent's memory is gone."""
-    rank_dir = os.path.join(memory, "rank-%d" % _rank())
+def wait():
+    """Wait for the copy of a ``save(..., wait=False)`` to be done; returns the seconds
+    waited (0.0: none in flight, or done already). Raises what that save would have."""
+    return _in_flight.wait()
+
+
+def release():
+    """Unmap this process's slots (and unpin them from CUDA), once a save still copying is
+    done: a pinned range that outlives its mapping breaks later copies into whatever memory
+    takes its place."""
     try:
-        os.mkdir(rank_dir, 0o700)
-    except FileExistsError:
-        pass
-    except FileNotFoundError:
-        raise CheckpointError("the agent's checkpoint memory %s is gone" % memory) from None
-    return rank_dir
-
-
-def _copy_in(torch, slot, views, entries):
-    if any(v.is_cuda for v in views):
-        slot.register_cuda(torch)
-    whole = torch.frombuffer(slot.map, dtype=torch.uint8, count=slot.size)
-    try:
-        cuda = False
-        for view, (_, _, offset, nbytes) in zip(views, entries):
-            if nbytes:
-                cuda = cuda or view.is_cuda
-                whole[offset:offset + nbytes].copy_(view, non_blocking=bool(slot.registered))
-        if cuda:
-            torch.cuda.synchronize()
+        _in_flight.wait()
     finally:
-        del whole  # the mapping can be resized only once no tensor views it
+        M.release()
 
 
 # --- load ------------------------------------------------------------------------------------
-
-def _say(text):
-    try:
-        sys.stderr.write("[orchestrator] checkpoint: %s\n" % text)
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
-
 
 def _restore(torch, meta_bytes, man, path, memory=False):
     """The state a copy holds, verified against its manifest (None: an unsealed memory copy,
@@ -408,42 +189,20 @@ def _map(torch, fd, size, chunk, checked):
     finally:
         os.close(own)
     st = os.fstat(fd)
-    _loaded.add((st.st_dev, st.st_ino))
+    M.loaded.add((st.st_dev, st.st_ino))
     crcs = F.checksums(memoryview(view), size, chunk) if checked else []
     return torch.frombuffer(view, dtype=torch.uint8), crcs
-
-
-def _unshared(slot, size):
-    """``slot``, or a new file in its place (a blank, where the node has one) where a load of
-    this process mapped it (the old one lives on, unnamed, while the loaded tensors do;
-    locked until the new one is named)."""
-    st = os.fstat(slot.fd)
-    if (st.st_dev, st.st_ino) not in _loaded:
-        return slot
-    _loaded.discard((st.st_dev, st.st_ino))
-    new = slot.path + ".new"
-    if not F.take_blank(os.path.dirname(os.path.dirname(slot.path)), new, size, _rank()):
-        os.close(os.open(new, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600))
-    fd = os.open(new, os.O_RDWR | os.O_CLOEXEC)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    os.replace(slot.path + ".new", slot.path)
-    if slot.map is not None:
-        slot._unregister()
-        slot.map.close()
-    os.close(slot.fd)
-    slot = _slots[slot.path] = _Slot(slot.path, fd)
-    return slot
 
 
 def _memory_copy(torch, step):
     memory = os.environ.get(F.MEMORY_VAR)
     if not memory:
         return None
-    rank_dir = os.path.join(memory, "rank-%d" % _rank())
+    rank_dir = os.path.join(memory, "rank-%d" % M.rank())
     F.await_pull(rank_dir)  # a copy the agent pulls from another node as the ranks start
     if os.path.exists(os.path.join(rank_dir, F.PULLING_NAME)):  # waited for it long enough
         raise CheckpointError("rank %d: its copy of step %d, pulled from another node, did "
-                              "not come in time" % (_rank(), step))
+                              "not come in time" % (M.rank(), step))
     base = os.path.join(rank_dir, F.step_name(step))
     meta_bytes = F.read_bytes(base + ".meta")
     if meta_bytes is None or os.path.exists(base + ".corrupt"):
@@ -455,11 +214,11 @@ def _memory_copy(torch, step):
         slot = json.loads(meta_bytes.decode("utf-8"))["slot"]
         found = _restore(torch, meta_bytes, man, os.path.join(rank_dir, "slot-%d" % slot),
                          memory=True)
-        F.ask_blank(memory, _rank(), found[0]["size"])  # for the save that writes it again
+        F.ask_blank(memory, M.rank(), found[0]["size"])  # for the save that writes it again
         return found
     except (CheckpointError, ValueError, KeyError, TypeError) as exc:
-        _say("the memory copy of step %d (rank %d) is not good: %s; skipped"
-             % (step, _rank(), exc))
+        M.say("the memory copy of step %d (rank %d) is not good: %s; skipped"
+             % (step, M.rank(), exc))
         _mark_corrupt(base)
         return None
 
@@ -467,7 +226,7 @@ def _memory_copy(torch, step):
 def persisted_copy(torch, root, step, rank=None):
     """``(meta, state)`` of this rank's persisted copy of ``step`` (or ``rank``'s: a DCP load
     into another world size, orchestrator/checkpoint_dcp.py), None when it is not good."""
-    rank = _rank() if rank is None else rank
+    rank = M.rank() if rank is None else rank
     base = os.path.join(F.persisted_dir(root, step), "rank-%d" % rank)
     meta_bytes = F.read_bytes(base + ".meta")
     man = F.read_json(base + ".manifest")
@@ -476,7 +235,7 @@ def persisted_copy(torch, root, step, rank=None):
     try:
         return _restore(torch, meta_bytes, man, base + ".data")
     except (CheckpointError, ValueError, KeyError, TypeError) as exc:
-        _say("the persisted copy of step %d (rank %d, %s) is not good: %s; skipped"
+        M.say("the persisted copy of step %d (rank %d, %s) is not good: %s; skipped"
              % (step, rank, base, exc))
         _mark_corrupt(base)
         return None
@@ -512,6 +271,7 @@ def load():
     scratch). Without it, a rank that has no good copy of the agreed step raises
     CheckpointError (the attempt fails, and the next one is agreed on the copies that are
     left); as does a copy pulled from another node that did not come in time."""
+    _in_flight.wait()  # a save of this process still copying: its files first
     import torch
     started = time.perf_counter()
     root = os.environ.get(F.DIR_VAR)
@@ -524,19 +284,19 @@ def load():
             return _restored(step, found, started)
         if not F.distributed(torch):
             raise CheckpointError("rank %d has no good copy of step %d, the step every rank "
-                                  "was to resume" % (_rank(), step))
+                                  "was to resume" % (M.rank(), step))
         candidates = [s for s in _held_steps(root) if s < step]
     else:
         if not root:
             return None
-        candidates = F.persisted_steps(root, _rank())
+        candidates = F.persisted_steps(root, M.rank())
     while True:
         step = F.agree(torch, candidates)
         if step is None and told is not None:
             # Every rank starting from scratch, said nowhere, lost a job's whole training:
             # the attempt fails instead, and the next one resumes what the nodes hold.
             raise CheckpointError("no good copy of step %d on every rank, and no older step "
-                                  "that every rank holds here (rank %d)" % (told, _rank()))
+                                  "that every rank holds here (rank %d)" % (told, M.rank()))
         if step is None:
             return None
         found = _copy(torch, root, step)
@@ -570,7 +330,7 @@ def note_restored(step, source, started):
                   "source": source, "seconds": round(time.perf_counter() - started, 3),
                   "skipped": _skipped[0]}
         try:
-            rank_dir = _rank_dir(memory)
+            rank_dir = M.rank_dir_of(memory)
             F.write_file(os.path.join(rank_dir, "restored.json"), json.dumps(record).encode())
             F.poke(memory)  # reported now, not at the next look
         except (OSError, CheckpointError):
@@ -579,11 +339,11 @@ def note_restored(step, source, started):
 
 def _held_steps(root):
     """Steps of which this rank has a copy here (memory or persisted), newest first."""
-    steps = set(F.persisted_steps(root, _rank())) if root else set()
+    steps = set(F.persisted_steps(root, M.rank())) if root else set()
     memory = os.environ.get(F.MEMORY_VAR)
     if memory:
-        steps.update(_metas(os.path.join(memory, "rank-%d" % _rank())))
+        steps.update(M.metas_of(os.path.join(memory, "rank-%d" % M.rank())))
     return sorted(steps, reverse=True)
 
 
-__all__ = ["CheckpointError", "due", "load", "save"]
+__all__ = ["CheckpointError", "due", "load", "save", "wait"]

@@ -91,6 +91,28 @@ def test_a_killed_rank_resumes_with_everyone_from_the_step_it_saved_last(tmp_pat
     assert result["nodes"][0]["checkpoint"]["memory_bytes"] == 0
 
 
+def test_saves_beside_the_training_resume_the_same_step_everywhere_after_a_kill(tmp_path,
+                                                                                 home):
+    """``save(..., wait=False)``, waited for before each optimizer step: rank 1 is SIGKILLed
+    right after its save of step 5 returned, its copy maybe still under way (32 MiB of
+    state). Every rank resumes one step, 5 or the one before (never a copy not whole), and
+    the job ends with the weights of a run never killed: each copy held the state as of its
+    step, although the training went on while it was made."""
+    job_id, result, out = run(tmp_path, home, {"CRASH_AT": "5", "STEPS": "10",
+                                               "BACKGROUND": "1", "STATE_MB": "32"})
+    assert result["state"] == "SUCCEEDED", result.get("failure")
+    resumed = {(out / f"resumed-2-{rank}").read_text() for rank in (0, 1)}
+    assert resumed in ({"4"}, {"5"}), resumed
+    assert [a["restored_step"] for a in result["attempts"]] == [None, int(resumed.pop())]
+    expected = reference_weights(10, 2)
+    for rank in (0, 1):
+        final = torch.load(out / f"final-{rank}.pt")
+        for name, value in expected.items():
+            assert torch.allclose(final[name], value, atol=1e-6), (rank, name)
+    assert_no_job_processes(job_id)
+    assert memory_dirs(job_id) == []
+
+
 def test_the_persisted_copies_are_kept_verified_and_a_corrupt_one_is_skipped(tmp_path, home):
     ckdir = tmp_path / "ckpts"
     job_id, result, _ = run(tmp_path, home, {"STEPS": "9"},

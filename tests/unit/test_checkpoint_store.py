@@ -20,6 +20,7 @@ from agents import protocol as P
 from agents.checkpoints import Store
 from agents.shims import orchestrator_checkpoint as ckpt
 from agents.shims import orchestrator_checkpoint_format as F
+from agents.shims import orchestrator_checkpoint_slots as M
 from orchestrator.checkpoints import Holdings
 from tests.helpers import ROOT
 
@@ -470,7 +471,7 @@ def test_save_every_n_saves_its_multiples_and_the_step_a_planned_move_asks_for(
         blocked = ckpt.save(step, {"w": torch.full((10,), float(step))}, every=5)
         held[step] = time.monotonic() - started
         assert (blocked > 0) == (step in (0, 5, 7, 10)), (step, blocked)
-    assert sorted(ckpt._metas(rank_dir)) == [0, 5, 7, 10]
+    assert sorted(M.metas_of(rank_dir)) == [0, 5, 7, 10]
     assert held[7] >= 0.25 and max(v for k, v in held.items() if k != 7) < 0.25, held
     s.save_at(C.SaveAt(None))  # over: the step is saved, and nobody waits for it
     assert not ckpt.due(7, every=5)
@@ -592,7 +593,7 @@ def test_a_slot_that_could_not_grow_still_takes_a_smaller_save(tmp_path, monkeyp
     import errno
 
     path = str(tmp_path / "slot-0")
-    slot = ckpt._Slot(path, os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    slot = M._Slot(path, os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
     slot.ensure(4096)
     real = os.posix_fallocate
 
@@ -738,7 +739,7 @@ def test_ranks_that_resume_an_older_step_than_told_leave_no_copy_of_the_old_time
             node.resumed(C.Resumed(90, 2))
         s._pass()
         rank_dir = os.path.join(s.root, "rank-1")
-        assert sorted(ckpt._metas(rank_dir)) == [95]  # the old 100 gone (90's slot reused)
+        assert sorted(M.metas_of(rank_dir)) == [95]  # the old 100 gone (90's slot reused)
         assert 100 not in F.persisted_steps(str(tmp_path / "ck"), 1)
         assert sorted(buddy.replicas.holdings()[0][1]) == [90, 95]
         ckpt.save(100, {"w": torch.full((10,), -100.0)})  # the new timeline's 100

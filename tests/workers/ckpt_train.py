@@ -13,6 +13,9 @@ attempts); STAMPS: print the wall clock at the kill and at the first step after 
 POISON_AT: in the first attempt (every attempt, with POISON_ALWAYS=1), the weights turn NaN
 at that step and are saved so (a copy that verifies but is bad), then every rank raises the
 error a NaN model raises, as it does right after loading that copy again.
+BACKGROUND=1: each save goes on beside the training (``save(..., wait=False)``), waited for
+before the next optimizer step changes the weights; a CRASH_AT kill then comes while that
+step's copy may still be under way.
 """
 import os
 import signal
@@ -37,6 +40,7 @@ def healthy(model):
         raise FloatingPointError("the model's weights are NaN")
 
 
+background = os.environ.get("BACKGROUND") == "1"
 step_sleep = float(os.environ.get("STEP_SLEEP", "0.05"))
 if attempt != "1":
     step_sleep = float(os.environ.get("STEP_SLEEP_LATER", step_sleep))
@@ -61,6 +65,8 @@ for step in range(start, int(os.environ.get("STEPS", "12"))):
     for p in model.parameters():
         dist.all_reduce(p.grad)
         p.grad /= world
+    if background:
+        ckpt.wait()  # the last save's copy done before the weights change
     opt.step()
     poisoned = (attempt == "1" or os.environ.get("POISON_ALWAYS") == "1") and \
         step == int(os.environ.get("POISON_AT", "-1"))
@@ -70,7 +76,8 @@ for step in range(start, int(os.environ.get("STEPS", "12"))):
     if restored is not None and step == start and os.environ.get("STAMPS"):
         print(f"rank {rank} trains again at {time.time()}", flush=True)
     blocked = ckpt.save(step, {"model": model.state_dict(), "optim": opt.state_dict(),
-                               "step": step, "rank": rank, "extra": extra})
+                               "step": step, "rank": rank, "extra": extra},
+                        wait=not background)
     print(f"rank {rank} step {step} saved in {blocked * 1000:.1f} ms", flush=True)
     if poisoned:
         healthy(model)
