@@ -8,7 +8,11 @@ restarts, saves in the agent's memory) and, as the anchor, by the common workaro
 invocation.
 
     python benchmarks/bench_ckpt_goodput.py [--reps 1] [--state-mb 512] [--duration 180]
-                                            [--step-time 0.5] [--fault-every 60]
+                                            [--step-time 0.5] [--fault-every 60] [--background]
+
+With ``--background`` the script saves beside the training (``save(..., wait=False)``, waited
+for before the state next changes) in both, and the orchestrator with waiting saves is run
+as well (writes ``benchmarks/ckpt-goodput-background.{md,json}``).
 
 Each run trains for ``--duration`` seconds from its first step (then it is stopped). Goodput:
 the steps' compute (steps advanced x ``--step-time``) over that time; what a save holds the
@@ -46,16 +50,24 @@ RANKS = 2
 STEP_RE = re.compile(r"STEP \d+ (\d+) (\d+) ([\d.]+)")
 
 
-def env_of(args: argparse.Namespace) -> dict[str, str]:
+def env_of(args: argparse.Namespace, background: bool | None = None) -> dict[str, str]:
+    background = args.background if background is None else background
     return {"STEPS": "1000000", "STEP_TIME": str(args.step_time),
-            "STATE_MB": str(args.state_mb), "CKPT_EVERY": "1"}
+            "STATE_MB": str(args.state_mb), "CKPT_EVERY": "1",
+            "CKPT_BACKGROUND": "1" if background else "0"}
 
 
-def run_orchestrator(work: Path, args: argparse.Namespace) -> tuple[list[str], list[float]]:
+def run_orchestrator_waiting(work: Path, args: argparse.Namespace
+                             ) -> tuple[list[str], list[float]]:
+    return run_orchestrator(work, args, background=False)
+
+
+def run_orchestrator(work: Path, args: argparse.Namespace, background: bool | None = None
+                     ) -> tuple[list[str], list[float]]:
     spec = work / f"ckpt-goodput-{uuid.uuid4().hex[:6]}.yaml"
     spec.write_text(yaml.safe_dump({
         "name": "ckpt-goodput", "nodes": [{"host": "local"}], "nproc_per_node": RANKS,
-        "command": [PY, WORKER], "workdir": str(work), "env": env_of(args),
+        "command": [PY, WORKER], "workdir": str(work), "env": env_of(args, background),
         "max_restarts": 1000, "stop_grace_period": 2, "restart": {"warm": True},
         "restart_backoff": {"initial": 0.1, "max": 0.1}}))
     job = orchestrator.submit(str(spec))
@@ -199,6 +211,7 @@ def ceiling(step_time: float, fault_every: float, copy: float) -> float:
     return (1 - step / 2 / fault_every) * step_time / step
 
 
+DEFAULT_OUT = str(ROOT / "benchmarks" / "ckpt-goodput")
 NODE_TIMEOUT = 2.0  # the cut run's health.node_timeout (heartbeat_interval 0.5)
 CUT_MEMORY = "5GiB"  # the cut and drain runs' checkpoint.memory per node (--memory)
 
@@ -434,13 +447,16 @@ def main() -> int:
     p.add_argument("--duration", type=float, default=180.0)
     p.add_argument("--step-time", type=float, default=0.5)
     p.add_argument("--fault-every", type=float, default=60.0)
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "ckpt-goodput"))
+    p.add_argument("--out", default=DEFAULT_OUT)
     p.add_argument("--cut", action="store_true",
                    help="instead: a node's cable cut once over SSH with a spare (root)")
     p.add_argument("--cut-after", type=int, default=10)
     p.add_argument("--drain", action="store_true",
                    help="instead: a participant drained once, with a hot spare (local)")
     p.add_argument("--ckpt-every", type=int, default=1)
+    p.add_argument("--background", action="store_true",
+                   help="saves beside the training (wait=False) in both, and the "
+                        "orchestrator's waiting saves as a third variant")
     p.add_argument("--keep-home", help="--drain, --cut: copy the job's home (its logs) here")
     p.add_argument("--memory", default=CUT_MEMORY,
                    help="checkpoint.memory per node of --cut and --drain (they share the machine)")
@@ -499,6 +515,13 @@ def main() -> int:
         return 0
     variants = {"orchestrator warm, memory": run_orchestrator,
                 "torchrun in a shell loop, files": run_torchrun_loop}
+    if args.background:
+        variants = {"orchestrator warm, memory, beside the training": run_orchestrator,
+                    "orchestrator warm, memory, waiting": run_orchestrator_waiting,
+                    "torchrun in a shell loop, files, beside the training": run_torchrun_loop}
+        if args.out == DEFAULT_OUT:
+            args.out += "-background"
+    ours_name, anchor_name = list(variants)[0], list(variants)[-1]
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as tmp:
         os.environ["ORCHESTRATOR_HOME"] = str(Path(tmp) / "home")
@@ -511,15 +534,17 @@ def main() -> int:
                 print(f"rep {rep} {name}: goodput {result['goodput']:.3f}, recover "
                       f"{[round(x, 2) for x in result['recover']]}, redone {result['redone']}",
                       flush=True)
-    anchor = statistics.median(r["goodput"] for r in results["torchrun in a shell loop, files"])
+    anchor = statistics.median(r["goodput"] for r in results[anchor_name])
     copy = copy_floor(args.state_mb)
-    best = ceiling(args.step_time, args.fault_every, copy)
+    # Beside the training a save holds it for no copy at all, at best.
+    best = ceiling(args.step_time, args.fault_every, 0.0 if args.background else copy)
     out = [f"Goodput with a checkpoint every step: {RANKS} ranks (gloo) on this machine, "
            f"{args.state_mb:g} MiB of state per rank, {args.duration:g} s of steps of "
            f"{args.step_time:g} s pretend compute + an all-reduce, one rank SIGKILLed every "
            f"{args.fault_every:g} s; "
            f"medians of {args.reps} run(s) per variant "
-           "(`python benchmarks/bench_ckpt_goodput.py`).", "",
+           f"(`python benchmarks/bench_ckpt_goodput.py"
+           f"{' --background' if args.background else ''}`).", "",
            "| variant | goodput | x torchrun loop | kill -> all ranks training again "
            "(median) | steps redone per kill | kills | steps |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
@@ -532,13 +557,18 @@ def main() -> int:
                    f"{statistics.median(redone) if redone else float('nan'):g} | "
                    f"{sum(r['kills'] for r in runs)} | "
                    f"{statistics.median(r['steps'] for r in runs):g} |")
-    ours = statistics.median(r["goodput"] for r in results["orchestrator warm, memory"])
+    ours = statistics.median(r["goodput"] for r in results[ours_name])
     out += [f"| the ceiling: restarts that take no time | {best:.3f} | {best / anchor:.2f} | "
             "0 s | 0 | | |", "",
-            f"The ceiling is the goodput of this job were a restart free: every step holds the "
-            f"training for one copy of the state ({copy:.3f} s here, {RANKS} ranks copying "
-            f"at once, measured in this run), and each kill loses the step it came in, half of "
-            f"one on average. The orchestrator reaches {ours / best:.2f} of it."]
+            (f"The ceiling is the goodput of this job were a restart free and a save to hold "
+             f"the training for nothing (its copy, {copy:.3f} s here with {RANKS} ranks copying "
+             f"at once, made beside the step): each kill loses the step it came in, half of "
+             f"one on average. The orchestrator saving beside the training reaches "
+             f"{ours / best:.2f} of it." if args.background else
+             f"The ceiling is the goodput of this job were a restart free: every step holds the "
+             f"training for one copy of the state ({copy:.3f} s here, {RANKS} ranks copying "
+             f"at once, measured in this run), and each kill loses the step it came in, half of "
+             f"one on average. The orchestrator reaches {ours / best:.2f} of it.")]
     text = "\n".join(out) + "\n"
     print("\n" + text)
     Path(args.out + ".md").write_text(text)
