@@ -11,8 +11,9 @@ invocation.
                                             [--step-time 0.5] [--fault-every 60] [--background]
 
 With ``--background`` the script saves beside the training (``save(..., wait=False)``, waited
-for before the state next changes) in both, and the orchestrator with waiting saves is run
-as well (writes ``benchmarks/ckpt-goodput-background.{md,json}``).
+for before the state next changes) in both, and each with waiting saves is run as well; the
+ratios are against torchrun's loop saving beside the training (writes
+``benchmarks/ckpt-goodput-background.{md,json}``).
 
 Each run trains for ``--duration`` seconds from its first step (then it is stopped). Goodput:
 the steps' compute (steps advanced x ``--step-time``) over that time; what a save holds the
@@ -87,14 +88,20 @@ def run_orchestrator(work: Path, args: argparse.Namespace, background: bool | No
     return list(orchestrator.logs(job)), kills
 
 
-def run_torchrun_loop(work: Path, args: argparse.Namespace) -> tuple[list[str], list[float]]:
+def run_torchrun_loop_waiting(work: Path, args: argparse.Namespace
+                              ) -> tuple[list[str], list[float]]:
+    return run_torchrun_loop(work, args, background=False)
+
+
+def run_torchrun_loop(work: Path, args: argparse.Namespace, background: bool | None = None
+                      ) -> tuple[list[str], list[float]]:
     token = uuid.uuid4().hex
     ckpt = work / f"files-{token[:6]}"
     torchrun = " ".join([PY, "-m", "torch.distributed.run", "--standalone",
                          f"--nproc-per-node={RANKS}", WORKER])
     proc = subprocess.Popen(
         ["bash", "-c", f"until {torchrun}; do :; done"], cwd=work,
-        env={**os.environ, **env_of(args), "ORCHESTRATOR_CHECKPOINT_DIR": str(ckpt),
+        env={**os.environ, **env_of(args, background), "ORCHESTRATOR_CHECKPOINT_DIR": str(ckpt),
              "BENCH_TOKEN": token},
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     lines: list[str] = []
@@ -455,8 +462,8 @@ def main() -> int:
                    help="instead: a participant drained once, with a hot spare (local)")
     p.add_argument("--ckpt-every", type=int, default=1)
     p.add_argument("--background", action="store_true",
-                   help="saves beside the training (wait=False) in both, and the "
-                        "orchestrator's waiting saves as a third variant")
+                   help="saves beside the training (wait=False) in both, and their "
+                        "waiting saves as two more variants")
     p.add_argument("--keep-home", help="--drain, --cut: copy the job's home (its logs) here")
     p.add_argument("--memory", default=CUT_MEMORY,
                    help="checkpoint.memory per node of --cut and --drain (they share the machine)")
@@ -518,6 +525,7 @@ def main() -> int:
     if args.background:
         variants = {"orchestrator warm, memory, beside the training": run_orchestrator,
                     "orchestrator warm, memory, waiting": run_orchestrator_waiting,
+                    "torchrun in a shell loop, files, waiting": run_torchrun_loop_waiting,
                     "torchrun in a shell loop, files, beside the training": run_torchrun_loop}
         if args.out == DEFAULT_OUT:
             args.out += "-background"
