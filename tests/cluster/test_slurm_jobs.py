@@ -241,12 +241,16 @@ def test_a_hot_spare_inside_the_allocation_takes_a_lost_nodes_place_warm(sl, tmp
 
 
 def test_a_lost_nodes_checkpoints_come_back_from_its_buddy_inside_the_allocation(sl, tmp_path):
+    """The SSH test's lost node (test_checkpoints_ssh.py) inside an allocation of three nodes,
+    the script saving beside the training (``save(..., wait=False)``, BACKGROUND=1; over SSH
+    and locally it waits): the copies its agent seals are the ones that reach the buddy."""
     from tests.cluster.test_checkpoints_ssh import TRAIN, TRAIN_ENV
     from tests.integration.test_checkpoints import lost_node_resumes_from_its_buddy
     out = tmp_path / "out"
     out.mkdir()
     job_id = orchestrator.submit(slurm_spec(
-        tmp_path, TRAIN, nodes=3, nnodes=2, env={"OUT": str(out), **TRAIN_ENV},
+        tmp_path, TRAIN, nodes=3, nnodes=2,
+        env={"OUT": str(out), **TRAIN_ENV, "BACKGROUND": "1"},
         max_restarts=1, restart={"warm": True}, restart_backoff={"initial": 0.1},
         health={"heartbeat_interval": 0.5, "node_timeout": 2}))
     result = lost_node_resumes_from_its_buddy(job_id, out)
