@@ -24,6 +24,7 @@ every rank trained again, and the steps redone. Writes ``benchmarks/ckpt-goodput
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -58,11 +59,6 @@ def env_of(args: argparse.Namespace, background: bool | None = None) -> dict[str
             "CKPT_BACKGROUND": "1" if background else "0"}
 
 
-def run_orchestrator_waiting(work: Path, args: argparse.Namespace
-                             ) -> tuple[list[str], list[float]]:
-    return run_orchestrator(work, args, background=False)
-
-
 def run_orchestrator(work: Path, args: argparse.Namespace, background: bool | None = None
                      ) -> tuple[list[str], list[float]]:
     spec = work / f"ckpt-goodput-{uuid.uuid4().hex[:6]}.yaml"
@@ -86,11 +82,6 @@ def run_orchestrator(work: Path, args: argparse.Namespace, background: bool | No
     orchestrator.cancel(job)
     orchestrator.wait(job, timeout=600)
     return list(orchestrator.logs(job)), kills
-
-
-def run_torchrun_loop_waiting(work: Path, args: argparse.Namespace
-                              ) -> tuple[list[str], list[float]]:
-    return run_torchrun_loop(work, args, background=False)
 
 
 def run_torchrun_loop(work: Path, args: argparse.Namespace, background: bool | None = None
@@ -524,8 +515,10 @@ def main() -> int:
                 "torchrun in a shell loop, files": run_torchrun_loop}
     if args.background:
         variants = {"orchestrator warm, memory, beside the training": run_orchestrator,
-                    "orchestrator warm, memory, waiting": run_orchestrator_waiting,
-                    "torchrun in a shell loop, files, waiting": run_torchrun_loop_waiting,
+                    "orchestrator warm, memory, waiting":
+                        functools.partial(run_orchestrator, background=False),
+                    "torchrun in a shell loop, files, waiting":
+                        functools.partial(run_torchrun_loop, background=False),
                     "torchrun in a shell loop, files, beside the training": run_torchrun_loop}
         if args.out == DEFAULT_OUT:
             args.out += "-background"
@@ -544,6 +537,7 @@ def main() -> int:
                       flush=True)
     anchor = statistics.median(r["goodput"] for r in results[anchor_name])
     copy = copy_floor(args.state_mb)
+    anchor_label = "the loop beside the training" if args.background else "torchrun loop"
     # Beside the training a save holds it for no copy at all, at best.
     best = ceiling(args.step_time, args.fault_every, 0.0 if args.background else copy)
     out = [f"Goodput with a checkpoint every step: {RANKS} ranks (gloo) on this machine, "
@@ -553,7 +547,7 @@ def main() -> int:
            f"medians of {args.reps} run(s) per variant "
            f"(`python benchmarks/bench_ckpt_goodput.py"
            f"{' --background' if args.background else ''}`).", "",
-           "| variant | goodput | x torchrun loop | kill -> all ranks training again "
+           f"| variant | goodput | x {anchor_label} | kill -> all ranks training again "
            "(median) | steps redone per kill | kills | steps |",
            "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, runs in results.items():
