@@ -76,6 +76,8 @@ class Holdings:
                 "newest_persisted": min(stored) if stored else None,
                 # Of other nodes' ranks (its buddy's, or every participant's on a spare).
                 "replicas": {"ranks": len(kept), "newest": min(kept) if kept else None},
+                # Where a loss of this node takes its ranks back to, at best.
+                "newest_elsewhere": self._newest_elsewhere(node_index),
                 # The newest save: the ranks' latest saves' bytes together, and the longest
                 # any held the training.
                 "last_save": {"step": last, "bytes": sum(s[1] for s in saves),
@@ -85,6 +87,34 @@ class Holdings:
                                          "skipped": r[4]}
                              for rank, r in sorted(held.restored.items())
                              if r[0] == held.attempt}}
+
+    def _newest_elsewhere(self, node_index: int) -> int | None:
+        """The newest step of which every rank in ``node_index``'s memory has a copy that
+        outlives the node: a replica another node keeps, or persisted where another node
+        reads it too (a shared filesystem); None: some rank has none."""
+        held = self._nodes.get(node_index)
+        if held is None or not held.memory:
+            return None
+        others = [other for index, other in self._nodes.items() if index != node_index]
+        shared = held.store is not None and any(o.store == held.store for o in others)
+        common: set[int] | None = None
+        for rank in held.memory:
+            steps = {s for other in others for s in other.replicas.get(rank, ())}
+            if shared:
+                steps.update(held.persisted.get(rank, ()))
+            common = steps if common is None else common & steps
+            if not common:
+                return None
+        return max(common) if common else None
+
+    def keeping(self, node_index: int) -> list[int]:
+        """The other nodes whose ranks ``node_index`` keeps replicas of: what their loss
+        costs changes with its report."""
+        held = self._nodes.get(node_index)
+        if held is None:
+            return []
+        return [index for index, other in sorted(self._nodes.items())
+                if index != node_index and not other.memory.keys().isdisjoint(held.replicas)]
 
     def loaded_step(self, attempt: int, ranks: int) -> int | None:
         """The oldest step the ranks of ``attempt`` loaded, once ``ranks`` of them said which

@@ -84,6 +84,10 @@ def _on_message(engine: Engine, node: Node, message: P.Message) -> None:
         engine.holdings.update(node.index, message)
         engine.book.note(node, replace(node.info,
                                        checkpoint=engine.holdings.summary(node.index)))
+        for index in engine.holdings.keeping(node.index):  # their copies elsewhere changed
+            other = engine.nodes[index]
+            if (shown := engine.holdings.summary(index)) != other.info.checkpoint:
+                engine.book.note(other, replace(other.info, checkpoint=shown))
         assign_buddies(engine)  # its replica port may be news to its neighbour
         attempt = engine.current
         if attempt is not None and message.restored and (step := engine.holdings.loaded_step(

@@ -315,6 +315,8 @@ def _held(c: dict[str, Any] | None) -> str:
     replicas = c.get("replicas") or {}
     if replicas.get("ranks"):
         text += f"; replicas of {replicas['ranks']} ranks, step {replicas['newest']}"
+    if c.get("newest_elsewhere") is not None:
+        text += f"; on other nodes: step {c['newest_elsewhere']}"
     last = c.get("last_save")
     if last:
         text += f"; saves {last['bytes'] / (1 << 20):.0f} MiB, held {last['block_s']:.3f} s"

@@ -298,6 +298,9 @@ def test_a_long_job_keeps_replicating_within_its_memory(tmp_path, home):
         # The buddy's copies lag by the pushes under way only.
         assert held["replicas"]["ranks"] == 2 and \
             held["replicas"]["newest"] >= held["newest_in_memory"] - 60, held
+        # And what a loss of the node would cost, as the job runs: its ranks' copies on
+        # the other node are as recent.
+        assert (held["newest_elsewhere"] or -1) >= held["newest_in_memory"] - 60, held
     assert max(peak) <= bound, peak
     result = orchestrator.wait(job_id, timeout=180)
     assert result["state"] == "SUCCEEDED", result["failure"]

@@ -877,3 +877,61 @@ def test_a_spare_told_a_later_attempt_resumed_takes_no_copy_of_an_attempt_before
         assert sorted(store.replicas.holdings()[0][7]) == [95, 96]
     finally:
         store.close()
+
+
+def test_each_node_shows_how_far_back_its_loss_would_take_its_ranks():
+    """``newest_elsewhere``: the newest step of which every rank a node holds has a copy that
+    outlives the node (another node's replica, or persisted where another node reads it):
+    what its loss costs now. Status showed what a node holds of others, never that."""
+    h = Holdings()
+    h.update(0, held({0: [5, 6, 7], 1: [5, 6, 7]}, port=4000))
+    assert h.summary(0)["newest_elsewhere"] is None  # type: ignore[index]
+    h.update(2, held(replicas={0: [4, 6], 1: [6]}, port=4002))  # the spare, two saves behind
+    assert h.summary(0)["newest_elsewhere"] == 6  # type: ignore[index]
+    h.update(1, held({2: [7]}, {0: [5], 1: [4]}, port=4001))  # its buddy, further behind
+    assert h.summary(0)["newest_elsewhere"] == 6  # type: ignore[index]
+    h.update(2, held(replicas={0: [6], 1: [5]}, port=4002))
+    assert h.summary(0)["newest_elsewhere"] == 5  # type: ignore[index]  # rank 0's on node 1
+    h.update(1, held({2: [7]}, port=4001))
+    assert h.summary(0)["newest_elsewhere"] is None  # type: ignore[index]  # no step in common
+    assert h.keeping(2) == [0] and h.keeping(1) == [] and h.keeping(0) == []
+    # Persisted: only where another node reads the same checkpoint.dir.
+    own = P.Held(1, {0: (7,), 1: (7,)}, {0: (3, 7), 1: (3, 7)}, 0, "disk-0", port=4000)
+    h = Holdings()
+    h.update(0, own)
+    h.update(1, P.Held(1, {2: (7,)}, {}, 0, "disk-1", port=4001))
+    assert h.summary(0)["newest_elsewhere"] is None  # type: ignore[index]  # its own disk
+    h.update(1, P.Held(1, {2: (7,)}, {}, 0, "disk-0", port=4001))
+    assert h.summary(0)["newest_elsewhere"] == 7  # type: ignore[index]  # a shared one
+
+
+def test_a_spares_report_refreshes_what_the_nodes_it_keeps_copies_of_show(monkeypatch):
+    """A node's copies elsewhere change with the report of the node that keeps them, not
+    with its own: the spare's report updates what status shows of the nodes whose ranks it
+    holds (once changed), not only its own."""
+    from types import SimpleNamespace
+
+    from orchestrator import dispatch
+    from orchestrator.nodebook import NodeInfo
+
+    monkeypatch.setattr(dispatch, "assign_buddies", lambda engine: None)
+    nodes = [SimpleNamespace(index=i, channel=object(), info=NodeInfo()) for i in range(3)]
+    noted: list[int] = []
+
+    def note(node: SimpleNamespace, info: NodeInfo) -> None:
+        noted.append(node.index)
+        node.info = info
+    engine = SimpleNamespace(holdings=Holdings(), current=None, nodes=nodes,
+                             book=SimpleNamespace(note=note))
+
+    def report(node: int, message: P.Held) -> None:
+        dispatch._on_message(engine, nodes[node], message)  # type: ignore[arg-type]
+    report(0, held({0: [7], 1: [7]}, port=4000))
+    report(1, held({2: [7], 3: [7]}, port=4001))
+    assert nodes[0].info.checkpoint["newest_elsewhere"] is None
+    noted.clear()
+    report(2, held(replicas={0: [7], 1: [7]}, port=4002))
+    assert nodes[0].info.checkpoint["newest_elsewhere"] == 7, nodes[0].info.checkpoint
+    assert nodes[1].info.checkpoint["newest_elsewhere"] is None and noted == [2, 0]
+    report(2, held(replicas={0: [7], 1: [7], 2: [6]}, port=4002))
+    assert noted == [2, 0, 2]  # node 0's unchanged, node 1's rank 3 still has none

@@ -60,3 +60,7 @@ def test_status_shows_a_checkpoints_column_only_where_a_node_holds_one(capsys, m
     render.print_status(_status({**nothing, "memory_bytes": 3 << 20, "newest_in_memory": 7}))
     out = capsys.readouterr().out
     assert "CHECKPOINTS" in out and "3 MiB, step 7" in out, out
+    assert "other nodes" not in out
+    render.print_status(_status({**nothing, "memory_bytes": 3 << 20, "newest_in_memory": 7,
+                                 "newest_elsewhere": 6}))
+    assert "3 MiB, step 7; on other nodes: step 6" in capsys.readouterr().out

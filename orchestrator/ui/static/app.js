@@ -188,6 +188,7 @@ function held(c) {
   const parts = [`checkpoints ${mib(c.memory_bytes)}` + (c.newest_in_memory !== null ? `, step ${c.newest_in_memory}` : "") +
     (c.newest_persisted !== null ? ` (persisted ${c.newest_persisted})` : "")];
   if (c.replicas && c.replicas.ranks) parts.push(`replicas of ${c.replicas.ranks} ranks, step ${c.replicas.newest}`);
+  if (c.newest_elsewhere !== null && c.newest_elsewhere !== undefined) parts.push(`on other nodes: step ${c.newest_elsewhere}`);
   if (c.last_save) parts.push(`save of ${mib(c.last_save.bytes)} held ${c.last_save.block_s.toFixed(3)} s`);
   const loads = Object.values(c.restored || {});
   if (loads.length) parts.push(`restored from ${[...new Set(loads.map(l => l.source))].sort().join("/")} in ${Math.max(...loads.map(l => l.seconds)).toFixed(1)} s`);
