@@ -255,7 +255,8 @@ def run_cut(args: argparse.Namespace) -> dict[str, Any]:
         # What each node held as the cable went (as last reported): how far the replicas of
         # the cut node's ranks (the spare's newest: the oldest rank's) were behind its saves.
         held_at_cut = {n["node_index"]: {k: (n.get("checkpoint") or {}).get(k)
-                                         for k in ("newest_in_memory", "replicas")}
+                                         for k in ("newest_in_memory", "replicas",
+                                                   "newest_elsewhere")}
                        for n in orchestrator.status(job)["nodes"]}
         sources: dict[str, int] = {}
         try:
@@ -504,7 +505,8 @@ def main() -> int:
                 f"- steps redone: {result['redone']}\n"
                 f"- restored from: {result['sources']}\n"
                 f"- held as the cable went (node index: newest step in its memory, replicas "
-                f"of other nodes' ranks; as last reported): {result['held_at_cut']}\n"
+                f"of other nodes' ranks, the newest step of its own ranks on other nodes; as last "
+                f"reported): {result['held_at_cut']}\n"
                 f"- the controller: {'; '.join(result['resumed'])}\n"
                 f"- cut known after {result['detected_s']} s; the next attempt's slowest rank, "
                 f"seconds after the cut: {result['restart_phases']}; its first save held each rank "
