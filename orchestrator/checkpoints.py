@@ -90,16 +90,18 @@ class Holdings:
 
     def _newest_elsewhere(self, node_index: int) -> int | None:
         """The newest step of which every rank in ``node_index``'s memory has a copy that
-        outlives the node: a replica another node keeps, or persisted where another node
-        reads it too (a shared filesystem); None: some rank has none."""
+        outlives the node: a replica another node keeps and serves (``_replicated``: never a
+        noticed node's), or persisted where another node reads it too (a shared
+        filesystem); None: some rank has none."""
         held = self._nodes.get(node_index)
         if held is None or not held.memory:
             return None
-        others = [other for index, other in self._nodes.items() if index != node_index]
-        shared = held.store is not None and any(o.store == held.store for o in others)
+        shared = held.store is not None and any(
+            other.store == held.store for index, other in self._nodes.items()
+            if index != node_index)
         common: set[int] | None = None
         for rank in held.memory:
-            steps = {s for other in others for s in other.replicas.get(rank, ())}
+            steps = {s for s, index in self._replicated(rank).items() if index != node_index}
             if shared:
                 steps.update(held.persisted.get(rank, ()))
             common = steps if common is None else common & steps
