@@ -150,16 +150,18 @@ class Store:
 
     def release(self) -> None:
         """Nothing here is of use any more (C.Release): copies, replicas, pages go."""
+        # Under the lock the reporter takes: a report between said a replica was held whose
+        # bytes had gone (a manifest outliving its data), and 0 bytes read as released.
         with self._lock:
             self.targets, self._pushed = [], {}
             self._saves.clear()
-        for _, rank_dir in _rank_dirs(self.root):
-            shutil.rmtree(rank_dir, ignore_errors=True)  # a copy being sent is held open
-        if self.replicas is not None:
-            self.replicas.discard(lambda step, _: step is not None)
-        self._pages.stop(made=True)
-        remove(os.path.join(self.root, F.SAVE_AT_NAME))
-        borrows.end(self.root)
+            for _, rank_dir in _rank_dirs(self.root):
+                shutil.rmtree(rank_dir, ignore_errors=True)  # a copy being sent is held open
+            if self.replicas is not None:
+                self.replicas.discard(lambda step, _: step is not None)
+            self._pages.stop(made=True)
+            remove(os.path.join(self.root, F.SAVE_AT_NAME))
+            borrows.end(self.root)
         self._wake.set()  # the report: nothing held
 
     def install(self, pulls: tuple[C.Pull, ...]) -> None:

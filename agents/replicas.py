@@ -111,7 +111,8 @@ class Server:
         self._serving.wait(wait)  # one not yet writing finds the store closed (see _put)
 
     def holdings(self) -> tuple[dict[int, list[int]], int]:
-        """``({rank: [steps]}, bytes)`` of the replicas kept here."""
+        """``({rank: [steps]}, bytes)`` of the replicas kept here, a step only with its data
+        (not under the lock: ``_reserve`` asks the room, which asks this, holding it)."""
         held: dict[int, list[int]] = {}
         used = 0
         for name in entries(self.root):
@@ -121,12 +122,13 @@ class Server:
             directory = os.path.join(self.root, name)
             for entry in entries(directory):
                 step = F.parse_step(entry, suffix=".manifest")
-                if step is not None:
-                    held.setdefault(rank, []).append(step)
-                    try:
-                        used += os.path.getsize(os.path.join(directory, f"step-{step}.data"))
-                    except OSError:
-                        pass
+                if step is None:
+                    continue
+                try:
+                    used += os.path.getsize(os.path.join(directory, f"step-{step}.data"))
+                except OSError:
+                    continue  # going (its manifest goes first) or taken (take()): not held
+                held.setdefault(rank, []).append(step)
         return held, used
 
     def _accept(self) -> None:
