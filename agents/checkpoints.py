@@ -150,8 +150,7 @@ class Store:
 
     def release(self) -> None:
         """Nothing here is of use any more (C.Release): copies, replicas, pages go."""
-        # Under the lock the reporter takes: a report between said a replica was held whose
-        # bytes had gone (a manifest outliving its data), and 0 bytes read as released.
+        # Under the reporter's lock: one between said it held a replica whose bytes had gone.
         with self._lock:
             self.targets, self._pushed = [], {}
             self._saves.clear()
