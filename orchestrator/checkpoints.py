@@ -26,8 +26,9 @@ from typing import Any
 from agents import checkpointcommands as CS
 from agents import commands as C
 from agents import protocol as P
+from orchestrator.holders import Holders
 from orchestrator.plan import LaunchPlan, node_address
-from orchestrator.spec import JobSpec
+from orchestrator.spec import JobSpec, NodeSpec
 
 log = logging.getLogger("orchestrator.controller")
 NOWHERE = C.ReplicateTo("", 0)  # a node that sends its copies nowhere
@@ -36,7 +37,12 @@ NOWHERE = C.ReplicateTo("", 0)  # a node that sends its copies nowhere
 class Holdings:
     def __init__(self) -> None:
         self._nodes: dict[int, P.Held] = {}
+        self._holders = Holders()  # who holds what of each rank: no scan of every node
         self._buddies: dict[int, C.ReplicateTo] = {}  # node -> where it was told to send
+        self._ports = 0  # counts the changes of where nodes serve (and of _buddies' forgets)
+        self._told_for: tuple[Any, ...] = ()  # buddies()'s last question: the same, no news
+        self._placed: tuple[Any, ...] = ()  # placed()'s last question and answer
+        self._addressed: tuple[Any, ...] = ()  # addresses()'s
         self._retained: int | None = None  # the step the nodes were last told to retain
         self.below: int | None = None  # the next attempt resumes a step older than this
         self.fell_back = False  # that happened once in this job (policy.decide)
@@ -47,7 +53,13 @@ class Holdings:
         self._oldest_load: int | None = None  # the oldest of them (known once asked)
 
     def update(self, node_index: int, held: P.Held) -> None:
+        old = self._nodes.get(node_index)
+        if old is not None:
+            self._holders.remove(node_index, old)
+        if old is None or old.port != held.port:
+            self._ports += 1
         self._nodes[node_index] = held
+        self._holders.add(node_index, held, self._serves(node_index, held))
         for rank, (attempt, step, *_) in held.restored.items():  # each rank's last load
             if attempt > self._loads_of:
                 self._loads_of, self._loads, self._oldest_load = attempt, {}, None
@@ -55,8 +67,11 @@ class Holdings:
                 self._loads[rank], self._oldest_load = step, None
 
     def forget(self, node_index: int) -> None:
-        self._nodes.pop(node_index, None)
+        old = self._nodes.pop(node_index, None)
+        if old is not None:
+            self._holders.remove(node_index, old)
         self._buddies.pop(node_index, None)  # a new agent there is told again
+        self._ports += 1
 
     def summary(self, node_index: int) -> dict[str, Any] | None:
         """What ``status`` shows of a node's store: bytes of memory, newest steps, the
@@ -96,9 +111,7 @@ class Holdings:
         held = self._nodes.get(node_index)
         if held is None or not held.memory:
             return None
-        shared = held.store is not None and any(
-            other.store == held.store for index, other in self._nodes.items()
-            if index != node_index)
+        shared = held.store is not None and len(self._holders.stores.get(held.store, ())) > 1
         common: set[int] | None = None
         for rank in held.memory:
             steps = {s for s, index in self._replicated(rank).items() if index != node_index}
@@ -115,8 +128,8 @@ class Holdings:
         held = self._nodes.get(node_index)
         if held is None:
             return []
-        return [index for index, other in sorted(self._nodes.items())
-                if index != node_index and not other.memory.keys().isdisjoint(held.replicas)]
+        return sorted({index for rank in held.replicas
+                       for index in self._holders.memory.get(rank, ())} - {node_index})
 
     def loaded_step(self, attempt: int, ranks: int) -> int | None:
         """The oldest step the ranks of ``attempt`` loaded, once ``ranks`` of them said which
@@ -143,17 +156,16 @@ class Holdings:
             return set()
         steps = set(held.persisted.get(rank, ()))
         if held.store is not None:
-            for other in self._nodes.values():
-                if other.store == held.store:
-                    steps.update(other.persisted.get(rank, ()))
+            for index in self._holders.stores.get(held.store, ()):
+                steps.update(self._nodes[index].persisted.get(rank, ()))
         return steps
 
     def _replicated(self, rank: int) -> dict[int, int]:
         """Step -> a node index that keeps a replica of ``rank`` at that step (and serves),
         never a noticed one (it goes away, and its replicas with it)."""
         gone = self._leaving - self._up
-        return {step: index for index, held in sorted(self._nodes.items())
-                if held.port is not None and index not in gone
+        return {step: index for index in sorted(self._holders.replicas.get(rank, ()))
+                if (held := self._nodes[index]).port is not None and index not in gone
                 for step in held.replicas.get(rank, ())}
 
     def _sources(self, rank: int) -> dict[int, int]:
@@ -251,8 +263,8 @@ class Holdings:
         of its own in its memory, else a replica; never a noticed node's (the loads borrow
         once it has gone: nothing there)."""
         gone = self._leaving - self._up
-        out = {step: index for index, held in sorted(self._nodes.items())
-               if held.port is not None and index not in gone
+        out = {step: index for index in sorted(self._holders.memory.get(rank, ()))
+               if (held := self._nodes[index]).port is not None and index not in gone
                for step in held.memory.get(rank, ())}
         for step, index in self._replicated(rank).items():
             out.setdefault(step, index)
@@ -276,7 +288,7 @@ class Holdings:
             if held is None or step not in held.memory.get(rank, ()):
                 return False
             if node in gone and not any(index not in gone and self.holds_replica(index, rank, step)
-                                        for index in self._nodes):
+                                        for index in self._holders.replicas.get(rank, ())):
                 return False
         return True
 
@@ -309,13 +321,7 @@ class Holdings:
         ``ranks`` has a replica on some node, what they would all resume if a node were lost.
         Nodes keep their copies from that step on (memory and replicas), so that the step
         is still everywhere when it is needed."""
-        common: set[int] | None = None
-        for rank in ranks:
-            steps = set(self._replicated(rank))
-            common = steps if common is None else common & steps
-            if not common:
-                return None
-        step = max(common) if common else None
+        step = self._holders.newest_everywhere(ranks)  # counted as the reports come
         if step is None or step == self._retained:
             return None
         self._retained = step
@@ -327,6 +333,13 @@ class Holdings:
         notice: they do not go away) hand their ranks' copies to the nodes that replace them;
         a noticed node's copies count only as replicas elsewhere."""
         self._leaving, self._up = frozenset(nodes), frozenset(staying_up)
+        self._holders.recount(self._nodes, [index for index, held in self._nodes.items()
+                                            if self._serves(index, held)])
+
+    def _serves(self, node_index: int, held: P.Held) -> bool:
+        """Whether ``node_index``'s replicas count (``_replicated``): it serves them, and is
+        not noticed (it goes away, and its replicas with it)."""
+        return held.port is not None and node_index not in self._leaving - self._up
 
     def buddies(self, ring: list[int], addresses: Mapping[int, str],
                 spares: Sequence[int] = ()) -> dict[int, C.ReplicateTo]:
@@ -338,6 +351,12 @@ class Holdings:
         needed. A node told before that is out of ``ring`` now sends nowhere (measured: a
         drained node's agent went on sending its last saves for 6 s of the next attempt's
         start)."""
+        # Asked at every node's every report: the same question (the nodes, where they serve)
+        # has no news, and the answer looked at every node (benchmarks/bench_holdings.py).
+        question = (tuple(ring), tuple(spares), self._leaving, self._ports, addresses)
+        if question[:4] == self._told_for[:4] and addresses is self._told_for[4]:
+            return {}
+        self._told_for = question
         news = {}
         spares = [i for i in spares if i not in self._leaving]
         also = self._server(spares[0], addresses) if spares else None
@@ -352,6 +371,22 @@ class Holdings:
                 self._buddies[node_index] = told
                 news[node_index] = told
         return news
+
+    def placed(self, plan: LaunchPlan, nprocs: Mapping[int, int],
+               default: int) -> dict[int, int]:
+        """``placement``'s, kept while the plan and the nodes' nprocs stay the same: asked at
+        every node's every report, and it looks at every node."""
+        if not self._placed or self._placed[0] is not plan or \
+                self._placed[1:3] != (nprocs, default):
+            self._placed = (plan, dict(nprocs), default, placement(plan, nprocs, default))
+        return self._placed[3]
+
+    def addresses(self, nodes: Sequence[NodeSpec]) -> dict[int, str]:
+        """Node index -> the address other nodes reach it at (``node_address``), kept for
+        the same ``nodes``."""
+        if not self._addressed or self._addressed[0] is not nodes:
+            self._addressed = (nodes, {i: node_address(node) for i, node in enumerate(nodes)})
+        return self._addressed[1]
 
     def _server(self, node_index: int, addresses: Mapping[int, str]) -> tuple[str, int] | None:
         """Where ``node_index`` takes replicas (None: it serves none, or is not heard yet)."""

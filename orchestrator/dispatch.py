@@ -19,9 +19,7 @@ from agents.fields import plain
 from orchestrator import events as E
 from orchestrator.attempt import Failure
 from orchestrator.channel import Channel
-from orchestrator.checkpoints import placement
 from orchestrator.nodebook import LIVE, Node, NodeInfo, Order
-from orchestrator.plan import node_address
 from orchestrator.state import FailureCause, NodeState
 
 if TYPE_CHECKING:
@@ -163,11 +161,11 @@ def assign_buddies(engine: Engine) -> None:
     if attempt is None or attempt.ended:
         return
     spares = [n.index for n in engine.nodes if n.usable and n.index not in attempt.node_plans]
-    addresses = {i: node_address(engine.spec.nodes[i]) for i in [*attempt.participants, *spares]}
+    addresses = engine.holdings.addresses(engine.spec.nodes)
     news: list[tuple[int, C.Command]] = list(
         engine.holdings.buddies(attempt.participants, addresses, spares).items())
     per_node = engine.spec.nproc_per_node
-    keep = engine.holdings.retained(placement(
+    keep = engine.holdings.retained(engine.holdings.placed(
         attempt.plan, attempt.nprocs, per_node if isinstance(per_node, int) else 1))
     if keep is not None:
         news += [(index, keep) for index in [*attempt.participants, *spares]]

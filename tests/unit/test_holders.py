@@ -1,0 +1,114 @@
+"""The index of who holds what (orchestrator/holders.py) answers as a look at every node's
+report does, whatever the reports, forgets and leaving nodes that came before: the
+controller asks it at each report instead of that look (a round of saves cost O(nodes^3))."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agents import commands as C
+from agents import protocol as P
+from orchestrator.checkpoints import Holdings
+
+NODES, RANKS = range(4), range(6)
+steps = st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True).map(tuple)
+per_rank = st.dictionaries(st.sampled_from(RANKS), steps, max_size=4)
+held = st.builds(lambda memory, persisted, store, replicas, port: P.Held(
+    1, memory, persisted, 1, store, replicas, port),
+    per_rank, per_rank, st.sampled_from([None, "a", "b"]), per_rank,
+    st.sampled_from([None, 7000]))
+op = st.one_of(
+    st.tuples(st.just("update"), st.sampled_from(NODES), held),
+    st.tuples(st.just("forget"), st.sampled_from(NODES)),
+    st.tuples(st.just("leaving"), st.frozensets(st.sampled_from(NODES)),
+              st.frozensets(st.sampled_from(NODES))))
+
+
+def replicated(h: Holdings, rank: int) -> dict[int, int]:
+    gone = h._leaving - h._up
+    return {step: index for index, report in sorted(h._nodes.items())
+            if report.port is not None and index not in gone
+            for step in report.replicas.get(rank, ())}
+
+
+def newest_elsewhere(h: Holdings, index: int) -> int | None:
+    report = h._nodes.get(index)
+    if report is None or not report.memory:
+        return None
+    shared = report.store is not None and any(
+        other.store == report.store for i, other in h._nodes.items() if i != index)
+    common: set[int] | None = None
+    for rank in report.memory:
+        found = {s for s, i in replicated(h, rank).items() if i != index}
+        if shared:
+            found.update(report.persisted.get(rank, ()))
+        common = found if common is None else common & found
+        if not common:
+            return None
+    return max(common) if common else None
+
+
+def everywhere(h: Holdings, ranks) -> int | None:
+    common: set[int] | None = None
+    for rank in ranks:
+        found = set(replicated(h, rank))
+        common = found if common is None else common & found
+        if not common:
+            return None
+    return max(common) if common else None
+
+
+def stored(h: Holdings, rank: int, index: int) -> set[int]:
+    report = h._nodes.get(index)
+    if report is None:
+        return set()
+    found = set(report.persisted.get(rank, ()))
+    for other in h._nodes.values():
+        if report.store is not None and other.store == report.store:
+            found.update(other.persisted.get(rank, ()))
+    return found
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(op, max_size=25))
+def test_the_index_answers_as_a_look_at_every_report(ops):
+    h = Holdings()
+    for kind, *args in ops:
+        if kind == "update":
+            h.update(*args)
+        elif kind == "forget":
+            h.forget(*args)
+        else:
+            h.set_leaving(args[0], args[0] & args[1])
+        for index in NODES:
+            report = h._nodes.get(index)
+            assert h.keeping(index) == ([] if report is None else [
+                i for i, other in sorted(h._nodes.items())
+                if i != index and not other.memory.keys().isdisjoint(report.replicas)])
+            assert h._newest_elsewhere(index) == newest_elsewhere(h, index)
+            for rank in RANKS:
+                assert h._stored(rank, index) == stored(h, rank, index)
+        for rank in RANKS:
+            assert h._replicated(rank) == replicated(h, rank)
+        # The same ranks at each report (counted as they come), other ranks now and then.
+        assert h._holders.newest_everywhere(RANKS) == everywhere(h, RANKS)
+    for ranks in (range(2), (3,), RANKS):
+        assert h._holders.newest_everywhere(ranks) == everywhere(h, ranks)
+
+
+def test_the_same_question_of_buddies_twice_is_no_news_and_a_new_port_is():
+    h = Holdings()
+    addresses = {0: "a", 1: "b"}
+    for index in (0, 1):
+        h.update(index, P.Held(1, {index: (1,)}, {}, 1, None, {}, 4000 + index))
+    told = h.buddies([0, 1], addresses)
+    assert set(told) == {0, 1}
+    assert h.buddies([0, 1], addresses) == {}
+    h.update(1, P.Held(1, {1: (2,)}, {}, 1, None, {}, 4001))  # the same port: no news
+    assert h.buddies([0, 1], addresses) == {}
+    h.update(1, P.Held(1, {1: (2,)}, {}, 1, None, {}, 4009))  # a new agent's port
+    assert h.buddies([0, 1], addresses)[0].port == 4009
+    h.forget(0)  # its channel closed: node 1 sends to nobody, node 0 is told again
+    assert h.buddies([0, 1], addresses) == {0: C.ReplicateTo("b", 4009),
+                                            1: C.ReplicateTo("", 0)}
