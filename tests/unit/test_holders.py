@@ -112,3 +112,30 @@ def test_the_same_question_of_buddies_twice_is_no_news_and_a_new_port_is():
     h.forget(0)  # its channel closed: node 1 sends to nobody, node 0 is told again
     assert h.buddies([0, 1], addresses) == {0: C.ReplicateTo("b", 4009),
                                             1: C.ReplicateTo("", 0)}
+
+
+def test_rounds_of_reports_through_the_handler_tell_each_buddy_once_and_each_new_step():
+    """bench_holdings.py's job of 6 nodes through the controller's handler: each node is told
+    its buddy once (at its neighbour's first report), the retained step as each round of
+    saves reaches every node's buddy, and each node shows what its loss costs."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_holdings import engine_of, held
+
+    from orchestrator import events as E
+    from orchestrator.dispatch import dispatch
+
+    engine = engine_of(6)
+    sent: list[tuple[int, object]] = []
+    engine.pool.send = lambda node, command: sent.append((node.index, command))
+    for step in range(4):
+        for node in engine.nodes:
+            dispatch(engine, E.Received(node.channel, held(node.index, 6, step)))
+        assert [n.info.checkpoint["newest_elsewhere"] for n in engine.nodes] == [step] * 6
+    told = [(i, c) for i, c in sent if isinstance(c, C.ReplicateTo) and c.port]
+    assert sorted(i for i, _ in told) == list(range(6))  # once each
+    assert all(c.port == 7000 + (i + 1) % 6 for i, c in told)
+    retains = [c.step for i, c in sent if isinstance(c, C.Retain) and i == 0]
+    assert retains == [0, 1, 2, 3]
