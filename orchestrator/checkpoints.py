@@ -39,8 +39,8 @@ class Holdings:
         self._nodes: dict[int, P.Held] = {}
         self._holders = Holders()  # who holds what of each rank: no scan of every node
         self._buddies: dict[int, C.ReplicateTo] = {}  # node -> where it was told to send
-        self._ports = 0  # counts the changes of where nodes serve (and of _buddies' forgets)
-        self._told_for: tuple[Any, ...] = ()  # buddies()'s last question: the same, no news
+        self._moved: set[int] = set()  # nodes whose port changed (or forgotten) since buddies()
+        self._told_for: tuple[Any, ...] = ()  # buddies()'s last question and its ring's order
         self._placed: tuple[Any, ...] = ()  # placed()'s last question and answer
         self._addressed: tuple[Any, ...] = ()  # addresses()'s
         self._retained: int | None = None  # the step the nodes were last told to retain
@@ -57,7 +57,7 @@ class Holdings:
         if old is not None:
             self._holders.remove(node_index, old)
         if old is None or old.port != held.port:
-            self._ports += 1
+            self._moved.add(node_index)
         self._nodes[node_index] = held
         self._holders.add(node_index, held, self._serves(node_index, held))
         for rank, (attempt, step, *_) in held.restored.items():  # each rank's last load
@@ -71,7 +71,7 @@ class Holdings:
         if old is not None:
             self._holders.remove(node_index, old)
         self._buddies.pop(node_index, None)  # a new agent there is told again
-        self._ports += 1
+        self._moved.add(node_index)
 
     def summary(self, node_index: int) -> dict[str, Any] | None:
         """What ``status`` shows of a node's store: bytes of memory, newest steps, the
@@ -351,22 +351,34 @@ class Holdings:
         needed. A node told before that is out of ``ring`` now sends nowhere (measured: a
         drained node's agent went on sending its last saves for 6 s of the next attempt's
         start)."""
-        # Asked at every node's every report: the same question (the nodes, where they serve)
-        # has no news, and the answer looked at every node (benchmarks/bench_holdings.py).
-        question = (tuple(ring), tuple(spares), self._leaving, self._ports, addresses)
-        if question[:4] == self._told_for[:4] and addresses is self._told_for[4]:
-            return {}
-        self._told_for = question
-        news = {}
+        # Asked at every node's every report: the same nodes have news only where a port
+        # changed, and telling every node each time cost O(nodes^2) a round (1,024 nodes'
+        # first reports: 2.9 s; benchmarks/bench_holdings.py).
+        question = (tuple(ring), tuple(spares), self._leaving)
+        moved, self._moved = self._moved, set()
         spares = [i for i in spares if i not in self._leaving]
         also = self._server(spares[0], addresses) if spares else None
-        for node_index, told in list(self._buddies.items()):
-            if node_index not in ring and told != NOWHERE:
-                self._buddies[node_index] = news[node_index] = NOWHERE
-        for i, node_index in enumerate(ring):
-            buddy = self._server(ring[(i + 1) % len(ring)], addresses)
-            told = C.ReplicateTo(*(buddy if buddy and ring[(i + 1) % len(ring)] != node_index
-                                   else ("", 0)), (also,) if also else ())
+        news = {}
+        if question == self._told_for[:3] and addresses is self._told_for[3]:
+            if not moved:
+                return {}
+            if spares and spares[0] in moved:
+                moved = set(ring)  # where every node sends the spare's copies
+            order = self._told_for[4]
+            which = sorted({ring[(order[node] - back) % len(ring)] for node in moved
+                            if node in order for back in (0, 1)}, key=order.__getitem__)
+        else:
+            order = {node_index: i for i, node_index in enumerate(ring)}
+            self._told_for = (*question, addresses, order)
+            which = list(ring)
+            for node_index, told in list(self._buddies.items()):
+                if node_index not in order and told != NOWHERE:
+                    self._buddies[node_index] = news[node_index] = NOWHERE
+        for node_index in which:
+            after = ring[(order[node_index] + 1) % len(ring)]
+            buddy = self._server(after, addresses)
+            told = C.ReplicateTo(*(buddy if buddy and after != node_index else ("", 0)),
+                                 (also,) if also else ())
             if self._buddies.get(node_index, NOWHERE) != told:
                 self._buddies[node_index] = told
                 news[node_index] = told

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from agents import commands as C
 from agents import protocol as P
-from orchestrator.checkpoints import Holdings
+from orchestrator.checkpoints import NOWHERE, Holdings
 
 NODES, RANKS = range(4), range(6)
 steps = st.lists(st.integers(0, 4), min_size=1, max_size=3, unique=True).map(tuple)
@@ -22,7 +22,27 @@ op = st.one_of(
     st.tuples(st.just("update"), st.sampled_from(NODES), held),
     st.tuples(st.just("forget"), st.sampled_from(NODES)),
     st.tuples(st.just("leaving"), st.frozensets(st.sampled_from(NODES)),
-              st.frozensets(st.sampled_from(NODES))))
+              st.frozensets(st.sampled_from(NODES))),
+    st.tuples(st.just("buddies"), st.permutations(NODES).flatmap(
+        lambda order: st.integers(1, len(order)).map(lambda k: (order[:k], order[k:])))),
+    st.tuples(st.just("again")))  # the last question of buddies again (its nodes' news only)
+ADDRESSES = {index: f"10.0.0.{index}" for index in NODES}
+
+
+def told(h: Holdings, ring: list[int], spares: list[int]) -> dict[int, C.ReplicateTo]:
+    """What each node of ``ring`` sends where, from nothing but the reports."""
+    def server(index: int) -> tuple[str, int] | None:
+        report = h._nodes.get(index)
+        return None if report is None or report.port is None else (ADDRESSES[index], report.port)
+    spares = [i for i in spares if i not in h._leaving]
+    also = server(spares[0]) if spares else None
+    out = {}
+    for i, index in enumerate(ring):
+        after = ring[(i + 1) % len(ring)]
+        buddy = server(after)
+        out[index] = C.ReplicateTo(*(buddy if buddy and after != index else ("", 0)),
+                                   (also,) if also else ())
+    return out
 
 
 def replicated(h: Holdings, rank: int) -> dict[int, int]:
@@ -70,17 +90,30 @@ def stored(h: Holdings, rank: int, index: int) -> set[int]:
     return found
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(op, max_size=25))
+@settings(max_examples=400, deadline=None)
+@given(st.lists(op, max_size=30))
 def test_the_index_answers_as_a_look_at_every_report(ops):
     h = Holdings()
+    asked = None
     for kind, *args in ops:
+        if kind == "again":
+            if asked is None:
+                continue
+            kind, args = "buddies", [asked]
         if kind == "update":
             h.update(*args)
         elif kind == "forget":
             h.forget(*args)
-        else:
+        elif kind == "leaving":
             h.set_leaving(args[0], args[0] & args[1])
+        else:
+            asked = args[0]
+            ring, spares = map(list, asked)
+            h.buddies(ring, ADDRESSES, spares)
+            # Told only news, each node at each question: it holds what it was last told.
+            expected = told(h, ring, spares)
+            assert {i: h._buddies.get(i, NOWHERE) for i in NODES} == {
+                i: expected.get(i, NOWHERE) for i in NODES}
         for index in NODES:
             report = h._nodes.get(index)
             assert h.keeping(index) == ([] if report is None else [
@@ -109,9 +142,18 @@ def test_the_same_question_of_buddies_twice_is_no_news_and_a_new_port_is():
     assert h.buddies([0, 1], addresses) == {}
     h.update(1, P.Held(1, {1: (2,)}, {}, 1, None, {}, 4009))  # a new agent's port
     assert h.buddies([0, 1], addresses)[0].port == 4009
+    addresses = {**addresses, 2: "c"}
+    h.update(2, P.Held(1, {}, {}, 1, None, {}, None))  # a spare with no server yet
+    assert h.buddies([0, 1], addresses, [2]) == {}
+    h.update(2, P.Held(1, {}, {}, 1, None, {}, 4002))  # now with one: every node sends there
+    assert h.buddies([0, 1], addresses, [2]) == {
+        0: C.ReplicateTo("b", 4009, (("c", 4002),)), 1: C.ReplicateTo("a", 4000, (("c", 4002),))}
+    h.update(2, P.Held(1, {}, {}, 1, None, {}, 4012))  # the spare's agent again, a new port
+    assert h.buddies([0, 1], addresses, [2]) == {
+        0: C.ReplicateTo("b", 4009, (("c", 4012),)), 1: C.ReplicateTo("a", 4000, (("c", 4012),))}
     h.forget(0)  # its channel closed: node 1 sends to nobody, node 0 is told again
-    assert h.buddies([0, 1], addresses) == {0: C.ReplicateTo("b", 4009),
-                                            1: C.ReplicateTo("", 0)}
+    assert h.buddies([0, 1], addresses, [2]) == {
+        0: C.ReplicateTo("b", 4009, (("c", 4012),)), 1: C.ReplicateTo("", 0, (("c", 4012),))}
 
 
 def test_rounds_of_reports_through_the_handler_tell_each_buddy_once_and_each_new_step():
