@@ -281,6 +281,7 @@ class Store:
             tried[rank_dir] = set(unsealed)
             for step, meta_bytes in sorted(unsealed.items()):
                 self._seal(rank, rank_dir, step, meta_bytes)
+                self._strides.saved(rank, step, self._timeline)  # sent or skipped, it came
             if self.persist_step is not None and self.persist_dir:
                 disk.persist_sealed(self.persist_dir, self.config.keep, rank, rank_dir,
                                     self.persist_step, self._late_persists)
@@ -354,9 +355,8 @@ class Store:
             finally:
                 for _, _, (_, _, fd, _) in held:
                     os.close(fd)
-        if asked is None:
-            self._strides.passed(max((s for _, d in ranks for s in steps_in(d, ".meta")),
-                                     default=-1))
+            if asked is None:  # whether its sends kept up, as they end (agents/stride.py)
+                self._strides.ended(target, _newest_saved(ranks))
 
     def _push(self, rank: int, step: int, copy: tuple[bytes, bytes, int, int],
               buddy: tuple[str, int]) -> bool:
@@ -563,6 +563,11 @@ def _still_loading(loading: tuple[float, int], attempt: int,
     loaded = sum(1 for _, d in ranks
                  if (_restored(os.path.join(d, "restored.json")) or [None])[0] == attempt)
     return loaded < expected and time.monotonic() < until
+
+
+def _newest_saved(ranks: list[tuple[int, str]]) -> int:
+    """The newest step any of the node's ranks has saved (-1: none)."""
+    return max((s for _, d in ranks for s in steps_in(d, ".meta")), default=-1)
 
 
 def _unsealed(rank_dir: str) -> dict[int, bytes]:

@@ -10,12 +10,12 @@ only at multiples of a stride, no node skips a step it means to send in the stea
 and a stride that is a power of two makes every multiple of the widest node's stride one
 that each node with a narrower one sends too: the nodes' copies meet on those steps.
 
-- **Wider**: a rank holds two or more unsent multiples of the stride newer than its last
-  sent step (it would skip one): doubled until it would not.
+- **Wider**: a rank saved two or more multiples of the stride since its last sent step,
+  held still or let go of (it would skip one, or did): doubled until it would not.
 - **A buddy after a spare**: at half the spare's rate at most (the spare is where a lost
   node's ranks resume; a buddy's copy going held the spare's next).
-- **Narrower**: twice running, a whole pass of sends ended before any rank saved the step
-  half a stride after the one it sent: halved (sends at half the stride keep up).
+- **Narrower**: twice running, a target's sends of a pass ended before any rank saved the
+  step half a stride after the one they sent: halved (sends at half the stride keep up).
 
 Pure: the store (agents/checkpoints.py) tells it what each rank holds and what went.
 """
@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 
 MAX_STRIDE = 256  # saves between sends at most: a send that slow is a broken link, not news
 FAST_PASSES = 2  # passes in a row that kept up before the stride halves
+SAVED_KEPT = 2 * MAX_STRIDE  # a rank's latest saves each node counts skips among
 
 
 class Stride:
@@ -34,18 +35,22 @@ class Stride:
         self._fast = 0  # passes in a row that ended before half a stride's saves came
 
     def pick(self, sealed: Mapping[int, Iterable[int]], sent: Mapping[int, int],
-             aligned: bool = True, least: int = 1) -> dict[int, int]:
+             aligned: bool = True, least: int = 1,
+             saved: Mapping[int, Iterable[int]] | None = None) -> dict[int, int]:
         """Rank -> the step to send it (its newest multiple of the stride, or of ``least``
         where that is wider; -1: none), the stride widened first while a rank would skip
-        one (``sent``: rank -> its last sent step; a rank sent nothing yet skips nothing).
-        Not ``aligned``: the newest (a planned move's asked step, which every node sends)."""
+        one (``sent``: rank -> its last sent step; a rank sent nothing yet skips nothing;
+        ``saved``: the steps each rank saved lately, those let go of too, which it skipped
+        as well). Not ``aligned``: the newest (a planned move's asked step, which every node
+        sends)."""
         steps = {rank: sorted(set(held)) for rank, held in sealed.items()}
         if not aligned:
             return {rank: max(held, default=-1) for rank, held in steps.items()}
+        came = {rank: set(held).union((saved or {}).get(rank, ())) for rank, held in steps.items()}
 
         def skips(k: int) -> bool:
-            return any(rank in sent and sum(1 for s in held if s % k == 0 and s > sent[rank]) > 1
-                       for rank, held in steps.items())
+            return any(rank in sent and sum(1 for s in seen if s % k == 0 and s > sent[rank]) > 1
+                       for rank, seen in came.items())
         stride = max(self.stride, least)
         while stride < MAX_STRIDE and skips(stride):
             stride *= 2
@@ -54,7 +59,7 @@ class Stride:
                 for rank, held in steps.items()}
 
     def passed(self, sent: int, newest: int) -> None:
-        """A pass sent every rank's ``sent`` step (the oldest of them) to every target, and
+        """A pass sent every rank's ``sent`` step (the oldest of them) to the target, and
         ``newest`` is the newest step any rank has saved as it ends."""
         if self.stride > 1 and newest < sent + self.stride // 2:
             self._fast += 1
@@ -73,6 +78,8 @@ class Strides:
 
     def __init__(self) -> None:
         self._of: dict[tuple[str, int], Stride] = {}
+        self._saved: dict[int, set[int]] = {}  # rank -> the steps it saved lately
+        self._timeline = 0
         self._order: list[tuple[str, int]] = []
         self._failed: set[tuple[str, int]] = set()
         self._sent: dict[tuple[str, int], int] = {}  # this pass: target -> its oldest step
@@ -92,7 +99,21 @@ class Strides:
         least = 2 * self.stride(self._order[0]) if self._order and target != self._order[0] \
             else 1
         return self._of.setdefault(target, Stride()).pick(
-            sealed, {} if target in self._failed else sent, aligned, least)
+            sealed, {} if target in self._failed else sent, aligned, least, self._saved)
+
+    def saved(self, rank: int, step: int, timeline: int) -> None:
+        """``rank`` saved ``step`` (on the store's ``timeline``: a new one forgets the old
+        one's steps, which may be later by number). Counted whether it is sent or let go of
+        first: a rank holds only its last few saves, and a node whose sends took longer than
+        those saves came saw no skip among what it held, kept its stride and sent other
+        multiples than its peers (measured: one node's ranks on the spare at steps 4, 10,
+        16, 22, the other's at 6, 12, 18, 24, and a cut node's job resumed step 0)."""
+        if timeline != self._timeline:
+            self._saved, self._timeline = {}, timeline
+        steps = self._saved.setdefault(rank, set())
+        steps.add(step)
+        if len(steps) > SAVED_KEPT:
+            steps.discard(min(steps))
 
     def went(self, target: tuple[str, int], step: int) -> None:
         self._failed.discard(target)
@@ -102,9 +123,12 @@ class Strides:
         self._failed.add(target)
         self._sent.pop(target, None)
 
-    def passed(self, newest: int) -> None:
-        """The pass sent all it meant to (``newest``: the newest step any rank saved)."""
-        for target, step in self._sent.items():
-            if target in self._of:
-                self._of[target].passed(step, newest)
-        self._sent = {}
+    def ended(self, target: tuple[str, int], newest: int) -> None:
+        """``target``'s sends of this pass ended (``newest``: the newest step any rank has
+        saved as they did): whether they kept up is counted for it alone, as they end. Counted
+        when the whole pass ended, a spare whose sends took 1.3 s of a 2 s step never narrowed
+        to 1: every other pass, its buddy's sends after them took the pass past the next save
+        (measured: 2 nodes x 2 ranks of 512 MiB, the spare's stride stuck at 2, a cut node
+        redid 2 steps every time)."""
+        if target in self._sent and target in self._of:
+            self._of[target].passed(self._sent.pop(target), newest)

@@ -70,3 +70,66 @@ def test_a_buddy_after_the_spare_goes_at_half_its_rate_and_a_refusing_target_wid
     alone = Strides()
     alone.targets([buddy])  # no spare: the buddy is the first
     assert alone.pick(buddy, {0: [4, 5]}, {0: 4}, True) == {0: 5}
+
+
+def test_a_spare_whose_sends_keep_up_narrows_though_its_buddys_after_them_do_not():
+    """Kept up or not is counted per target as its sends end: a spare's copies that arrive
+    before the next save narrow its stride, whatever its buddy's after them take."""
+    spare, buddy = ("10.0.0.3", 1), ("10.0.0.2", 1)
+    s = Strides()
+    s.targets([spare, buddy])
+    s.pick(spare, {0: [4, 5, 6]}, {0: 4}, True)
+    assert s.stride(spare) == 2
+    for step in range(8, 8 + 4 * FAST_PASSES, 4):  # each pass: the spare, then the buddy
+        assert s.pick(spare, {0: [step - 1, step]}, {0: step - 2}, True) == {0: step}
+        s.went(spare, step)
+        s.ended(spare, step)  # the spare's copy was there before step + 1 was saved
+        assert s.pick(buddy, {0: [step - 1, step]}, {0: step - 4}, True) == {0: step}
+        s.went(buddy, step)
+        s.ended(buddy, step + 1)  # the buddy's took the pass past the next save
+    assert s.stride(spare) == 1
+    # A spare whose sends end after the next save stays as it is.
+    slow = Strides()
+    slow.targets([spare, buddy])
+    slow.pick(spare, {0: [4, 5, 6]}, {0: 4}, True)
+    for step in range(8, 8 + 4 * FAST_PASSES, 4):
+        slow.pick(spare, {0: [step - 1, step]}, {0: step - 2}, True)
+        slow.went(spare, step)
+        slow.ended(spare, step + 1)
+    assert slow.stride(spare) == 2
+
+
+def _sends_to_the_spare(pass_saves: int, first: int, last: int, window: int = 2) -> list[int]:
+    """The steps one node sends the spare: its ranks save every step and hold the last
+    ``window``; a pass that sends takes ``pass_saves`` saves, one with nothing to send waits
+    for the next save; its first pass begins at save ``first``."""
+    spare = ("10.0.0.9", 1)
+    strides = Strides()
+    strides.targets([spare])
+    went: list[int] = []
+    begins = first
+    for step in range(last + 1):
+        strides.saved(0, step, 0)
+        if step < begins:
+            continue
+        held = list(range(max(0, step - window + 1), step + 1))
+        picked = strides.pick(spare, {0: held}, {0: went[-1]} if went else {}, True)[0]
+        if picked > (went[-1] if went else -1):
+            strides.went(spare, picked)
+            went.append(picked)
+            begins = step + pass_saves
+            strides.ended(spare, begins)
+        else:
+            begins = step + 1
+    return went
+
+
+def test_two_nodes_whose_sends_outlast_the_saves_they_hold_still_send_common_steps():
+    """A send that takes longer than a rank holds its saves: what it skipped is counted from
+    every save that came, not from those still held, so both nodes widen to the same
+    multiples (before, each saw one unsent multiple among the two it held, kept a stride of
+    2 and sent other steps than the other: 4, 10, 16, ... and 6, 12, 18, ...: the newest
+    step both had on the spare was 0)."""
+    one, other = _sends_to_the_spare(6, 0, 200), _sends_to_the_spare(6, 2, 200)
+    assert one[-1] >= 200 - 16 and other[-1] >= 200 - 16  # each kept sending
+    assert max(set(one) & set(other)) >= 200 - 24, (one[-6:], other[-6:])
